@@ -1,0 +1,127 @@
+"""Policy: tiers, quotas and scheduling knobs, as plain data built from config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A priority class of leases (e.g. production > experiment > learning)."""
+
+    name: str
+    priority: int = 0  # higher is served first
+    max_duration_s: float = 8 * HOUR  # longest grant, and longest step of an extension (from now)
+    default_duration_s: float = 2 * HOUR
+    max_lifetime_s: float | None = None  # cap on expires_at - granted_at, extensions included
+    users: tuple[str, ...] = ()  # who may use it; users and groups both empty: everyone
+    groups: tuple[str, ...] = ()
+    preemptible: bool = False  # may its leases be preempted at all?
+    preempted_by: tuple[str, ...] = ()  # tiers that may preempt it; empty: any tier of higher priority
+    grace_s: float = 10 * 60  # warning time between the preemption decision and the end
+    description: str = ""
+
+    def allows(self, user: str, groups: tuple[str, ...] | list[str] = ()) -> bool:
+        if not self.users and not self.groups:
+            return True
+        return user in self.users or any(g in self.groups for g in groups)
+
+    def can_be_preempted_by(self, other: Tier) -> bool:
+        if not self.preemptible or other.name == self.name:
+            return False
+        if self.preempted_by:
+            return other.name in self.preempted_by
+        return other.priority > self.priority
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "priority": self.priority,
+            "max_duration_s": self.max_duration_s,
+            "default_duration_s": self.default_duration_s,
+            "max_lifetime_s": self.max_lifetime_s,
+            "preemptible": self.preemptible,
+            "preempted_by": list(self.preempted_by),
+            "grace_s": self.grace_s,
+            "description": self.description,
+        }
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict[str, Any]) -> Tier:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"tier {name!r}: unknown setting(s) {sorted(unknown)}; known: {sorted(known - {'name'})}")
+        kw = dict(d)
+        for k in ("users", "groups", "preempted_by"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        t = cls(name=name, **{k: v for k, v in kw.items() if k != "name"})
+        if t.default_duration_s > t.max_duration_s:
+            raise ValueError(f"tier {name!r}: default_duration_s ({t.default_duration_s:g}) exceeds max_duration_s ({t.max_duration_s:g})")
+        return t
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Limits for one user or one group. ``None`` means no limit."""
+
+    max_gpus: float | None = None  # concurrent GPUs held (shares count by fraction)
+    gpu_hours: float | None = None  # GPU-hours per rolling period
+    period_s: float = 7 * DAY
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_gpus": self.max_gpus, "gpu_hours": self.gpu_hours, "period_s": self.period_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Quota:
+        if not d:
+            return cls()
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"quota: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+DEFAULT_TIERS = {
+    "production": Tier("production", priority=30, max_duration_s=24 * HOUR, default_duration_s=8 * HOUR, description="deadline work; preempts learning"),
+    "experiment": Tier("experiment", priority=20, max_duration_s=8 * HOUR, default_duration_s=2 * HOUR, description="day-to-day research"),
+    "learning": Tier(
+        "learning", priority=10, max_duration_s=4 * HOUR, default_duration_s=1 * HOUR, preemptible=True, grace_s=10 * 60, description="courses and tinkering; may be preempted"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Everything the scheduler needs to know besides the pool and the leases."""
+
+    tiers: dict[str, Tier] = field(default_factory=lambda: dict(DEFAULT_TIERS))
+    default_tier: str = "experiment"
+    default_user_quota: Quota = field(default_factory=Quota)
+    user_quotas: dict[str, Quota] = field(default_factory=dict)
+    group_quotas: dict[str, Quota] = field(default_factory=dict)
+    fair_share: bool = True
+    fair_share_half_life_s: float = 7 * DAY
+    warn_before_s: float = 10 * 60  # expiry warning ahead of expires_at
+    backfill: bool = True
+    reservation_depth: int = 100  # queued leases that get a reservation (and an ETA) each pass
+    preemption: bool = True
+    extend_when_contended: bool = False  # allow extension even when someone waits for these GPUs
+    confirm_timeout_s: float | None = 15 * 60  # an active lease never confirmed is revoked after this
+    heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this
+
+    def __post_init__(self):
+        if self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not one of the tiers {sorted(self.tiers)}")
+
+    def tier(self, name: str | None) -> Tier:
+        return self.tiers[name or self.default_tier]
+
+    def quota_for_user(self, user: str) -> Quota:
+        return self.user_quotas.get(user, self.default_user_quota)
