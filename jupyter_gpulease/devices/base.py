@@ -1,0 +1,179 @@
+"""The device-backend interface: what every source of GPU facts provides.
+
+A backend answers two questions:
+
+* :meth:`DeviceBackend.inventory` — which GPUs (and MIG instances) exist, as
+  :class:`~jupyter_gpulease.core.model.GPU` objects the scheduler can place leases on;
+* :meth:`DeviceBackend.sample` — how they are used right now: utilization, memory and the
+  processes on each device, as :class:`DeviceSample` objects keyed by device UUID.
+
+Both calls may block (NVML talks to the driver): callers on an event loop run them in an
+executor, e.g. ``await loop.run_in_executor(None, backend.sample)``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.model import GPU
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class DeviceUnavailable(Exception):
+    """The backend cannot reach any devices (no driver, no library, no permission).
+
+    ``str(err)`` is a message a person can act on; no traceback is needed to understand it.
+    """
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process that holds memory on a device."""
+
+    pid: int
+    used_memory_mib: int | None  # None: the driver does not say (e.g. Windows WDDM, some MIG setups)
+    device_uuid: str  # the GPU's UUID, or the MIG instance's UUID where known
+    kind: str = "compute"  # "compute" or "graphics"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "used_memory_mib": self.used_memory_mib, "device_uuid": self.device_uuid, "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """How one GPU or MIG instance is used at ``timestamp``.
+
+    Every figure may be ``None``: that means "not available" (unsupported by the device,
+    no permission, no telemetry), never zero. A whole GPU's ``processes`` list every
+    process on it, including those inside its MIG instances (their ``device_uuid`` names
+    the instance); a MIG instance's sample lists only its own.
+    """
+
+    uuid: str
+    timestamp: float
+    utilization_pct: float | None = None  # compute utilization over the driver's last sample period, 0–100
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    processes: tuple[ProcessSample, ...] = ()
+    parent_uuid: str = ""  # for a MIG instance: the UUID of its GPU
+
+    @property
+    def is_mig(self) -> bool:
+        return bool(self.parent_uuid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "uuid": self.uuid,
+            "timestamp": self.timestamp,
+            "utilization_pct": self.utilization_pct,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
+            "processes": [p.to_dict() for p in self.processes],
+            "parent_uuid": self.parent_uuid,
+        }
+
+
+def processes_by_pid(samples: dict[str, DeviceSample] | Iterable[DeviceSample]) -> dict[int, list[ProcessSample]]:
+    """Every process seen in ``samples``, by PID, each (pid, device) pair once.
+
+    A process inside a MIG instance appears in both the GPU's and the instance's sample;
+    this folds them so that per-kernel accounting counts its memory once.
+    """
+    values = samples.values() if isinstance(samples, dict) else samples
+    seen: dict[tuple[int, str], ProcessSample] = {}
+    for s in values:
+        for p in s.processes:
+            key = (p.pid, p.device_uuid)
+            if key not in seen or (seen[key].used_memory_mib is None and p.used_memory_mib is not None):
+                seen[key] = p
+    out: dict[int, list[ProcessSample]] = {}
+    for p in seen.values():
+        out.setdefault(p.pid, []).append(p)
+    return out
+
+
+class DeviceBackend(abc.ABC):
+    """A source of GPU inventory and usage samples.
+
+    Implementations must be safe to call from a worker thread; they may block.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def inventory(self) -> list[GPU]:
+        """The GPUs this backend knows, MIG instances included. May raise :class:`DeviceUnavailable`."""
+
+    @abc.abstractmethod
+    def sample(self) -> dict[str, DeviceSample]:
+        """Current usage by device UUID (GPUs, and MIG instances where the backend sees them).
+
+        Blocking: run it in an executor when called from an event loop.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release driver handles. Calling it twice is harmless."""
+
+    def __enter__(self) -> DeviceBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+BACKEND_NAMES = ("simulated", "static", "nvml", "auto")
+
+
+def get_backend(name: str, config: dict[str, Any] | None = None, *, clock: Clock | None = None) -> DeviceBackend:
+    """Build the backend called ``name`` from its ``config`` dict.
+
+    ``auto`` uses NVML when it starts and finds at least one GPU, and otherwise the
+    simulated pool (logging why). Raises ``ValueError`` for an unknown name or a bad
+    config; ``nvml`` raises :class:`DeviceUnavailable` on first use when there is no driver.
+    """
+    config = dict(config or {})
+    key = (name or "").strip().lower()
+    if key == "simulated":
+        from .simulated import SimulatedBackend
+
+        return SimulatedBackend(config, clock=clock)
+    if key == "static":
+        from .static import StaticBackend
+
+        return StaticBackend(config, clock=clock)
+    if key == "nvml":
+        from .nvml import NvmlBackend
+
+        return NvmlBackend(config, clock=clock)
+    if key == "auto":
+        return _auto_backend(config, clock)
+    raise ValueError(f"unknown device backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def _auto_backend(config: dict[str, Any], clock: Clock | None) -> DeviceBackend:
+    from .nvml import NvmlBackend
+    from .simulated import SimulatedBackend
+
+    nvml_backend = NvmlBackend(config, clock=clock)
+    try:
+        gpus = nvml_backend.inventory()
+    except DeviceUnavailable as e:
+        log.info("Device backend 'auto': NVML is not usable (%s); using the simulated GPU pool", e)
+        nvml_backend.close()
+        return SimulatedBackend(config, clock=clock)
+    if not gpus:
+        log.info("Device backend 'auto': NVML started but found no GPUs; using the simulated GPU pool")
+        nvml_backend.close()
+        return SimulatedBackend(config, clock=clock)
+    log.info("Device backend 'auto': using NVML, %d GPU(s) found", len(gpus))
+    return nvml_backend

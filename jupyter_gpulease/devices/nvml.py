@@ -1,0 +1,360 @@
+"""Real NVIDIA GPUs through NVML (the ``pynvml`` module of the ``nvidia-ml-py`` distribution).
+
+Config (all keys optional)::
+
+    {"node": "gpu-01",            # node name for the inventory; default: this host's name
+     "include_graphics": True}    # also list graphics processes (display servers, Vulkan)
+
+(``gpus`` and ``state_file`` are accepted and ignored: they configure the simulated pool that
+the ``auto`` backend falls back to.)
+
+Habits that keep NVML from hurting a server:
+
+* Nothing happens at import: ``pynvml`` is imported and ``nvmlInit`` called on first use, once,
+  under a lock. A machine without a driver gets :class:`DeviceUnavailable` with a plain message.
+* Every query goes through :meth:`NvmlBackend._query`, which turns ``NotSupported``,
+  ``NoPermission``, ``GpuIsLost``, ``Unknown`` and every other NVML error into ``None``
+  ("not available") instead of raising; unexpected ones are logged once per function.
+* Process lists try ``_v3``, then ``_v2``, then the unversioned call, so old drivers work.
+* MIG instances are found by index under their GPU and addressed by their ``MIG-…`` UUID.
+
+All calls block on the driver: run :meth:`inventory` and :meth:`sample` in an executor when on
+an event loop. Inside containers NVML reports host PIDs; mapping them to local processes is
+the caller's business (see ``ProcessSample.pid``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+from ..core.model import GPU, MigInstance
+from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable, ProcessSample
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+_CONFIG_KEYS = {"node", "include_graphics", "gpus", "state_file"}
+_MIG_NAME_RE = re.compile(r"MIG\s+(\S+)\s*$")
+_NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId of a process on a GPU without MIG
+
+
+class _Missing(Exception):
+    """This NVML function does not exist in the binding or in the driver."""
+
+
+class NvmlBackend(DeviceBackend):
+    """GPUs and MIG instances of this machine, sampled through NVML. Thread-safe; calls block."""
+
+    name = "nvml"
+
+    def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None, nvml: ModuleType | None = None):
+        config = dict(config or {})
+        unknown = sorted(set(config) - _CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"nvml device backend: unknown config key(s) {', '.join(map(repr, unknown))}; allowed: 'node', 'include_graphics'")
+        node = config.get("node")
+        if node is not None and (not isinstance(node, str) or not node.strip()):
+            raise ValueError(f"nvml device backend: 'node' must be a non-empty string, got {node!r}")
+        self.node = node.strip() if node else socket.gethostname()
+        self.include_graphics = bool(config.get("include_graphics", True))
+        self._clock = clock or time.time
+        self._nvml = nvml  # injected module (tests), else imported on first use
+        self._lock = threading.RLock()
+        self._initialised = False
+        self._handles: dict[str, Any] = {}  # uuid -> handle (GPUs and MIG instances)
+        self._gpus: list[GPU] | None = None
+        self._gi_ids: dict[str, int] = {}  # MIG uuid -> GPU instance id
+        self._warned: set[tuple[str, str]] = set()
+
+    # ------------------------------------------------------------------ init
+    def _lib(self) -> ModuleType:
+        if self._nvml is None:
+            try:
+                import pynvml  # noqa: PLC0415 - lazy on purpose: importing must not touch the driver
+            except ImportError as e:
+                raise DeviceUnavailable(f"The NVIDIA management library binding is not installed ({e}); "
+                                        "install 'nvidia-ml-py', or use the 'simulated' or 'static' device backend.") from None
+            self._nvml = pynvml
+        return self._nvml
+
+    def _ensure_init(self) -> ModuleType:
+        with self._lock:
+            nv = self._lib()
+            if self._initialised:
+                return nv
+            try:
+                nv.nvmlInit()
+            except nv.NVMLError as e:
+                raise DeviceUnavailable(_init_message(nv, e)) from None
+            except OSError as e:  # a broken libnvidia-ml.so
+                raise DeviceUnavailable(f"The NVIDIA driver library could not be loaded ({e}); "
+                                        "use the 'simulated' or 'static' device backend on machines without GPUs.") from None
+            self._initialised = True
+            return nv
+
+    def close(self) -> None:
+        with self._lock:
+            if self._initialised:
+                try:
+                    self._nvml.nvmlShutdown()
+                except self._nvml.NVMLError as e:
+                    log.debug("nvmlShutdown failed: %s", e)
+            self._initialised = False
+            self._handles.clear()
+            self._gpus = None
+            self._gi_ids.clear()
+
+    # ------------------------------------------------------------------ the one query wrapper
+    def _call(self, fn_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an NVML function; raise :class:`_Missing` when it does not exist, NVMLError otherwise."""
+        nv = self._nvml
+        fn = getattr(nv, fn_name, None)
+        if fn is None:
+            raise _Missing(fn_name)
+        try:
+            return fn(*args, **kwargs)
+        except nv.NVMLError_FunctionNotFound:
+            raise _Missing(fn_name) from None
+        except getattr(nv, "NVMLLibraryMismatchError", _Missing):
+            raise _Missing(fn_name) from None
+        except TypeError:  # an older binding without this keyword argument
+            if kwargs:
+                raise _Missing(fn_name) from None
+            raise
+
+    def _query(self, fn_name: str, *args: Any, **kwargs: Any) -> Any:
+        """``_call``, with every NVML error and a missing function mapped to ``None`` ("not available")."""
+        nv = self._nvml
+        try:
+            return self._call(fn_name, *args, **kwargs)
+        except _Missing:
+            return None
+        except nv.NVMLError as e:
+            quiet = (getattr(nv, "NVMLError_NotSupported", ()), getattr(nv, "NVMLError_NotFound", ()))
+            if not isinstance(e, quiet) and (fn_name, type(e).__name__) not in self._warned:
+                self._warned.add((fn_name, type(e).__name__))
+                log.warning("NVML %s failed: %s; reporting it as not available", fn_name, e)
+            return None
+
+    # ------------------------------------------------------------------ inventory
+    def inventory(self) -> list[GPU]:
+        """Discover GPUs and MIG instances. Raises :class:`DeviceUnavailable` without a driver. Blocks."""
+        with self._lock:
+            self._ensure_init()
+            self._discover()
+            return list(self._gpus or [])
+
+    def _discover(self) -> None:
+        nv = self._nvml
+        count = self._query("nvmlDeviceGetCount") or 0
+        gpus: list[GPU] = []
+        handles: dict[str, Any] = {}
+        gi_ids: dict[str, int] = {}
+        for i in range(count):
+            h = self._query("nvmlDeviceGetHandleByIndex", i)
+            if h is None:
+                log.warning("NVML: GPU %d cannot be opened; leaving it out of the pool", i)
+                continue
+            uuid = _text(self._query("nvmlDeviceGetUUID", h))
+            if not uuid:
+                log.warning("NVML: GPU %d has no readable UUID; leaving it out of the pool", i)
+                continue
+            index = self._query("nvmlDeviceGetIndex", h)
+            name = _model_name(_text(self._query("nvmlDeviceGetName", h)) or "unknown GPU")
+            healthy = True
+            try:
+                mem = self._memory_info(h, strict=True)
+            except nv.NVMLError as e:
+                healthy = not isinstance(e, getattr(nv, "NVMLError_GpuIsLost", ()))
+                mem = None
+            total = int(mem.total // MIB) if mem is not None else 0
+            mig = self._discover_mig(h, uuid, handles, gi_ids)
+            handles[uuid] = h
+            gpus.append(GPU(uuid=uuid, node=self.node, index=int(index if index is not None else i), model=name,
+                            memory_mib=total, mig=tuple(mig), healthy=healthy))
+        self._gpus, self._handles, self._gi_ids = gpus, handles, gi_ids
+
+    def _discover_mig(self, h: Any, gpu_uuid: str, handles: dict[str, Any], gi_ids: dict[str, int]) -> list[MigInstance]:
+        nv = self._nvml
+        mode = self._query("nvmlDeviceGetMigMode", h)
+        if not mode or mode[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        out: list[MigInstance] = []
+        for k in range(self._query("nvmlDeviceGetMaxMigDeviceCount", h) or 0):
+            mh = self._query("nvmlDeviceGetMigDeviceHandleByIndex", h, k)
+            if mh is None:  # NotFound: no instance in this slot
+                continue
+            mig_uuid = _text(self._query("nvmlDeviceGetUUID", mh))
+            if not mig_uuid:
+                continue
+            attrs = self._query("nvmlDeviceGetAttributes", mh)
+            mem = self._memory_info(mh)
+            if mem is not None:
+                memory = int(mem.total // MIB)
+            else:
+                memory = int(getattr(attrs, "memorySizeMB", 0) or 0)
+            profile = _mig_profile(_text(self._query("nvmlDeviceGetName", mh)), attrs, memory)
+            gi = self._query("nvmlDeviceGetGpuInstanceId", mh)
+            if gi is not None:
+                gi_ids[mig_uuid] = int(gi)
+            handles[mig_uuid] = mh
+            out.append(MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory, index=k))
+        if not out:
+            log.info("NVML: GPU %s is in MIG mode but has no MIG instances yet", gpu_uuid)
+        return out
+
+    def _memory_info(self, h: Any, strict: bool = False) -> Any:
+        """Memory info, v2 (``used`` without driver-reserved memory) where the driver has it."""
+        nv = self._nvml
+        version = getattr(nv, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                return self._call("nvmlDeviceGetMemoryInfo", h, version=version)
+            except _Missing:
+                pass
+            except nv.NVMLError as e:
+                if not isinstance(e, (nv.NVMLError_NotSupported, getattr(nv, "NVMLError_ArgumentVersionMismatch", ()))):
+                    if strict:
+                        raise
+                    return self._query("nvmlDeviceGetMemoryInfo", h)  # logs once, returns None
+        if strict:
+            try:
+                return self._call("nvmlDeviceGetMemoryInfo", h)
+            except _Missing:
+                return None
+        return self._query("nvmlDeviceGetMemoryInfo", h)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self) -> dict[str, DeviceSample]:
+        """Utilization, memory and processes of every GPU and MIG instance. Blocks: run it in an executor."""
+        with self._lock:
+            self._ensure_init()
+            if self._gpus is None:
+                self._discover()
+            now = self._clock()
+            out: dict[str, DeviceSample] = {}
+            for g in self._gpus or []:
+                h = self._handles[g.uuid]
+                util = self._query("nvmlDeviceGetUtilizationRates", h)
+                mem = self._memory_info(h)
+                by_gi = {self._gi_ids[m.uuid]: m.uuid for m in g.mig if m.uuid in self._gi_ids}
+                procs = self._processes(h, g.uuid, by_gi)
+                out[g.uuid] = DeviceSample(
+                    uuid=g.uuid,
+                    timestamp=now,
+                    utilization_pct=_pct(util),
+                    memory_used_mib=int(mem.used // MIB) if mem is not None else None,
+                    memory_total_mib=int(mem.total // MIB) if mem is not None else (g.memory_mib or None),
+                    processes=procs if procs is not None else (),
+                )
+                for m in g.mig:
+                    mh = self._handles.get(m.uuid)
+                    if mh is None:
+                        continue
+                    mmem = self._memory_info(mh)
+                    own = self._processes(mh, m.uuid, {})
+                    if own is None or (not own and procs):  # per-instance lists unsupported: take the GPU's, by instance id
+                        own = tuple(p for p in (procs or ()) if p.device_uuid == m.uuid)
+                    else:
+                        own = tuple(ProcessSample(p.pid, p.used_memory_mib, m.uuid, p.kind) for p in own)
+                    out[m.uuid] = DeviceSample(
+                        uuid=m.uuid,
+                        timestamp=now,
+                        utilization_pct=_pct(self._query("nvmlDeviceGetUtilizationRates", mh)),  # usually not supported on MIG
+                        memory_used_mib=int(mmem.used // MIB) if mmem is not None else None,
+                        memory_total_mib=int(mmem.total // MIB) if mmem is not None else m.memory_mib,
+                        processes=own,
+                        parent_uuid=g.uuid,
+                    )
+            return out
+
+    def _processes(self, h: Any, uuid: str, by_gi: dict[int, str]) -> tuple[ProcessSample, ...] | None:
+        """Compute (and graphics) processes on a device; ``None`` when the driver won't say."""
+        found: dict[int, ProcessSample] = {}
+        kinds = [("compute", "nvmlDeviceGetComputeRunningProcesses")]
+        if self.include_graphics:
+            kinds.append(("graphics", "nvmlDeviceGetGraphicsRunningProcesses"))
+        answered = False
+        for kind, base in kinds:
+            infos = self._process_list(base)(h)
+            if infos is None:
+                continue
+            answered = True
+            for info in infos:
+                pid = int(info.pid)
+                if pid in found:
+                    continue
+                used = getattr(info, "usedGpuMemory", None)
+                gi = getattr(info, "gpuInstanceId", _NO_INSTANCE)
+                dev = by_gi.get(gi, uuid) if gi is not None else uuid
+                found[pid] = ProcessSample(pid=pid, used_memory_mib=int(used // MIB) if used is not None else None, device_uuid=dev, kind=kind)
+        return tuple(found[p] for p in sorted(found)) if answered else None
+
+    def _process_list(self, base: str):
+        """The newest process-list function the binding and driver both have: ``_v3``, ``_v2``, then plain."""
+
+        def query(h: Any) -> list | None:
+            for suffix in ("_v3", "_v2", ""):
+                try:
+                    return list(self._call(base + suffix, h))
+                except _Missing:
+                    continue
+                except self._nvml.NVMLError:
+                    return self._query(base + suffix, h)  # logs once, returns None
+            return None
+
+        return query
+
+
+# ---------------------------------------------------------------------- helpers
+def _init_message(nv: ModuleType, e: Exception) -> str:
+    fallback = "Use the 'simulated' or 'static' device backend on machines without NVIDIA GPUs."
+    if isinstance(e, getattr(nv, "NVMLError_LibraryNotFound", ())):
+        return f"No NVIDIA driver found on this machine (the NVML library libnvidia-ml.so.1 could not be loaded: {e}). {fallback}"
+    if isinstance(e, getattr(nv, "NVMLError_DriverNotLoaded", ())):
+        return f"No NVIDIA driver found on this machine (the NVIDIA kernel driver is not loaded: {e}). {fallback}"
+    if isinstance(e, getattr(nv, "NVMLError_NoPermission", ())):
+        return f"NVML refused access to the GPUs ({e}): check the permissions on /dev/nvidia*. {fallback}"
+    if isinstance(e, getattr(nv, "NVMLError_LibRmVersionMismatch", ())):
+        return f"The NVIDIA driver and its NVML library differ in version ({e}); reboot or reload the driver. {fallback}"
+    return f"NVML could not start ({type(e).__name__}: {e}). {fallback}"
+
+
+def _text(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace").strip()
+    return str(v).strip()
+
+
+def _model_name(name: str) -> str:
+    """'NVIDIA A100-SXM4-80GB' → 'A100-SXM4-80GB' (policies match model globs such as 'A100*')."""
+    for prefix in ("NVIDIA ", "Tesla "):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.strip() or "unknown GPU"
+
+
+def _mig_profile(name: str, attrs: Any, memory_mib: int) -> str:
+    """The MIG profile of an instance: from its name ('… MIG 3g.40gb'), else from slices and memory."""
+    m = _MIG_NAME_RE.search(name or "")
+    if m:
+        return m.group(1).lower()
+    slices = int(getattr(attrs, "gpuInstanceSliceCount", 0) or 0)
+    if slices and memory_mib:
+        return f"{slices}g.{-(-memory_mib // 1024)}gb"  # profile names round memory up to whole GB
+    return "unknown"
+
+
+def _pct(util: Any) -> float | None:
+    if util is None:
+        return None
+    gpu = getattr(util, "gpu", None)
+    return float(gpu) if gpu is not None else None
