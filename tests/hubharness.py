@@ -1,0 +1,357 @@
+"""A real JupyterHub + configurable-http-proxy on 127.0.0.1, for integration tests.
+
+Usage::
+
+    hub = HubHarness(tmp_path, users=["alice", "bob"], admin_users=["root"],
+                     services=[{"name": "gpulease", "url": f"http://127.0.0.1:{port}", "command": [...]}],
+                     user_scopes=["access:services!service=gpulease"],
+                     config_lines=["c.Spawner.poll_interval = 1"])
+    hub.start()
+    token = hub.create_token("alice")
+    status, body = hub.api("GET", "users/alice")       # the admin token by default
+    hub.restart()                                       # waits for the old hub's PID to exit
+    hub.stop()
+
+Everything binds to 127.0.0.1 on free ports; the hub's database, cookie secret, proxy pid
+file and log live in ``tmp_path``. configurable-http-proxy is found through the
+``GPULEASE_CHP`` environment variable or ``PATH``; when it is missing, :meth:`start` fails
+with a message saying so (tests must not skip silently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ADMIN_SERVICE = "test-admin"
+ADMIN_SCOPES = ["admin:users", "admin:servers", "admin:groups", "tokens", "access:servers", "access:services", "read:hub", "list:users", "read:users"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_chp() -> str:
+    """Path of configurable-http-proxy, or AssertionError saying how to provide it."""
+    path = os.environ.get("GPULEASE_CHP") or shutil.which("configurable-http-proxy")
+    if not path or not os.path.exists(path):
+        raise AssertionError(
+            "configurable-http-proxy not found: install it (npm install configurable-http-proxy) and put "
+            "node_modules/.bin on PATH, or set GPULEASE_CHP to its path"
+        )
+    return path
+
+
+def wait_for(predicate, timeout: float, message: str, interval: float = 0.1):
+    """Call ``predicate`` until it returns something truthy; AssertionError(message) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception as e:  # noqa: BLE001 - retried until the deadline, reported then
+            last_exc = e
+            value = None
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{message} (waited {timeout:g} s; last error: {last_exc!r})")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(d))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class HubHarness:
+    """One JupyterHub (with its proxy and managed services) for a test; see the module doc."""
+
+    def __init__(
+        self,
+        tmp_path: Path | str,
+        *,
+        users: list[str] = (),
+        admin_users: list[str] = (),
+        groups: dict[str, list[str]] | None = None,
+        services: list[dict[str, Any]] = (),
+        roles: list[dict[str, Any]] = (),
+        custom_scopes: dict[str, dict[str, Any]] | None = None,
+        user_scopes: list[str] = (),
+        spawner_class: str = "simple",
+        authenticator_class: str = "dummy",
+        password: str = "test-password",
+        config_lines: list[str] | str = (),
+        env: dict[str, str] | None = None,
+        start_timeout: float = 60,
+        log_level: str = "DEBUG",
+    ):
+        self.dir = Path(tmp_path)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.users = list(users)
+        self.admin_users = list(admin_users)
+        self.groups = dict(groups or {})
+        self.services = [dict(s) for s in services]
+        self.roles = [dict(r) for r in roles]
+        self.custom_scopes = dict(custom_scopes or {})
+        self.user_scopes = list(user_scopes)
+        self.spawner_class = spawner_class
+        self.authenticator_class = authenticator_class
+        self.password = password
+        self.config_lines = [config_lines] if isinstance(config_lines, str) else list(config_lines)
+        self.env = dict(env or {})
+        self.start_timeout = start_timeout
+        self.log_level = log_level
+
+        self.port = free_port()
+        self.hub_port = free_port()
+        self.proxy_api_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.hub_api_url = f"{self.url}/hub/api"
+        self.admin_token = secrets.token_hex(16)
+        self.proxy_token = secrets.token_hex(16)
+        self.config_file = self.dir / "jupyterhub_config.py"
+        self.log_file = self.dir / "jupyterhub.log"
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
+        self._log_handle = None
+
+    # ------------------------------------------------------------------ config
+    def config_text(self) -> str:
+        """The jupyterhub_config.py this harness writes (handy when a test fails)."""
+        chp = find_chp()
+        home = self.dir / "home"
+        home.mkdir(exist_ok=True)
+        singleuser = Path(sys.executable).with_name("jupyterhub-singleuser")
+        services = [{"name": ADMIN_SERVICE, "api_token": self.admin_token}, *self.services]
+        roles = [{"name": "test-admin-role", "scopes": ADMIN_SCOPES, "services": [ADMIN_SERVICE]}, *self.roles]
+        if self.user_scopes:
+            roles.append({"name": "user", "scopes": ["self", *self.user_scopes]})
+        allowed = sorted(set(self.users) | set(self.admin_users) | {u for members in self.groups.values() for u in members})
+        lines = [
+            "c = get_config()  # noqa",
+            f"c.JupyterHub.bind_url = {self.url!r}",
+            f"c.JupyterHub.hub_bind_url = 'http://127.0.0.1:{self.hub_port}'",
+            f"c.JupyterHub.db_url = {('sqlite:///' + str(self.dir / 'jupyterhub.sqlite'))!r}",
+            f"c.JupyterHub.cookie_secret_file = {str(self.dir / 'jupyterhub_cookie_secret')!r}",
+            "c.JupyterHub.cleanup_servers = True",
+            f"c.ConfigurableHTTPProxy.command = [{chp!r}]",
+            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{self.proxy_api_port}'",
+            f"c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}",
+            f"c.ConfigurableHTTPProxy.pid_file = {str(self.dir / 'proxy.pid')!r}",
+            "c.ConfigurableHTTPProxy.should_start = True",
+            f"c.JupyterHub.authenticator_class = {self.authenticator_class!r}",
+            f"c.DummyAuthenticator.password = {self.password!r}",
+            f"c.Authenticator.allowed_users = {set(allowed)!r}",
+            f"c.Authenticator.admin_users = {set(self.admin_users)!r}",
+            f"c.JupyterHub.spawner_class = {self.spawner_class!r}",
+            f"c.Spawner.cmd = [{str(singleuser)!r}]",
+            "c.Spawner.args = ['--allow-root']",
+            "c.Spawner.default_url = '/lab'",
+            f"c.SimpleLocalProcessSpawner.home_dir_template = {str(home / '{username}')!r}",
+            f"c.JupyterHub.services = {services!r}",
+            f"c.JupyterHub.load_roles = {roles!r}",
+            f"c.JupyterHub.log_level = {self.log_level!r}",
+        ]
+        if self.groups:
+            lines.append(f"c.JupyterHub.load_groups = {({g: {'users': list(m)} for g, m in self.groups.items()})!r}")
+        if self.custom_scopes:
+            lines.append(f"c.JupyterHub.custom_scopes = {self.custom_scopes!r}")
+        lines += self.config_lines
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> HubHarness:
+        """Start the hub and wait until its API answers through the proxy."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("hub already running")
+        self.config_file.write_text(self.config_text())
+        env = {**os.environ, **self.env}
+        env.pop("JUPYTERHUB_API_TOKEN", None)
+        self._log_handle = open(self.log_file, "ab")
+        self._log_handle.write(b"\n===== starting hub =====\n")
+        self._log_handle.flush()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(self.config_file)],
+            cwd=self.dir,
+            env=env,
+            stdout=self._log_handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() can clean up the whole tree
+        )
+        self.pid = self.proc.pid
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the hub exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            status, _ = self.api("GET", "", token=None)
+            return status == 200
+
+        try:
+            wait_for(ready, timeout or self.start_timeout, f"JupyterHub did not answer on {self.hub_api_url}")
+        except AssertionError as e:
+            self.stop()
+            raise AssertionError(f"{e}\n--- hub log ---\n{self.log_tail()}") from None
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the hub (SIGTERM, SIGKILL after ``timeout``) and wait until its PID is gone."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        # anything left in its process group (services, the proxy): gone too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        pid_file = self.dir / "proxy.pid"
+        if pid_file.exists():
+            try:
+                chp_pid = int(pid_file.read_text().strip())
+                if pid_alive(chp_pid):
+                    os.kill(chp_pid, signal.SIGTERM)
+                    wait_for(lambda: not pid_alive(chp_pid), 10, f"proxy PID {chp_pid} did not exit")
+            except (ValueError, ProcessLookupError):
+                pass
+        wait_for(lambda: not pid_alive(proc.pid), timeout, f"hub PID {proc.pid} did not exit")
+        self.proc = None
+        if self._log_handle:
+            self._log_handle.close()
+            self._log_handle = None
+
+    def restart(self, timeout: float | None = None) -> HubHarness:
+        """Stop, wait for the old hub's PID to exit, start again (same ports, same database)."""
+        old = self.pid
+        self.stop()
+        if old is not None:
+            wait_for(lambda: not pid_alive(old), 30, f"old hub PID {old} still running")
+        return self.start(timeout)
+
+    def __enter__(self) -> HubHarness:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ looking around
+    def log_tail(self, n: int = 80) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no hub log)"
+
+    def descendants(self) -> list[tuple[int, str]]:
+        """(pid, command line) of every process below the hub."""
+        if self.pid is None:
+            return []
+        out, todo = [], [self.pid]
+        while todo:
+            for child in _children(todo.pop()):
+                out.append((child, _cmdline(child)))
+                todo.append(child)
+        return out
+
+    def find_process(self, needle: str) -> int | None:
+        """PID of a process below the hub whose command line contains ``needle``."""
+        for pid, cmd in self.descendants():
+            if needle in cmd and pid_alive(pid):
+                return pid
+        return None
+
+    # ------------------------------------------------------------------ the Hub API
+    def request(self, method: str, url: str, body: Any = None, *, token: str | None = None, headers: dict | None = None, timeout: float = 30) -> tuple[int, Any]:
+        """Any HTTP request; returns (status, parsed JSON or text). Never raises on HTTP errors."""
+        data = None
+        hdrs = dict(headers or {})
+        if body is not None:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        elif method in ("POST", "PUT", "PATCH"):
+            data = b""
+        if token:
+            hdrs["Authorization"] = f"token {token}"
+        req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        text = raw.decode(errors="replace")
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text
+
+    def api(self, method: str, path: str, body: Any = None, *, token: str | None = "admin") -> tuple[int, Any]:
+        """Call the Hub API (``path`` relative to /hub/api/), with the admin token by default."""
+        if token == "admin":
+            token = self.admin_token
+        return self.request(method, f"{self.hub_api_url}/{path.lstrip('/')}", body, token=token)
+
+    def create_token(self, user: str, *, scopes: list[str] | None = None, roles: list[str] | None = None, note: str = "test") -> str:
+        """A new API token of ``user`` (its own permissions unless ``scopes``/``roles`` narrow them)."""
+        body: dict[str, Any] = {"note": note}
+        if scopes is not None:
+            body["scopes"] = scopes
+        if roles is not None:
+            body["roles"] = roles
+        status, reply = self.api("POST", f"users/{user}/tokens", body)
+        assert status == 201, f"creating a token for {user} failed: {status} {reply}"
+        return reply["token"]
+
+    def service_url(self, name: str) -> str:
+        """The service's public URL through the proxy, with a trailing slash."""
+        return f"{self.url}/services/{name}/"
