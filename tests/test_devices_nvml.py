@@ -1,0 +1,213 @@
+"""The NVML backend against a fake pynvml that raises the real nvidia-ml-py error classes."""
+
+import logging
+import subprocess
+import sys
+
+import pynvml
+import pytest
+from fake_pynvml import A100_UUID, L4_UUID, MIG_A, MIG_B, no_driver, two_gpu_machine
+
+from jupyter_gpulease.devices import DeviceUnavailable, get_backend, processes_by_pid
+from jupyter_gpulease.devices.nvml import NvmlBackend
+from jupyter_gpulease.devices.simulated import SimulatedBackend
+
+
+def backend(fake, **config):
+    return NvmlBackend({"node": "gpu-box", **config}, nvml=fake, clock=lambda: 42.0)
+
+
+def test_importing_the_devices_package_does_not_load_nvml():
+    code = "import sys, jupyter_gpulease.devices, jupyter_gpulease.devices.nvml; print('pynvml' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
+
+
+def test_nvml_starts_on_first_use_only_and_once():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    assert fake.init_calls == 0
+    b.inventory()
+    b.sample()
+    b.sample()
+    assert fake.init_calls == 1
+    b.close()
+    assert fake.shutdown_calls == 1
+    b.close()
+    assert fake.shutdown_calls == 1
+
+
+def test_inventory_lists_gpus_with_models_memory_and_mig_instances():
+    gpus = backend(two_gpu_machine()).inventory()
+    assert [(g.uuid, g.node, g.index, g.model, g.memory_mib) for g in gpus] == [
+        (A100_UUID, "gpu-box", 0, "A100-SXM4-80GB", 81920),
+        (L4_UUID, "gpu-box", 1, "L4", 23034),
+    ]
+    a100, l4 = gpus
+    assert [(m.uuid, m.profile, m.memory_mib, m.index) for m in a100.mig] == [
+        (MIG_A, "3g.40gb", 40192, 0),
+        (MIG_B, "3g.40gb", 40192, 1),
+    ]
+    assert not l4.mig_enabled  # MigMode NotSupported: a GPU without MIG
+    assert all(g.healthy for g in gpus)
+
+
+def test_node_defaults_to_the_host_name():
+    import socket
+
+    b = NvmlBackend({}, nvml=two_gpu_machine())
+    assert {g.node for g in b.inventory()} == {socket.gethostname()}
+
+
+def test_mig_profile_comes_from_slices_and_memory_when_the_name_does_not_say():
+    fake = two_gpu_machine()
+    fake.gpus[0].name = "NVIDIA A100-SXM4-80GB"
+    real_name = fake.nvmlDeviceGetName
+    fake.nvmlDeviceGetName = lambda h: "NVIDIA A100-SXM4-80GB" if h in fake.gpus[0].mig else real_name(h)
+    gpus = backend(fake).inventory()
+    assert [m.profile for m in gpus[0].mig] == ["3g.40gb", "3g.40gb"]  # 3 slices, 40192 MiB rounds up to 40 GB
+
+
+def test_samples_give_utilization_memory_and_processes_per_device():
+    s = backend(two_gpu_machine()).sample()
+    assert set(s) == {A100_UUID, L4_UUID, MIG_A, MIG_B}
+    l4 = s[L4_UUID]
+    assert (l4.timestamp, l4.utilization_pct, l4.memory_used_mib, l4.memory_total_mib) == (42.0, 37.0, 6144, 23034)
+    assert [(p.pid, p.used_memory_mib, p.device_uuid, p.kind) for p in l4.processes] == [
+        (700, None, L4_UUID, "graphics"),  # the driver does not say how much: None, not 0
+        (6001, 4096, L4_UUID, "compute"),
+        (6002, 2048, L4_UUID, "compute"),
+    ]
+    # MIG: the GPU sees the process and names the instance it runs in
+    a100 = s[A100_UUID]
+    assert a100.utilization_pct is None  # NotSupported on a GPU in MIG mode
+    assert [(p.pid, p.device_uuid) for p in a100.processes] == [(5001, MIG_A)]
+    assert s[MIG_A].parent_uuid == A100_UUID
+    assert (s[MIG_A].memory_used_mib, s[MIG_A].memory_total_mib, s[MIG_A].utilization_pct) == (12000, 40192, None)
+    assert [(p.pid, p.used_memory_mib, p.device_uuid) for p in s[MIG_A].processes] == [(5001, 12000, MIG_A)]
+    assert s[MIG_B].processes == () and s[MIG_B].memory_used_mib == 0
+    assert sorted(processes_by_pid(s)) == [700, 5001, 6001, 6002]
+
+
+def test_mig_processes_are_attributed_by_gpu_instance_when_instances_cannot_list_them():
+    s = backend(two_gpu_machine(mig_process_lists=False)).sample()
+    assert [(p.pid, p.device_uuid) for p in s[MIG_A].processes] == [(5001, MIG_A)]
+    assert s[MIG_B].processes == ()
+
+
+def test_unsupported_utilization_is_none_not_an_error(caplog):
+    with caplog.at_level(logging.WARNING):
+        s = backend(two_gpu_machine(l4_utilization=None)).sample()
+    assert s[L4_UUID].utilization_pct is None
+    assert s[L4_UUID].memory_used_mib == 6144  # the other figures are still there
+    assert "NotSupported" not in caplog.text and "Not Supported" not in caplog.text  # expected: not worth a warning
+
+
+def test_a_lost_gpu_reports_no_figures_and_warns_once(caplog):
+    fake = two_gpu_machine()
+    b = backend(fake)
+    b.inventory()
+    fake.gpus[1].lost = True
+    with caplog.at_level(logging.WARNING):
+        s1 = b.sample()
+        s2 = b.sample()
+    for s in (s1, s2):
+        assert (s[L4_UUID].utilization_pct, s[L4_UUID].memory_used_mib, s[L4_UUID].processes) == (None, None, ())
+        assert s[A100_UUID].processes  # the other GPU is unaffected
+    assert caplog.text.count("nvmlDeviceGetUtilizationRates failed: GPU is lost") == 1
+
+
+def test_a_gpu_lost_at_discovery_is_listed_as_unhealthy():
+    fake = two_gpu_machine()
+    fake.gpus[1].lost = True
+    gpus = backend(fake).inventory()
+    assert [g.healthy for g in gpus] == [True, False]
+
+
+def test_old_driver_without_v3_process_functions_falls_back_to_v2():
+    fake = two_gpu_machine(driver_has_v3=False)
+    s = backend(fake).sample()
+    assert [p.pid for p in s[L4_UUID].processes] == [700, 6001, 6002]
+    assert "nvmlDeviceGetComputeRunningProcesses_v2" in fake.calls
+    assert "nvmlDeviceGetComputeRunningProcesses" not in fake.calls
+
+
+def test_old_binding_without_v3_or_v2_falls_back_to_the_plain_call():
+    fake = two_gpu_machine(binding_has_v3=False, binding_has_v2=False)
+    s = backend(fake).sample()
+    assert [p.pid for p in s[L4_UUID].processes] == [700, 6001, 6002]
+    assert "nvmlDeviceGetComputeRunningProcesses" in fake.calls
+    assert not any(c.endswith("_v3") for c in fake.calls)
+
+
+def test_memory_info_without_v2_uses_v1():
+    fake = two_gpu_machine(binding_has_memory_v2=False)
+    s = backend(fake).sample()
+    assert s[L4_UUID].memory_used_mib == 6144
+    assert "nvmlDeviceGetMemoryInfo_v2" not in fake.calls
+
+
+def test_graphics_processes_can_be_left_out():
+    s = backend(two_gpu_machine(), include_graphics=False).sample()
+    assert [p.pid for p in s[L4_UUID].processes] == [6001, 6002]
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("library", "No NVIDIA driver found on this machine (the NVML library libnvidia-ml.so.1 could not be loaded"),
+    ("driver", "No NVIDIA driver found on this machine (the NVIDIA kernel driver is not loaded"),
+    ("permission", "NVML refused access to the GPUs"),
+])
+def test_no_driver_gives_a_clear_message_without_a_traceback_chain(kind, words):
+    b = backend(no_driver(kind))
+    with pytest.raises(DeviceUnavailable) as err:
+        b.inventory()
+    assert words in str(err.value)
+    assert "'simulated' or 'static' device backend" in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    with pytest.raises(DeviceUnavailable):
+        b.sample()
+
+
+def test_the_real_binding_on_this_machine_says_no_driver_or_finds_gpus():
+    b = get_backend("nvml", {})
+    try:
+        gpus = b.inventory()
+    except DeviceUnavailable as e:
+        assert "NVIDIA" in str(e) or "NVML" in str(e)
+    else:
+        assert all(g.uuid for g in gpus)
+    finally:
+        b.close()
+
+
+def test_auto_uses_nvml_when_it_finds_gpus(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", two_gpu_machine())
+    b = get_backend("auto", {})
+    assert isinstance(b, NvmlBackend)
+    assert len(b.inventory()) == 2
+
+
+def test_auto_falls_back_to_the_simulated_pool_and_says_why(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", no_driver("library"))
+    with caplog.at_level(logging.INFO, logger="jupyter_gpulease.devices"):
+        b = get_backend("auto", {"gpus": [{"node": "n", "model": "L4", "memory_mib": 23034}]})
+    assert isinstance(b, SimulatedBackend)
+    assert [g.model for g in b.inventory()] == ["L4"]
+    assert "NVML is not usable (No NVIDIA driver found on this machine" in caplog.text
+
+
+def test_auto_falls_back_when_nvml_finds_no_gpus(monkeypatch, caplog):
+    from fake_pynvml import FakeNVML
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML([]))
+    with caplog.at_level(logging.INFO, logger="jupyter_gpulease.devices"):
+        b = get_backend("auto", {})
+    assert isinstance(b, SimulatedBackend)
+    assert "found no GPUs" in caplog.text
+
+
+def test_fake_uses_the_real_error_classes():
+    fake = two_gpu_machine()
+    assert fake.NVMLError_NotSupported is pynvml.NVMLError_NotSupported
+    with pytest.raises(pynvml.NVMLError_Uninitialized):
+        fake.nvmlDeviceGetCount()
