@@ -211,3 +211,17 @@ def test_fake_uses_the_real_error_classes():
     assert fake.NVMLError_NotSupported is pynvml.NVMLError_NotSupported
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         fake.nvmlDeviceGetCount()
+
+
+def test_gpu_check_script_passes_on_a_gpu_machine_or_explains_the_missing_driver(tmp_path):
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_check.py")
+    r = subprocess.run([sys.executable, script, "--no-torch", "--out", str(tmp_path / "gpu.json")],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode == 2:
+        assert "No NVIDIA driver found on this machine" in r.stderr
+        assert "Traceback" not in r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / "gpu.json").exists()
