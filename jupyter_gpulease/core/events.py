@@ -12,6 +12,7 @@ WARNED = "warned"  # expiry is near (no state change)
 PREEMPT_WARNED = "preempt-warned"  # preemption decided; ends after the grace period (no state change)
 EXTENDED = "extended"  # expires_at moved (no state change)
 CONFIRMED = "confirmed"  # the holder said the server is up (no state change)
+PREEMPT_CANCELLED = "preempt-cancelled"  # a decided preemption was called off (no state change)
 ENDED = "ended"  # any transition to a terminal state; to_state says which
 
 
@@ -27,6 +28,7 @@ class Event:
     reason: str = ""
     actor: str = ""  # who caused it: a user name, "broker", "admin:<name>", …
     data: dict[str, Any] = field(default_factory=dict)
+    lease: Any = field(default=None, repr=False, compare=False)  # the Lease after the change (not serialised)
 
     def to_dict(self) -> dict[str, Any]:
         return {

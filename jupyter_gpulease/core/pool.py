@@ -1,0 +1,307 @@
+"""The pool: what each GPU has free right now, and where a request fits.
+
+``Pool`` holds the live occupancy of every GPU (which leases hold which slices) with small
+indexes (idle GPUs per node and per model) so that a placement attempt on a full pool of
+thousands of GPUs is rejected in O(models), not O(GPUs). Pure Python, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+from .model import GPU, MILLI, MigInstance, Placement, Request, SliceKind, Slice, model_matches
+
+
+class GPUState:
+    """Occupancy of one GPU."""
+
+    __slots__ = ("gpu", "free_milli", "free_mem", "holders", "mig_free")
+
+    def __init__(self, gpu: GPU):
+        self.gpu = gpu
+        self.free_milli = MILLI
+        self.free_mem = gpu.memory_mib
+        self.holders: dict[str, Slice] = {}  # lease id -> slice it holds here
+        self.mig_free: dict[str, MigInstance] = {m.uuid: m for m in gpu.mig}
+
+    @property
+    def idle(self) -> bool:
+        """Nobody holds anything here (for a MIG GPU: every instance free)."""
+        return not self.holders
+
+    @property
+    def wholly_free(self) -> bool:
+        """Can be leased as a whole GPU."""
+        return not self.holders and not self.gpu.mig and self.gpu.healthy
+
+
+def share_need(req: Request, gpu: GPU) -> tuple[int, int]:
+    """(compute milli, memory MiB) a share request takes on ``gpu``.
+
+    A share given only as a fraction takes that fraction of the GPU's memory too; a share
+    given only as memory takes the same fraction of compute; both given: both as asked.
+    """
+    milli = req.share_milli
+    mem = req.memory_mib
+    if not mem:
+        mem = (gpu.memory_mib * milli) // MILLI
+    if not milli:
+        milli = max(1, min(MILLI, math.ceil(mem * MILLI / gpu.memory_mib)))
+    return milli, mem
+
+
+class Pool:
+    """Live occupancy of the whole inventory, with placement."""
+
+    def __init__(self, gpus: Iterable[GPU]):
+        self.gpus: dict[str, GPUState] = {}
+        self.by_node: dict[str, list[GPUState]] = defaultdict(list)
+        self.by_model: dict[str, list[GPUState]] = defaultdict(list)
+        self.mig_owner: dict[str, GPUState] = {}  # MIG uuid -> its GPU
+        self.nodes_by_model: dict[str, set[str]] = defaultdict(set)
+        for g in gpus:
+            if g.uuid in self.gpus:
+                raise ValueError(f"duplicate GPU uuid {g.uuid!r} in the inventory")
+            st = GPUState(g)
+            self.gpus[g.uuid] = st
+            self.by_node[g.node].append(st)
+            self.by_model[g.model].append(st)
+            self.nodes_by_model[g.model].add(g.node)
+            for m in g.mig:
+                self.mig_owner[m.uuid] = st
+        for lst in self.by_node.values():
+            lst.sort(key=lambda s: s.gpu.index)
+        # idle whole-GPU counts, kept up to date by take()/give()
+        self.idle_by_node: dict[str, int] = {n: sum(1 for s in lst if s.wholly_free) for n, lst in self.by_node.items()}
+        self.idle_by_model: dict[str, int] = {m: sum(1 for s in lst if s.wholly_free) for m, lst in self.by_model.items()}
+        self.free_milli_by_model: dict[str, int] = {m: sum(s.free_milli for s in lst if not s.gpu.mig and s.gpu.healthy) for m, lst in self.by_model.items()}
+        self.mig_free_by_model: dict[str, int] = {m: sum(len(s.mig_free) for s in lst if s.gpu.healthy) for m, lst in self.by_model.items()}
+        self._match_cache: dict[tuple[tuple[str, ...], int], tuple[str, ...]] = {}
+
+    # ----------------------------------------------------------------- queries
+    def models(self, patterns: tuple[str, ...], min_memory_mib: int = 0) -> tuple[str, ...]:
+        """Models of the pool matching the patterns and the minimum memory (cached)."""
+        key = (patterns, min_memory_mib)
+        hit = self._match_cache.get(key)
+        if hit is None:
+            hit = tuple(
+                m for m, lst in self.by_model.items() if model_matches(m, patterns) and any(s.gpu.memory_mib >= min_memory_mib for s in lst)
+            )
+            self._match_cache[key] = hit
+        return hit
+
+    def gpu_of_slice(self, s: Slice) -> GPUState | None:
+        return self.gpus.get(s.gpu_uuid)
+
+    # ----------------------------------------------------------------- feasibility
+    def why_never(self, req: Request) -> str | None:
+        """Why ``req`` can never be placed on this inventory, even on an empty pool; None if it can."""
+        models = self.models(req.models)
+        all_models = ", ".join(sorted(self.by_model)) or "none"
+        if req.models and not models:
+            return f"no GPU model in the pool matches {'|'.join(req.models)!r}; the pool has: {all_models}"
+        models = self.models(req.models, req.min_memory_mib)
+        if not models:
+            return f"no GPU has at least {req.min_memory_mib} MiB of memory" + (f" among {'|'.join(req.models)}" if req.models else "")
+        cands = [s for m in models for s in self.by_model[m] if s.gpu.healthy and s.gpu.memory_mib >= req.min_memory_mib]
+        if req.kind is SliceKind.GPU:
+            per_node: dict[str, int] = defaultdict(int)
+            for s in cands:
+                if not s.gpu.mig:
+                    per_node[s.gpu.node] += 1
+            most = max(per_node.values(), default=0)
+            if req.gpus > most:
+                what = f" of model {'|'.join(req.models)}" if req.models else ""
+                return f"asks for {req.gpus} GPUs on one node, but the most any node has{what} is {most}"
+            return None
+        if req.kind is SliceKind.SHARE:
+            if req.memory_mib and not any(not s.gpu.mig and s.gpu.memory_mib >= req.memory_mib for s in cands):
+                biggest = max((s.gpu.memory_mib for s in cands if not s.gpu.mig), default=0)
+                return f"asks for {req.memory_mib} MiB on one GPU, but the largest GPU has {biggest} MiB"
+            if not any(not s.gpu.mig for s in cands):
+                return "every matching GPU is in MIG mode; ask for a MIG profile instead of a share"
+            return None
+        profiles = sorted({m.profile for s in cands for m in s.gpu.mig})
+        if not any(m.profile == req.mig_profile for s in cands for m in s.gpu.mig):
+            have = ", ".join(profiles) if profiles else "none"
+            return f"no GPU offers MIG profile {req.mig_profile!r}; profiles in the pool: {have}"
+        return None
+
+    def gpu_milli_of(self, req: Request) -> int:
+        """Milli-GPUs a request will count as (MIG: its instance's share of memory; shares by memory: smallest GPU)."""
+        if req.kind is SliceKind.GPU:
+            return req.gpus * MILLI
+        models = self.models(req.models, req.min_memory_mib)
+        if req.kind is SliceKind.SHARE:
+            if req.share_milli:
+                return req.share_milli
+            mems = [s.gpu.memory_mib for m in models for s in self.by_model[m] if not s.gpu.mig and s.gpu.memory_mib >= req.memory_mib]
+            return share_need(req, GPU("", "", 0, "", max(mems)))[0] if mems else MILLI
+        for m in models:
+            for s in self.by_model[m]:
+                for inst in s.gpu.mig:
+                    if inst.profile == req.mig_profile:
+                        return max(1, round(inst.memory_mib * MILLI / s.gpu.memory_mib))
+        return 0
+
+    # ----------------------------------------------------------------- placement now
+    def place(self, req: Request, blocked=None) -> Placement | None:
+        """Find room for ``req`` now, or None.
+
+        ``blocked(state, milli, mem, mig_uuid) -> bool`` lets the scheduler keep reserved capacity out
+        (backfill). Best fit: whole GPUs go to the node with the fewest idle GPUs that still
+        fit, shares to the fullest GPU that still fits, so that whole GPUs stay whole.
+        """
+        models = self.models(req.models, req.min_memory_mib)
+        if not models:
+            return None
+        if req.kind is SliceKind.GPU:
+            return self._place_whole(req, models, blocked)
+        if req.kind is SliceKind.SHARE:
+            return self._place_share(req, models, blocked)
+        return self._place_mig(req, models, blocked)
+
+    def _place_whole(self, req: Request, models, blocked) -> Placement | None:
+        n = req.gpus
+        if sum(self.idle_by_model.get(m, 0) for m in models) < n:
+            return None
+        best: list[GPUState] | None = None
+        best_idle = 1 << 30
+        nodes = set().union(*(self.nodes_by_model[m] for m in models)) if len(models) < len(self.by_model) else self.by_node.keys()
+        for node in nodes:
+            idle = self.idle_by_node.get(node, 0)
+            if idle < n or idle >= best_idle:
+                continue
+            fit = [
+                s
+                for s in self.by_node[node]
+                if s.wholly_free and s.gpu.model in models and s.gpu.memory_mib >= req.min_memory_mib and not (blocked and blocked(s, MILLI, s.gpu.memory_mib, ""))
+            ]
+            if len(fit) >= n:
+                best, best_idle = fit[:n], idle
+                if idle == n:
+                    break
+        if best is None:
+            return None
+        return Placement(tuple(Slice(s.gpu.uuid, s.gpu.node, s.gpu.index, s.gpu.model, s.gpu.memory_mib, MILLI) for s in best))
+
+    def _place_share(self, req: Request, models, blocked) -> Placement | None:
+        best = None
+        best_key = None
+        for m in models:
+            if self.free_milli_by_model.get(m, 0) <= 0:
+                continue
+            for s in self.by_model[m]:
+                g = s.gpu
+                if g.mig or not g.healthy or g.memory_mib < req.min_memory_mib:
+                    continue
+                milli, mem = share_need(req, g)
+                if s.free_milli < milli or s.free_mem < mem:
+                    continue
+                if blocked and blocked(s, milli, mem, ""):
+                    continue
+                # fullest GPU first (already shared beats idle), then lowest index for stable results
+                key = (s.free_milli - milli, g.node, g.index)
+                if best_key is None or key < best_key:
+                    best, best_key = (s, milli, mem), key
+                    if key[0] == 0:
+                        break
+        if best is None:
+            return None
+        s, milli, mem = best
+        g = s.gpu
+        return Placement((Slice(g.uuid, g.node, g.index, g.model, mem, milli),))
+
+    def _place_mig(self, req: Request, models, blocked) -> Placement | None:
+        for m in models:
+            if self.mig_free_by_model.get(m, 0) <= 0:
+                continue
+            for s in self.by_model[m]:
+                if not s.gpu.healthy or s.gpu.memory_mib < req.min_memory_mib:
+                    continue
+                for inst in s.mig_free.values():
+                    if inst.profile == req.mig_profile and not (blocked and blocked(s, 0, inst.memory_mib, inst.uuid)):
+                        g = s.gpu
+                        milli = max(1, round(inst.memory_mib * MILLI / g.memory_mib))
+                        return Placement((Slice(g.uuid, g.node, g.index, g.model, inst.memory_mib, milli, inst.uuid, inst.profile),))
+        return None
+
+    # ----------------------------------------------------------------- occupancy
+    def take(self, lease_id: str, placement: Placement) -> None:
+        """Mark a placement as held by ``lease_id`` (grant or restore)."""
+        for sl in placement.slices:
+            s = self.gpus[sl.gpu_uuid]
+            was_free = s.wholly_free
+            if sl.mig_uuid:
+                if sl.mig_uuid not in s.mig_free:
+                    raise ValueError(f"MIG instance {sl.mig_uuid} is already held")
+                del s.mig_free[sl.mig_uuid]
+                self.mig_free_by_model[s.gpu.model] -= 1
+            else:
+                if s.free_milli < sl.share_milli or s.free_mem < sl.memory_mib:
+                    raise ValueError(f"GPU {sl.gpu_uuid} has no room for this slice")
+                s.free_milli -= sl.share_milli
+                s.free_mem -= sl.memory_mib
+                self.free_milli_by_model[s.gpu.model] -= sl.share_milli
+            s.holders[lease_id] = sl
+            if was_free:
+                self.idle_by_node[s.gpu.node] -= 1
+                self.idle_by_model[s.gpu.model] -= 1
+
+    def give(self, lease_id: str, placement: Placement) -> None:
+        """Return a placement's slices to the pool."""
+        for sl in placement.slices:
+            s = self.gpus.get(sl.gpu_uuid)
+            if s is None or s.holders.pop(lease_id, None) is None:
+                continue
+            if sl.mig_uuid:
+                inst = next((m for m in s.gpu.mig if m.uuid == sl.mig_uuid), None)
+                if inst is not None:
+                    s.mig_free[inst.uuid] = inst
+                    self.mig_free_by_model[s.gpu.model] += 1
+            else:
+                s.free_milli += sl.share_milli
+                s.free_mem += sl.memory_mib
+                self.free_milli_by_model[s.gpu.model] += sl.share_milli
+            if s.wholly_free:
+                self.idle_by_node[s.gpu.node] += 1
+                self.idle_by_model[s.gpu.model] += 1
+
+    def fits_placement(self, placement: Placement) -> bool:
+        """Whether every slice of a (restored) placement exists and still has room."""
+        for sl in placement.slices:
+            s = self.gpus.get(sl.gpu_uuid)
+            if s is None:
+                return False
+            if sl.mig_uuid:
+                if sl.mig_uuid not in s.mig_free:
+                    return False
+            elif s.gpu.mig or s.free_milli < sl.share_milli or s.free_mem < sl.memory_mib:
+                return False
+        return True
+
+    def capacity(self) -> dict[str, dict]:
+        """Per model: GPUs, idle whole GPUs, free compute (GPUs) and memory, MIG instances per profile."""
+        out: dict[str, dict] = {}
+        for m, lst in sorted(self.by_model.items()):
+            mig: dict[str, dict[str, int]] = {}
+            for s in lst:
+                for inst in s.gpu.mig:
+                    d = mig.setdefault(inst.profile, {"total": 0, "free": 0})
+                    d["total"] += 1
+                    d["free"] += inst.uuid in s.mig_free
+            plain = [s for s in lst if not s.gpu.mig and s.gpu.healthy]
+            out[m] = {
+                "gpus": len(lst),
+                "memory_mib": max(s.gpu.memory_mib for s in lst),
+                "nodes": sorted({s.gpu.node for s in lst}),
+                "idle_gpus": self.idle_by_model.get(m, 0),
+                "free_share": round(sum(s.free_milli for s in plain) / MILLI, 3),
+                "largest_free_share": round(max((s.free_milli for s in plain), default=0) / MILLI, 3),
+                "free_memory_mib": sum(s.free_mem for s in plain),
+                "mig": mig,
+                "healthy": sum(1 for s in lst if s.gpu.healthy),
+            }
+        return out

@@ -1,0 +1,1020 @@
+"""The scheduler: grants, queue order, backfill, ETAs, quotas, expiry, extension, preemption.
+
+One object holds the live (non-terminal) leases and the pool's occupancy. Every method takes
+``now`` from the caller and returns the :class:`~.events.Event` list of what changed, so the
+broker can persist each batch in one transaction and the simulator can replay a trace with
+its own clock. Nothing here does I/O.
+
+Queue order: tier priority (high first); within a tier, fair share — the user with the least
+decayed GPU usage first, where each further queued request of the same user counts as if its
+GPU-seconds were already used (weighted fair queueing, so one user's 50 requests interleave
+with others' instead of going all first); then arrival.
+
+Backfill: the first ``reservation_depth`` waiting leases get a reservation — the earliest time
+their slices free up, from the expiries of active leases and the reservations of leases ahead.
+A later lease starts now only where it fits without overlapping any reservation, so it cannot
+delay the start of any reserved lease. Leases further back than the depth get no reservation
+and no ETA (the cost of a pass stays bounded on very long queues).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import uuid as _uuid
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from . import events as ev
+from .events import Event
+from .model import (
+    GPU,
+    MILLI,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Lease,
+    LeaseState,
+    NotFound,
+    Placement,
+    Refused,
+    Request,
+    SliceKind,
+)
+from .policy import Policy, Tier
+from .pool import GPUState, Pool, share_need
+from .usage import FairShare, UsageWindow
+
+INF = math.inf
+
+
+def fmt_duration(seconds: float) -> str:
+    """'45 s', '14 min', '2 h 5 min', '3 d 4 h' — for messages people read."""
+    s = max(0, int(round(seconds)))
+    if s < 90:
+        return f"{s} s"
+    m = round(s / 60)
+    if m < 120:
+        return f"{m} min"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h} h {m} min" if m else f"{h} h"
+    d, h = divmod(h, 24)
+    return f"{d} d {h} h" if h else f"{d} d"
+
+
+class _Reservations:
+    """Pass-local plan of when GPUs free up and which are promised to whom."""
+
+    def __init__(self, sched: Scheduler, now: float):
+        self.s = sched
+        self.pool = sched.pool
+        self.now = now
+        self.avail: dict[str, float] | None = None  # GPU uuid -> time it is wholly free and unpromised
+        self.res_from: dict[str, float] = {}  # GPU uuid -> earliest start promised (whole/MIG/share)
+        self.share_res: dict[str, list[tuple[float, int, int]]] = defaultdict(list)  # uuid -> (start, milli, mem)
+        self.mig_res: dict[str, float] = {}  # MIG uuid -> start promised
+        self.mig_avail: dict[str, float] = {}  # MIG uuid -> time it frees (+ promised end)
+        self.heaps: dict[str, list[tuple[float, str]]] = {}
+        self.promised_end: dict[str, float] = {}  # GPU uuid -> end of the last promise on it
+        self.whole: set[str] = set()  # GPUs promised whole to someone
+        self.any = False
+
+    # --------------------------------------------------------------- time GPUs free up
+    def _end(self, lease_id: str) -> float:
+        l = self.s.leases.get(lease_id)
+        if l is None:
+            return self.now
+        end = l.expires_at if l.expires_at is not None else INF
+        if l.preempt_at is not None:
+            end = min(end, l.preempt_at)
+        return max(end, self.now)
+
+    def gpu_free_at(self, st: GPUState) -> float:
+        return max((self._end(h) for h in st.holders), default=self.now)
+
+    def _ensure(self) -> None:
+        if self.avail is None:
+            self.avail = {u: self.gpu_free_at(st) for u, st in self.pool.gpus.items() if not st.gpu.mig}
+
+    def refresh(self, uuids: Iterable[str]) -> None:
+        """Recompute when GPUs free up (after preemption moved some ends earlier)."""
+        for u in uuids:
+            st = self.pool.gpus[u]
+            if st.gpu.mig:
+                for sl in st.holders.values():
+                    self.mig_avail.pop(sl.mig_uuid, None)  # recomputed on next use
+                continue
+            if self.avail is None:
+                continue
+            self.avail[u] = max(self.gpu_free_at(st), self.promised_end.get(u, self.now))
+            h = self.heaps.get(st.gpu.model)
+            if h is not None:
+                heapq.heappush(h, (self.avail[u], u))
+
+    def _heap(self, model: str) -> list[tuple[float, str]]:
+        h = self.heaps.get(model)
+        if h is None:
+            self._ensure()
+            h = [(self.avail[st.gpu.uuid], st.gpu.uuid) for st in self.pool.by_model[model] if not st.gpu.mig and st.gpu.healthy]
+            heapq.heapify(h)
+            self.heaps[model] = h
+        return h
+
+    def _valid_top(self, model: str, min_mem: int, skip: set[str]) -> tuple[float, str] | None:
+        h = self._heap(model)
+        stash = []
+        found = None
+        while h:
+            t, u = h[0]
+            if self.avail[u] != t:  # stale entry
+                heapq.heappop(h)
+                continue
+            if u in skip or self.pool.gpus[u].gpu.memory_mib < min_mem:
+                stash.append(heapq.heappop(h))
+                continue
+            found = (t, u)
+            break
+        for e in stash:
+            heapq.heappush(h, e)
+        return found
+
+    # --------------------------------------------------------------- backfill guard
+    def blocker(self, end: float):
+        """A ``blocked`` callback for Pool.place: True where a slice held until ``end`` would overlap a promise."""
+        if not self.any:
+            return None
+        res_from, share_res, mig_res = self.res_from, self.share_res, self.mig_res
+
+        whole = self.whole
+
+        def blocked(st: GPUState, milli: int, mem: int, mig_uuid: str) -> bool:
+            if mig_uuid:
+                return mig_res.get(mig_uuid, INF) < end
+            u = st.gpu.uuid
+            if res_from.get(u, INF) >= end:
+                return False
+            if u in whole:
+                return True
+            rs = share_res.get(u, ())
+            r_milli = sum(m for t, m, _ in rs if t < end)
+            r_mem = sum(b for t, _, b in rs if t < end)
+            return st.free_milli - r_milli < milli or st.free_mem - r_mem < mem
+
+        return blocked
+
+    # --------------------------------------------------------------- reservations
+    def reserve(self, lease: Lease) -> tuple[float, list[str]] | None:
+        """Promise ``lease`` the slices that free up first; return (start, GPU/MIG uuids) or None."""
+        req = lease.request
+        models = self.pool.models(req.models, req.min_memory_mib)
+        if not models:
+            return None
+        d = lease.duration_s
+        if req.kind is SliceKind.GPU:
+            got = self._reserve_whole(req.gpus, models, req.min_memory_mib)
+            if got is None:
+                return None
+            t, uuids = got
+            for u in uuids:
+                self.res_from[u] = min(self.res_from.get(u, INF), t)
+                self.avail[u] = self.promised_end[u] = t + d
+                self.whole.add(u)
+                heapq.heappush(self._heap(self.pool.gpus[u].gpu.model), (t + d, u))
+        elif req.kind is SliceKind.SHARE:
+            got = self._reserve_share(req, models)
+            if got is None:
+                return None
+            t, uuids, milli, mem = got
+            u = uuids[0]
+            self.res_from[u] = min(self.res_from.get(u, INF), t)
+            self.share_res[u].append((t, milli, mem))
+            self.promised_end[u] = max(self.promised_end.get(u, self.now), t + d)
+            self.avail[u] = max(self.avail[u], t + d)
+            heapq.heappush(self._heap(self.pool.gpus[u].gpu.model), (self.avail[u], u))
+        else:
+            got = self._reserve_mig(req, models)
+            if got is None:
+                return None
+            t, uuids = got
+            self.mig_res[uuids[0]] = min(self.mig_res.get(uuids[0], INF), t)
+            self.mig_avail[uuids[0]] = t + d
+        self.any = True
+        return got[0], got[1]
+
+    def _reserve_whole(self, n: int, models: tuple[str, ...], min_mem: int) -> tuple[float, list[str]] | None:
+        self._ensure()
+        if n == 1:
+            best = None
+            for m in models:
+                top = self._valid_top(m, min_mem, set())
+                if top and (best is None or top < best):
+                    best = top
+            return (best[0], [best[1]]) if best else None
+        best_t, best_u = INF, None
+        nodes = set().union(*(self.pool.nodes_by_model[m] for m in models))
+        for node in nodes:
+            times = sorted(
+                (self.avail[st.gpu.uuid], st.gpu.uuid)
+                for st in self.pool.by_node[node]
+                if not st.gpu.mig and st.gpu.healthy and st.gpu.model in models and st.gpu.memory_mib >= min_mem
+            )
+            if len(times) >= n and times[n - 1][0] < best_t:
+                best_t, best_u = times[n - 1][0], [u for _, u in times[:n]]
+        return (best_t, best_u) if best_u else None
+
+    def _share_fit_time(self, st: GPUState, milli: int, mem: int) -> float:
+        """Earliest time a (milli, mem) share fits on ``st``, given its holders' ends and promises."""
+        u = st.gpu.uuid
+        if u in self.whole:
+            return self.avail[u]
+        r_milli = sum(m for _, m, _ in self.share_res.get(u, ()))
+        r_mem = sum(b for _, _, b in self.share_res.get(u, ()))
+        free_m, free_b = st.free_milli - r_milli, st.free_mem - r_mem
+        if free_m >= milli and free_b >= mem:
+            return self.now
+        for t, lid in sorted((self._end(h), h) for h in st.holders):
+            sl = st.holders[lid]
+            free_m += sl.share_milli
+            free_b += sl.memory_mib
+            if free_m >= milli and free_b >= mem:
+                return t
+        return INF
+
+    def _reserve_share(self, req: Request, models) -> tuple[float, list[str], int, int] | None:
+        best = None
+        for m in models:
+            h = self._heap(m)
+            # look at the GPUs that free up first, and at any GPU already shared (a share may fit sooner)
+            cands = {u for _, u in heapq.nsmallest(16, h)}
+            cands.update(st.gpu.uuid for st in self.pool.by_model[m] if st.holders and st.free_milli > 0 and not st.gpu.mig)
+            for u in cands:
+                st = self.pool.gpus[u]
+                if st.gpu.mig or not st.gpu.healthy or st.gpu.memory_mib < req.min_memory_mib:
+                    continue
+                milli, mem = share_need(req, st.gpu)
+                t = self._share_fit_time(st, milli, mem)
+                if t < INF and (best is None or (t, u) < (best[0], best[1][0])):
+                    best = (t, [u], milli, mem)
+        return best
+
+    def _reserve_mig(self, req: Request, models) -> tuple[float, list[str]] | None:
+        best = None
+        for m in models:
+            for st in self.pool.by_model[m]:
+                if not st.gpu.healthy or st.gpu.memory_mib < req.min_memory_mib:
+                    continue
+                held = {sl.mig_uuid: lid for lid, sl in st.holders.items()}
+                for inst in st.gpu.mig:
+                    if inst.profile != req.mig_profile:
+                        continue
+                    t = self.mig_avail.get(inst.uuid)
+                    if t is None:
+                        t = self._end(held[inst.uuid]) if inst.uuid in held else self.now
+                        self.mig_avail[inst.uuid] = t
+                    if best is None or t < best[0]:
+                        best = (t, [inst.uuid])
+        return best
+
+
+class Scheduler:
+    """Decides grants, queue order, ETAs, expiry, extension and preemption for one pool."""
+
+    def __init__(self, inventory: Iterable[GPU], policy: Policy | None = None):
+        self.policy = policy or Policy()
+        gpus = list(inventory)
+        self.inventory: dict[str, GPU] = {g.uuid: g for g in gpus}
+        self.pool = Pool(gpus)
+        self.leases: dict[str, Lease] = {}
+        self._queued: dict[str, dict[str, list[Lease]]] = defaultdict(dict)  # tier -> user -> leases by seq
+        self._n_queued = 0
+        self._seq = 0
+        self._dl: list[tuple[float, int, str, str]] = []  # deadlines: (time, n, kind, lease id)
+        self._dl_n = 0
+        self._fair = FairShare(self.policy.fair_share_half_life_s)
+        self._window = UsageWindow()
+        self._held_user: dict[str, int] = defaultdict(int)
+        self._held_group: dict[str, int] = defaultdict(int)
+        self._active_by_user: dict[str, set[str]] = defaultdict(set)
+        self._eta: dict[str, float] = {}
+        self._waiting: dict[str, str] = {}
+        self._reserved_by: dict[str, str] = {}  # GPU uuid -> queued lease promised it (last pass)
+        self._preempting_for: dict[str, set[str]] = {}
+        self._order: list[Lease] | None = None
+        self._pos: dict[str, int] | None = None
+        self._dirty = True
+        self._restore_failed: list[tuple[str, str]] = []
+        self.last_pass_now: float = 0.0
+        self.passes = 0
+
+    # ================================================================== requests
+    def new_lease(
+        self,
+        *,
+        user: str,
+        request: Request,
+        now: float,
+        tier: str | None = None,
+        duration_s: float | None = None,
+        server: str = "",
+        groups: Iterable[str] = (),
+        max_wait_s: float | None = None,
+        lease_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Lease:
+        """Validate a request and build its (queued, not yet submitted) lease.
+
+        Raises BadRequest (malformed), Forbidden (tier not allowed) or Refused (can never be
+        granted), each with a message a person can act on.
+        """
+        pol = self.policy
+        if not isinstance(user, str) or not user:
+            raise BadRequest("'user' must be a non-empty string", field="user")
+        groups = tuple(groups)
+        tname = tier or pol.default_tier
+        if not isinstance(tname, str) or tname not in pol.tiers:
+            raise BadRequest(f"unknown tier {tname!r}; tiers: {', '.join(sorted(pol.tiers))}", field="tier")
+        t = pol.tiers[tname]
+        if not t.allows(user, groups):
+            allowed = [n for n, x in pol.tiers.items() if x.allows(user, groups)]
+            raise Forbidden(f"{user} may not use tier {tname!r}; tiers open to {user}: {', '.join(allowed) or 'none'}", field="tier")
+        if duration_s is None:
+            duration_s = t.default_duration_s
+        if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not duration_s > 0 or duration_s == INF:
+            raise BadRequest(f"'duration_s' must be a positive number of seconds, got {duration_s!r}", field="duration_s")
+        if duration_s > t.max_duration_s:
+            raise BadRequest(
+                f"'duration_s' of {fmt_duration(duration_s)} is over the {fmt_duration(t.max_duration_s)} limit of tier {tname!r}; ask for at most {int(t.max_duration_s)} s",
+                field="duration_s",
+            )
+        if max_wait_s is not None and (isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or max_wait_s < 0):
+            raise BadRequest(f"'max_wait_s' must be a number of seconds >= 0, got {max_wait_s!r}", field="max_wait_s")
+        why = self.pool.why_never(request)
+        if why:
+            raise Refused(f"this request can never be granted: {why}", field="model" if "model" in why else "request")
+        milli = self.pool.gpu_milli_of(request)
+        self._check_hard_quota(user, groups, milli, duration_s, now)
+        return Lease(
+            id=lease_id or _uuid.uuid4().hex[:16],
+            user=user,
+            request=request,
+            tier=tname,
+            duration_s=float(duration_s),
+            created_at=now,
+            server=server or "",
+            groups=groups,
+            max_wait_s=max_wait_s,
+            meta=dict(meta or {}),
+        )
+
+    def _check_hard_quota(self, user: str, groups: tuple[str, ...], milli: int, duration_s: float, now: float) -> None:
+        pol = self.policy
+        scopes = [("you", user, pol.quota_for_user(user))] + [(f"group {g}", g, pol.group_quotas[g]) for g in groups if g in pol.group_quotas]
+        for who, key, q in scopes:
+            if q.max_gpus is not None and milli > q.max_gpus * MILLI:
+                raise Refused(f"asks for {milli / MILLI:g} GPUs, over the limit of {q.max_gpus:g} concurrent GPUs for {who}", field="gpus")
+            if q.gpu_hours is not None:
+                wkey = ("g:" if who != "you" else "u:") + key
+                used_h = self._window.used_s(wkey, now, q.period_s) / 3600 + self._active_gpu_hours(key, who != "you", now, q.period_s)
+                want_h = milli / MILLI * duration_s / 3600
+                if used_h + want_h > q.gpu_hours + 1e-9:
+                    left = max(0.0, q.gpu_hours - used_h)
+                    raise Refused(
+                        f"over the GPU-hour quota for {who}: {used_h:.1f} of {q.gpu_hours:g} GPU-hours used in the last {fmt_duration(q.period_s)}, "
+                        f"this asks for {want_h:.1f}; {left:.1f} left — ask for a shorter duration or fewer GPUs",
+                        field="duration_s",
+                    )
+
+    def _active_gpu_hours(self, key: str, is_group: bool, now: float, period_s: float) -> float:
+        total = 0.0
+        for l in self.leases.values():
+            if l.state is LeaseState.ACTIVE and ((key in l.groups) if is_group else (l.user == key)):
+                total += (now - max(l.granted_at or now, now - period_s)) * l.gpu_milli / MILLI
+        return total / 3600
+
+    def submit(self, lease: Lease, now: float, actor: str = "") -> list[Event]:
+        """Put a lease from :meth:`new_lease` in the queue."""
+        if lease.id in self.leases:
+            raise Conflict(f"lease {lease.id} already exists")
+        self._seq += 1
+        lease.seq = self._seq
+        lease.state = LeaseState.QUEUED
+        self.leases[lease.id] = lease
+        self._enqueue(lease)
+        if lease.max_wait_s is not None:
+            self._deadline(lease.created_at + lease.max_wait_s, "maxwait", lease.id)
+        self._dirty = True
+        return [Event(lease.id, ev.REQUESTED, now, "", LeaseState.QUEUED.value, actor=actor or lease.user, data={"request": lease.request.to_dict(), "tier": lease.tier}, lease=lease)]
+
+    def _enqueue(self, lease: Lease) -> None:
+        per_user = self._queued[lease.tier]
+        lst = per_user.setdefault(lease.user, [])
+        if lst and lst[-1].seq > lease.seq:
+            lst.append(lease)
+            lst.sort(key=lambda l: l.seq)
+        else:
+            lst.append(lease)
+        self._n_queued += 1
+        self._order = None
+
+    def _dequeue(self, lease: Lease) -> None:
+        per_user = self._queued.get(lease.tier, {})
+        lst = per_user.get(lease.user)
+        if lst is not None:
+            try:
+                lst.remove(lease)
+                self._n_queued -= 1
+            except ValueError:
+                pass
+            if not lst:
+                del per_user[lease.user]
+        self._order = None
+
+    # ================================================================== lease calls
+    def get(self, lease_id: str) -> Lease:
+        l = self.leases.get(lease_id)
+        if l is None:
+            raise NotFound(f"no live lease {lease_id!r}")
+        return l
+
+    def release(self, lease_id: str, now: float, *, state: LeaseState = LeaseState.RELEASED, reason: str = "", actor: str = "") -> list[Event]:
+        """End a lease: a queued one is withdrawn, an active one ends in ``state``."""
+        l = self.get(lease_id)
+        if l.state is LeaseState.QUEUED:
+            return self._end(l, LeaseState.WITHDRAWN, now, reason or "withdrawn by its requester", actor)
+        if not state.terminal or state in (LeaseState.WITHDRAWN,):
+            raise BadRequest(f"cannot end an active lease as {state.value!r}", field="state")
+        return self._end(l, state, now, reason or "released by its holder", actor)
+
+    def extend(self, lease_id: str, now: float, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> list[Event]:
+        """Move ``expires_at`` later, within the tier's limits."""
+        l = self.leases.get(lease_id)
+        if l is None:
+            raise NotFound(f"no live lease {lease_id!r}")
+        if l.state is not LeaseState.ACTIVE:
+            raise Conflict(f"lease {lease_id} is {l.state.value}; only an active lease can be extended")
+        if (by_s is None) == (until is None):
+            raise BadRequest("give exactly one of 'by_s' (seconds to add) or 'until' (new expiry, epoch seconds)", field="by_s")
+        for name, v in (("by_s", by_s), ("until", until)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (INF, -INF)):
+                raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name)
+        new = until if until is not None else l.expires_at + by_s
+        if new <= l.expires_at:
+            raise BadRequest(f"the new expiry must be later than the current one ({fmt_duration(l.expires_at - now)} from now)", field="by_s" if by_s is not None else "until")
+        if l.preempt_at is not None:
+            raise Conflict(f"lease {lease_id} is being preempted (ends in {fmt_duration(l.preempt_at - now)}); it cannot be extended")
+        t = self.policy.tier(l.tier)
+        if new - now > t.max_duration_s + 1e-6:
+            raise Refused(
+                f"tier {t.name!r} allows at most {fmt_duration(t.max_duration_s)} ahead; you can extend until {fmt_duration(t.max_duration_s)} from now",
+                field="by_s" if by_s is not None else "until",
+            )
+        if t.max_lifetime_s is not None and new - l.granted_at > t.max_lifetime_s + 1e-6:
+            raise Refused(
+                f"tier {t.name!r} caps a lease at {fmt_duration(t.max_lifetime_s)} in all; this one may run until {fmt_duration(l.granted_at + t.max_lifetime_s - now)} from now",
+                field="by_s" if by_s is not None else "until",
+            )
+        if not self.policy.extend_when_contended:
+            for sl in l.placement.slices:
+                waiter = self._reserved_by.get(sl.mig_uuid or sl.gpu_uuid)
+                if waiter and waiter in self.leases:
+                    w = self.leases[waiter]
+                    raise Refused(
+                        f"cannot extend: {'someone' if w.user != l.user else 'your other lease'} is waiting for this GPU "
+                        f"(queued {fmt_duration(now - w.created_at)} ago, tier {w.tier}); release it when you are done",
+                        field="by_s" if by_s is not None else "until",
+                    )
+        self._check_hard_quota(l.user, l.groups, 0, 0, now)  # over the window already: refuse below
+        for who, key, q in [("you", l.user, self.policy.quota_for_user(l.user))]:
+            if q.gpu_hours is not None:
+                used_h = self._window.used_s("u:" + key, now, q.period_s) / 3600 + (l.expires_at - (l.granted_at or now)) * l.gpu_milli / MILLI / 3600
+                if used_h + (new - l.expires_at) * l.gpu_milli / MILLI / 3600 > q.gpu_hours + 1e-9:
+                    raise Refused(f"extending would go over the GPU-hour quota for {who} ({q.gpu_hours:g} GPU-hours per {fmt_duration(q.period_s)})", field="by_s")
+        old = l.expires_at
+        l.expires_at = new
+        l.warned_at = None
+        self._push_expiry_deadlines(l, now)
+        self._dirty = True  # ETAs move
+        return [Event(l.id, ev.EXTENDED, now, l.state.value, l.state.value, actor=actor or l.user, data={"from": old, "to": new}, lease=l)]
+
+    def confirm(self, lease_id: str, now: float, actor: str = "") -> list[Event]:
+        """The holder says the server using this lease is up."""
+        l = self.get(lease_id)
+        if l.state is not LeaseState.ACTIVE:
+            raise Conflict(f"lease {lease_id} is {l.state.value}; only an active lease can be confirmed")
+        l.last_heartbeat = now
+        if l.confirmed_at is not None:
+            return []
+        l.confirmed_at = now
+        return [Event(l.id, ev.CONFIRMED, now, l.state.value, l.state.value, actor=actor or l.user, lease=l)]
+
+    def heartbeat(self, lease_id: str, now: float, usage: dict | None = None) -> list[Event]:
+        """The holder is alive; ``usage`` is its latest sample. Confirms an unconfirmed lease."""
+        l = self.get(lease_id)
+        if usage is not None:
+            if not isinstance(usage, dict):
+                raise BadRequest("'usage' must be an object", field="usage")
+            l.usage = dict(usage)
+        if l.state is LeaseState.QUEUED:
+            return []
+        l.last_heartbeat = now
+        if self.policy.heartbeat_timeout_s:
+            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
+        if l.confirmed_at is None:
+            l.confirmed_at = now
+            return [Event(l.id, ev.CONFIRMED, now, l.state.value, l.state.value, actor=l.user, lease=l)]
+        return []
+
+    # ================================================================== time
+    def _deadline(self, t: float, kind: str, lease_id: str) -> None:
+        self._dl_n += 1
+        heapq.heappush(self._dl, (t, self._dl_n, kind, lease_id))
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` next has time-driven work (None: none pending). For simulators."""
+        while self._dl and self._dl[0][3] not in self.leases:
+            heapq.heappop(self._dl)
+        return self._dl[0][0] if self._dl else None
+
+    def _push_expiry_deadlines(self, l: Lease, now: float) -> None:
+        self._deadline(l.expires_at, "expire", l.id)
+        if self.policy.warn_before_s and l.warned_at is None:
+            self._deadline(max(now, l.expires_at - self.policy.warn_before_s), "warn", l.id)
+
+    def tick(self, now: float) -> list[Event]:
+        """Apply what time brings (expiry, warnings, grace ends, wait limits, timeouts), then schedule."""
+        out: list[Event] = []
+        for lid, why in self._restore_failed:
+            l = self.leases.get(lid)
+            if l is not None:
+                out += self._end(l, LeaseState.FAILED, now, why, "broker")
+        self._restore_failed = []
+        pol = self.policy
+        while self._dl and self._dl[0][0] <= now:
+            t, _, kind, lid = heapq.heappop(self._dl)
+            l = self.leases.get(lid)
+            if l is None:
+                continue
+            if kind == "expire":
+                if l.state is LeaseState.ACTIVE and l.expires_at <= now:
+                    out += self._end(l, LeaseState.EXPIRED, l.expires_at, f"its time limit of {fmt_duration(l.expires_at - l.granted_at)} ran out", "broker")
+            elif kind == "warn":
+                if l.state is LeaseState.ACTIVE and l.warned_at is None and l.expires_at - pol.warn_before_s <= now < l.expires_at:
+                    l.warned_at = now
+                    out.append(
+                        Event(l.id, ev.WARNED, now, "active", "active", f"this lease expires in {fmt_duration(l.expires_at - now)}", "broker", {"expires_at": l.expires_at}, lease=l)
+                    )
+            elif kind == "preempt":
+                if l.state is LeaseState.ACTIVE and l.preempt_at is not None and l.preempt_at <= now:
+                    w = self.leases.get(l.preempted_for)
+                    for_what = f"a waiting {w.tier} lease" if w else "a higher-tier lease"
+                    out += self._end(l, LeaseState.PREEMPTED, l.preempt_at, f"preempted for {for_what}", "broker")
+            elif kind == "maxwait":
+                if l.state is LeaseState.QUEUED and l.max_wait_s is not None and l.created_at + l.max_wait_s <= now:
+                    out += self._end(l, LeaseState.WITHDRAWN, l.created_at + l.max_wait_s, f"not granted within its wait limit of {fmt_duration(l.max_wait_s)}", "broker")
+            elif kind == "confirm":
+                if l.state is LeaseState.ACTIVE and l.confirmed_at is None and pol.confirm_timeout_s is not None:
+                    out += self._end(l, LeaseState.REVOKED, now, f"never confirmed by its holder within {fmt_duration(pol.confirm_timeout_s)} of the grant", "broker")
+            elif kind == "heartbeat":
+                if l.state is LeaseState.ACTIVE and pol.heartbeat_timeout_s:
+                    last = l.last_heartbeat or l.confirmed_at or l.granted_at
+                    if last + pol.heartbeat_timeout_s <= now:
+                        out += self._end(l, LeaseState.REVOKED, now, f"its holder stopped sending heartbeats ({fmt_duration(now - last)} without one)", "broker")
+        if self._dirty or out:
+            out += self.schedule(now)
+        return out
+
+    # ================================================================== the pass
+    def _user_usage(self, user: str, now: float) -> float:
+        v = self._fair.value(user, now)
+        for lid in self._active_by_user.get(user, ()):
+            l = self.leases[lid]
+            v += (now - l.granted_at) * l.gpu_milli / MILLI
+        return v
+
+    def _iter_order(self, now: float) -> Iterator[Lease]:
+        tiers = sorted((t for t in self.policy.tiers.values() if self._queued.get(t.name)), key=lambda t: -t.priority)
+        for t in tiers:
+            per_user = self._queued[t.name]
+            if len(per_user) == 1:
+                yield from list(next(iter(per_user.values())))
+                continue
+            if not self.policy.fair_share:
+                yield from heapq.merge(*(list(v) for v in per_user.values()), key=lambda l: l.seq)
+                continue
+            heap = []
+            for u, lst in per_user.items():
+                heap.append((self._user_usage(u, now), lst[0].seq, u, 0, list(lst)))
+            heapq.heapify(heap)
+            while heap:
+                key, _, u, i, lst = heap[0]
+                l = lst[i]
+                yield l
+                i += 1
+                if i < len(lst):
+                    heapq.heapreplace(heap, (key + l.gpu_milli / MILLI * l.duration_s, lst[i].seq, u, i, lst))
+                else:
+                    heapq.heappop(heap)
+
+    def _quota_block(self, l: Lease, milli: int) -> str:
+        """Why a concurrent-GPU quota holds this lease back now ('' if it doesn't)."""
+        pol = self.policy
+        q = pol.quota_for_user(l.user)
+        if q.max_gpus is not None and self._held_user[l.user] + milli > q.max_gpus * MILLI:
+            return f"your quota of {q.max_gpus:g} concurrent GPUs is in use ({self._held_user[l.user] / MILLI:g} held); it starts when you release some"
+        for g in l.groups:
+            gq = pol.group_quotas.get(g)
+            if gq is not None and gq.max_gpus is not None and self._held_group[g] + milli > gq.max_gpus * MILLI:
+                return f"group {g}'s quota of {gq.max_gpus:g} concurrent GPUs is in use"
+        return ""
+
+    def _has_room(self) -> bool:
+        p = self.pool
+        return any(p.idle_by_model.values()) or any(v > 0 for v in p.free_milli_by_model.values()) or any(p.mig_free_by_model.values())
+
+    def schedule(self, now: float) -> list[Event]:
+        """One scheduling pass: grant what fits in queue order, reserve for the first waiters, preempt."""
+        self.passes += 1
+        self._dirty = False
+        self.last_pass_now = now
+        self._order = None
+        self._eta.clear()
+        self._waiting.clear()
+        self._reserved_by.clear()
+        if not self._n_queued:
+            return []
+        pol = self.policy
+        out: list[Event] = []
+        res = _Reservations(self, now)
+        depth = pol.reservation_depth
+        failed: dict[tuple, float] = {}  # shape -> shortest duration that did not fit now
+        no_victims: set[tuple] = set()
+        room = self._has_room()
+        blocked_head = False  # strict FCFS (no backfill): nothing passes a lease that could not start
+        preempt_tiers = self._tiers_with_victims() if pol.preemption else {}
+        for l in self._iter_order(now):
+            if depth <= 0 and not room:
+                break
+            req = l.request
+            milli = l.gpu_milli if req.kind is not SliceKind.MIG else self.pool.gpu_milli_of(req)
+            qmsg = self._quota_block(l, milli) if (pol.user_quotas or pol.group_quotas or pol.default_user_quota.max_gpus is not None) else ""
+            if qmsg:
+                self._waiting[l.id] = qmsg
+                continue
+            placement = None
+            if room and not blocked_head:
+                key = req.shape()
+                f = failed.get(key)
+                if f is None or l.duration_s < f:
+                    placement = self.pool.place(req, res.blocker(now + l.duration_s))
+                    if placement is None:
+                        failed[key] = l.duration_s if f is None else min(f, l.duration_s)
+            if placement is not None:
+                out += self._grant(l, placement, now)
+                room = self._has_room()
+                continue
+            if not pol.backfill:
+                blocked_head = True
+            if depth <= 0:
+                continue
+            depth -= 1
+            victims_tiers = preempt_tiers.get(l.tier)
+            if victims_tiers and l.id not in self._preempting_for:
+                vkey = (req.shape(), l.tier)
+                if vkey not in no_victims:
+                    victims = self._choose_victims(l, now, victims_tiers, res)
+                    if victims:
+                        out += self._start_preemption(l, victims, now)
+                        res.refresh({sl.gpu_uuid for v in victims for sl in v.placement.slices})
+                    else:
+                        no_victims.add(vkey)
+            got = res.reserve(l)
+            if got is None:
+                self._waiting[l.id] = f"waiting for {req.describe()}: no slice is expected to free up"
+                continue
+            t, uuids = got
+            self._eta[l.id] = t
+            for u in uuids:
+                self._reserved_by.setdefault(u, l.id)
+            if l.id in self._preempting_for:
+                self._waiting[l.id] = f"waiting for {req.describe()}: lower-tier leases are being preempted for it"
+            else:
+                self._waiting[l.id] = f"waiting for {req.describe()}"
+        return out
+
+    def _grant(self, l: Lease, placement: Placement, now: float) -> list[Event]:
+        self.pool.take(l.id, placement)
+        self._dequeue(l)
+        l.state = LeaseState.ACTIVE
+        l.placement = placement
+        l.granted_at = now
+        l.expires_at = now + l.duration_s
+        m = placement.gpu_milli
+        self._held_user[l.user] += m
+        for g in l.groups:
+            self._held_group[g] += m
+        self._active_by_user[l.user].add(l.id)
+        self._push_expiry_deadlines(l, now)
+        if self.policy.confirm_timeout_s is not None:
+            self._deadline(now + self.policy.confirm_timeout_s, "confirm", l.id)
+        if self.policy.heartbeat_timeout_s:
+            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
+        out = [
+            Event(
+                l.id,
+                ev.GRANTED,
+                now,
+                "queued",
+                "active",
+                f"granted after waiting {fmt_duration(now - l.created_at)}",
+                "broker",
+                {"placement": placement.to_dict(), "expires_at": l.expires_at, "waited_s": now - l.created_at},
+                lease=l,
+            )
+        ]
+        out += self._cancel_preemption(l, now, "the lease it was for started elsewhere")
+        return out
+
+    def _end(self, l: Lease, state: LeaseState, now: float, reason: str, actor: str) -> list[Event]:
+        prev = l.state
+        if prev.terminal:
+            raise Conflict(f"lease {l.id} already ended ({prev.value})")
+        out: list[Event] = []
+        if prev is LeaseState.ACTIVE:
+            self.pool.give(l.id, l.placement)
+            m = l.placement.gpu_milli
+            self._held_user[l.user] -= m
+            for g in l.groups:
+                self._held_group[g] -= m
+            self._active_by_user[l.user].discard(l.id)
+            self.record_usage(l.user, l.groups, l.granted_at, now, m)
+            if l.preempted_for:
+                s = self._preempting_for.get(l.preempted_for)
+                if s is not None:
+                    s.discard(l.id)
+        else:
+            self._dequeue(l)
+            out += self._cancel_preemption(l, now, "the lease it was for left the queue")
+        l.state = state
+        l.ended_at = now
+        l.end_reason = reason
+        del self.leases[l.id]
+        self._eta.pop(l.id, None)
+        self._waiting.pop(l.id, None)
+        self._dirty = True
+        out.insert(0, Event(l.id, ev.ENDED, now, prev.value, state.value, reason, actor, lease=l))
+        return out
+
+    # ================================================================== preemption
+    def _tiers_with_victims(self) -> dict[str, set[str]]:
+        """For each tier: the tiers it may preempt that hold active leases now."""
+        active_tiers = {l.tier for l in self.leases.values() if l.state is LeaseState.ACTIVE and l.preempt_at is None}
+        out = {}
+        for t in self.policy.tiers.values():
+            can = {v for v in active_tiers if self.policy.tiers[v].can_be_preempted_by(t)}
+            if can:
+                out[t.name] = can
+        return out
+
+    def _choose_victims(self, l: Lease, now: float, victim_tiers: set[str], res: _Reservations) -> list[Lease]:
+        """Leases whose preemption frees room for ``l`` with the least lost work; [] if none will do."""
+        req = l.request
+        models = self.pool.models(req.models, req.min_memory_mib)
+
+        def ok(lid: str) -> bool:
+            v = self.leases[lid]
+            return v.preempt_at is None and v.tier in victim_tiers
+
+        def lost(lids) -> float:
+            return sum((now - self.leases[x].granted_at) * self.leases[x].gpu_milli for x in lids)
+
+        if req.kind is SliceKind.GPU:
+            best: tuple[float, list[str]] | None = None
+            nodes = set().union(*(self.pool.nodes_by_model[m] for m in models))
+            for node in nodes:
+                cands = []
+                for st in self.pool.by_node[node]:
+                    g = st.gpu
+                    if g.mig or not g.healthy or g.model not in models or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
+                        continue
+                    if not st.holders:
+                        cands.append((0.0, g.uuid, []))
+                    elif all(ok(h) for h in st.holders):
+                        cands.append((lost(st.holders), g.uuid, list(st.holders)))
+                if len(cands) >= req.gpus:
+                    cands.sort()
+                    pick = cands[: req.gpus]
+                    cost = sum(c for c, _, _ in pick)
+                    vs = [h for _, _, hs in pick for h in hs]
+                    if vs and (best is None or cost < best[0]):
+                        best = (cost, vs)
+            return [self.leases[x] for x in dict.fromkeys(best[1])] if best else []
+        if req.kind is SliceKind.SHARE:
+            best = None
+            for m in models:
+                for st in self.pool.by_model[m]:
+                    g = st.gpu
+                    if g.mig or not g.healthy or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
+                        continue
+                    milli, mem = share_need(req, g)
+                    fm, fb = st.free_milli, st.free_mem
+                    chosen = []
+                    for c, h in sorted((lost([h]), h) for h in st.holders if ok(h)):
+                        if fm >= milli and fb >= mem:
+                            break
+                        sl = st.holders[h]
+                        fm += sl.share_milli
+                        fb += sl.memory_mib
+                        chosen.append((c, h))
+                    if chosen and fm >= milli and fb >= mem:
+                        cost = sum(c for c, _ in chosen)
+                        if best is None or cost < best[0]:
+                            best = (cost, [h for _, h in chosen])
+            return [self.leases[x] for x in best[1]] if best else []
+        best = None
+        for m in models:
+            for st in self.pool.by_model[m]:
+                for lid, sl in st.holders.items():
+                    if sl.mig_profile == req.mig_profile and ok(lid) and sl.mig_uuid not in res.mig_res:
+                        c = lost([lid])
+                        if best is None or c < best[0]:
+                            best = (c, lid)
+        return [self.leases[best[1]]] if best else []
+
+    def _start_preemption(self, waiter: Lease, victims: list[Lease], now: float) -> list[Event]:
+        out = []
+        self._preempting_for[waiter.id] = set()
+        for v in victims:
+            grace = self.policy.tier(v.tier).grace_s
+            v.preempt_at = now + grace
+            v.preempted_for = waiter.id
+            self._preempting_for[waiter.id].add(v.id)
+            self._deadline(v.preempt_at, "preempt", v.id)
+            out.append(
+                Event(
+                    v.id,
+                    ev.PREEMPT_WARNED,
+                    now,
+                    "active",
+                    "active",
+                    f"a {waiter.tier} lease needs this GPU: this lease ends in {fmt_duration(grace)}; save your work",
+                    "broker",
+                    {"preempt_at": v.preempt_at, "for_tier": waiter.tier},
+                    lease=v,
+                )
+            )
+        return out
+
+    def _cancel_preemption(self, waiter: Lease, now: float, why: str) -> list[Event]:
+        vids = self._preempting_for.pop(waiter.id, None)
+        out = []
+        for vid in vids or ():
+            v = self.leases.get(vid)
+            if v is not None and v.preempt_at is not None and v.preempted_for == waiter.id:
+                v.preempt_at = None
+                v.preempted_for = ""
+                out.append(Event(v.id, ev.PREEMPT_CANCELLED, now, "active", "active", f"preemption called off: {why}", "broker", lease=v))
+        return out
+
+    # ================================================================== restore, history, inventory
+    def restore(self, leases: Iterable[Lease]) -> None:
+        """Take back the live leases of a previous run (after a broker restart)."""
+        for l in sorted(leases, key=lambda x: x.seq):
+            if l.state.terminal:
+                continue
+            self._seq = max(self._seq, l.seq)
+            self.leases[l.id] = l
+            if l.state is LeaseState.QUEUED:
+                self._enqueue(l)
+                if l.max_wait_s is not None:
+                    self._deadline(l.created_at + l.max_wait_s, "maxwait", l.id)
+                continue
+            if l.placement is None or not self.pool.fits_placement(l.placement):
+                # keep it queued-free: account nothing, fail it on the next tick
+                self._restore_failed.append((l.id, "its GPUs are no longer in the pool (or already held) after a restart"))
+                l.state = LeaseState.QUEUED  # not holding anything; ended as failed on the next tick
+                self._enqueue(l)
+                continue
+            self.pool.take(l.id, l.placement)
+            m = l.placement.gpu_milli
+            self._held_user[l.user] += m
+            for g in l.groups:
+                self._held_group[g] += m
+            self._active_by_user[l.user].add(l.id)
+            self._deadline(l.expires_at, "expire", l.id)
+            if self.policy.warn_before_s and l.warned_at is None:
+                self._deadline(l.expires_at - self.policy.warn_before_s, "warn", l.id)
+            if l.preempt_at is not None:
+                self._deadline(l.preempt_at, "preempt", l.id)
+                if l.preempted_for:
+                    self._preempting_for.setdefault(l.preempted_for, set()).add(l.id)
+            if l.confirmed_at is None and self.policy.confirm_timeout_s is not None:
+                self._deadline(l.granted_at + self.policy.confirm_timeout_s, "confirm", l.id)
+            if self.policy.heartbeat_timeout_s:
+                self._deadline((l.last_heartbeat or l.confirmed_at or l.granted_at) + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
+        self._dirty = True
+
+    def record_usage(self, user: str, groups: Iterable[str], start: float, end: float, gpu_milli: int) -> None:
+        """Count GPU use that ended (here, or in history loaded at start) for fair share and quotas."""
+        if end <= start or gpu_milli <= 0:
+            return
+        self._fair.add(user, (end - start) * gpu_milli / MILLI, end)
+        self._window.add("u:" + user, start, end, gpu_milli)
+        for g in groups:
+            self._window.add("g:" + g, start, end, gpu_milli)
+
+    def set_inventory(self, gpus: Iterable[GPU], now: float) -> list[Event]:
+        """Replace the inventory; leases on GPUs that left the pool fail."""
+        gpus = list(gpus)
+        self.inventory = {g.uuid: g for g in gpus}
+        self.pool = Pool(gpus)
+        out: list[Event] = []
+        for l in list(self.leases.values()):
+            if l.state is LeaseState.ACTIVE:
+                if self.pool.fits_placement(l.placement):
+                    self.pool.take(l.id, l.placement)
+                else:
+                    out += self._end_lost(l, now)
+        for l in list(self.leases.values()):
+            if l.state is LeaseState.QUEUED:
+                why = self.pool.why_never(l.request)
+                if why:
+                    out += self._end(l, LeaseState.FAILED, now, f"can no longer be granted: {why}", "broker")
+        self._dirty = True
+        return out
+
+    def _end_lost(self, l: Lease, now: float) -> list[Event]:
+        # its slices are not in the new pool: end it without giving them back
+        m = l.placement.gpu_milli
+        self._held_user[l.user] -= m
+        for g in l.groups:
+            self._held_group[g] -= m
+        self._active_by_user[l.user].discard(l.id)
+        self.record_usage(l.user, l.groups, l.granted_at, now, m)
+        prev = l.state
+        l.state, l.ended_at, l.end_reason = LeaseState.FAILED, now, "its GPU left the pool"
+        del self.leases[l.id]
+        self._dirty = True
+        return [Event(l.id, ev.ENDED, now, prev.value, l.state.value, l.end_reason, "broker", lease=l)]
+
+    # ================================================================== views
+    def queue(self) -> list[Lease]:
+        """Queued leases in scheduling order, as of the last pass."""
+        if self._order is None:
+            self._order = list(self._iter_order(self.last_pass_now))
+            self._pos = None
+        return self._order
+
+    def queue_position(self, lease_id: str) -> tuple[int, int]:
+        order = self.queue()
+        if self._pos is None:
+            self._pos = {l.id: i for i, l in enumerate(order)}
+        i = self._pos.get(lease_id)
+        if i is None:
+            raise NotFound(f"lease {lease_id!r} is not in the queue")
+        return i + 1, len(order)
+
+    def eta(self, lease_id: str) -> float | None:
+        return self._eta.get(lease_id)
+
+    def waiting_for(self, lease_id: str) -> str:
+        w = self._waiting.get(lease_id)
+        if w:
+            return w
+        l = self.leases.get(lease_id)
+        return f"waiting for {l.request.describe()}" if l else ""
+
+    def queue_info(self, lease_id: str) -> dict[str, Any] | None:
+        """What a queued lease's holder wants to know: position, length, ETA, what it waits for."""
+        l = self.leases.get(lease_id)
+        if l is None or l.state is not LeaseState.QUEUED:
+            return None
+        pos, n = self.queue_position(lease_id)
+        return {"position": pos, "length": n, "eta": self.eta(lease_id), "waiting_for": self.waiting_for(lease_id)}
+
+    def capacity(self) -> dict[str, dict]:
+        return self.pool.capacity()
+
+    def active(self) -> list[Lease]:
+        return [l for l in self.leases.values() if l.state is LeaseState.ACTIVE]
+
+    def user_usage(self, user: str, groups: Iterable[str], now: float) -> dict[str, Any]:
+        """GPUs held, GPU-hours used in the quota period, and what the quota leaves."""
+        q = self.policy.quota_for_user(user)
+        used_h = self._window.used_s("u:" + user, now, q.period_s) / 3600 + self._active_gpu_hours(user, False, now, q.period_s)
+        held = self._held_user.get(user, 0) / MILLI
+        return {
+            "gpus_held": held,
+            "gpu_hours_used": round(used_h, 3),
+            "period_s": q.period_s,
+            "max_gpus": q.max_gpus,
+            "gpu_hours": q.gpu_hours,
+            "gpus_left": None if q.max_gpus is None else max(0.0, q.max_gpus - held),
+            "gpu_hours_left": None if q.gpu_hours is None else round(max(0.0, q.gpu_hours - used_h), 3),
+            "fair_share_usage_gpu_hours": round(self._user_usage(user, now) / 3600, 3),
+            "groups": list(groups),
+        }
+
+
+__all__ = ["Scheduler", "fmt_duration", "Tier"]
