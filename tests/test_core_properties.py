@@ -1,0 +1,134 @@
+"""Invariants of the scheduler under random sequences of requests, releases, time, extension."""
+
+from collections import defaultdict
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jupyter_gpulease.core.model import GPU, MILLI, LeaseError, LeaseState, MigInstance, parse_request
+from jupyter_gpulease.core.policy import HOUR, Policy, Quota
+from jupyter_gpulease.core.scheduler import Scheduler
+
+T0 = 1_000_000.0
+
+POOL = [GPU(f"G{n}{i}", f"n{n}", i, "A100" if n == 0 else "L4", 81920 if n == 0 else 24576) for n in range(2) for i in range(2)] + [
+    GPU("GM", "n2", 0, "A100", 81920, mig=(MigInstance("M0", "3g.40gb", 40960, 0), MigInstance("M1", "3g.40gb", 40960, 1)))
+]
+
+requests = st.one_of(
+    st.builds(lambda n, m: {"gpus": n, **({"model": m} if m else {})}, st.integers(1, 2), st.sampled_from([None, "A100", "L4"])),
+    st.builds(lambda f: {"share": f}, st.sampled_from([0.1, 0.25, 0.5, 0.75])),
+    st.builds(lambda mem: {"memory_mib": mem}, st.sampled_from([4096, 20000, 40000])),
+    st.just({"mig_profile": "3g.40gb"}),
+)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("ask"), st.sampled_from(["u1", "u2", "u3"]), requests, st.sampled_from(["production", "experiment", "learning"]), st.integers(60, 4 * 3600)),
+        st.tuples(st.just("release"), st.integers(0, 40)),
+        st.tuples(st.just("time"), st.integers(1, 3 * 3600)),
+        st.tuples(st.just("extend"), st.integers(0, 40), st.integers(60, 3600)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 40)),
+    ),
+    max_size=60,
+)
+
+
+def check_invariants(s: Scheduler, all_leases):
+    # capacity: never more compute or memory than a GPU has; never two holders of a whole GPU or MIG instance
+    use_milli = defaultdict(int)
+    use_mem = defaultdict(int)
+    whole = defaultdict(int)
+    mig_holders = defaultdict(int)
+    for l in all_leases:
+        states = [x for x in LeaseState if l.state is x]
+        assert len(states) == 1  # exactly one state
+        live = l.id in s.leases
+        assert live == (not l.state.terminal)
+        if l.state is LeaseState.ACTIVE:
+            assert l.placement is not None and l.granted_at is not None and l.expires_at > l.granted_at - 1e-9
+            for sl in l.placement.slices:
+                if sl.mig_uuid:
+                    mig_holders[sl.mig_uuid] += 1
+                else:
+                    use_milli[sl.gpu_uuid] += sl.share_milli
+                    use_mem[sl.gpu_uuid] += sl.memory_mib
+                    if sl.share_milli == MILLI:
+                        whole[sl.gpu_uuid] += 1
+    for g in POOL:
+        assert use_milli[g.uuid] <= MILLI
+        assert use_mem[g.uuid] <= g.memory_mib
+        if whole[g.uuid]:
+            assert whole[g.uuid] == 1 and use_milli[g.uuid] == MILLI
+        st_ = s.pool.gpus[g.uuid]
+        if not g.mig:
+            assert st_.free_milli == MILLI - use_milli[g.uuid]  # the pool agrees with the leases
+            assert st_.free_mem == g.memory_mib - use_mem[g.uuid]
+    assert all(v == 1 for v in mig_holders.values())
+    # queue order respected: tiers by priority, never a lower tier before a higher one
+    q = s.queue()
+    prios = [s.policy.tiers[l.tier].priority for l in q]
+    assert prios == sorted(prios, reverse=True)
+    assert all(l.state is LeaseState.QUEUED for l in q)
+    assert len(q) == sum(1 for l in s.leases.values() if l.state is LeaseState.QUEUED)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.booleans(), st.booleans())
+def test_invariants_hold_under_random_operations(seq, fair, quota):
+    pol = Policy(fair_share=fair, confirm_timeout_s=1800, default_user_quota=Quota(max_gpus=2) if quota else Quota(), reservation_depth=5)
+    s = Scheduler(POOL, pol)
+    now = T0
+    all_leases = []
+    for op in seq:
+        try:
+            if op[0] == "ask":
+                _, user, req, tier, dur = op
+                l = s.new_lease(user=user, request=parse_request(req), now=now, tier=tier, duration_s=min(dur, pol.tiers[tier].max_duration_s))
+                s.submit(l, now)
+                all_leases.append(l)
+            elif op[0] == "release" and all_leases:
+                s.release(all_leases[op[1] % len(all_leases)].id, now)
+            elif op[0] == "time":
+                now += op[1]
+            elif op[0] == "extend" and all_leases:
+                s.extend(all_leases[op[2 - 1] % len(all_leases)].id, now, by_s=op[2])
+            elif op[0] == "heartbeat" and all_leases:
+                s.heartbeat(all_leases[op[1] % len(all_leases)].id, now)
+        except LeaseError:
+            pass
+        s.tick(now)
+        check_invariants(s, all_leases)
+    # granted leases never started before they were asked for, and waiting never runs backwards
+    for l in all_leases:
+        if l.granted_at is not None:
+            assert l.granted_at >= l.created_at
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600)), min_size=2, max_size=25))
+def test_backfill_never_delays_the_head_of_the_queue(jobs):
+    """The first waiting lease starts no later than its ETA at the time it became the head."""
+    pol = Policy(confirm_timeout_s=None, preemption=False, fair_share=False)
+    s = Scheduler([GPU(f"G{i}", "n", i, "A100", 81920) for i in range(2)], pol)
+    now = T0
+    leases = []
+    for n, d in jobs:
+        l = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d)
+        s.submit(l, now)
+        leases.append(l)
+    s.tick(now)
+    promised = {}
+    while s.leases:
+        q = s.queue()
+        if q:
+            head = q[0]
+            eta = s.eta(head.id)
+            assert eta is not None
+            promised.setdefault(head.id, eta)
+        nxt = s.next_deadline()
+        assert nxt is not None
+        now = nxt
+        s.tick(now)
+    for l in leases:
+        if l.id in promised:
+            assert l.granted_at <= promised[l.id] + 1e-6
