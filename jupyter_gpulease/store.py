@@ -298,11 +298,13 @@ class LeaseStore:
         with self._session() as s:
             return self._leases(s.scalars(q.order_by(LeaseRow.granted_at)))
 
-    def events_since(self, since: int = 0, lease_id: str | None = None, limit: int = 1000) -> list[dict[str, Any]]:
-        """Events with id > ``since``, oldest first, at most ``limit``."""
+    def events_since(self, since: int = 0, lease_id: str | None = None, limit: int = 1000, *, user: str | None = None) -> list[dict[str, Any]]:
+        """Events with id > ``since``, oldest first, at most ``limit``; of one lease, or of one user's leases."""
         q = select(EventRow).where(EventRow.id > since)
         if lease_id is not None:
             q = q.where(EventRow.lease_id == lease_id)
+        if user is not None:
+            q = q.join(LeaseRow, LeaseRow.id == EventRow.lease_id).where(LeaseRow.user == user)
         with self._session() as s:
             return [r.to_dict() for r in s.scalars(q.order_by(EventRow.id).limit(limit))]
 

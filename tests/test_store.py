@@ -87,6 +87,7 @@ def test_events_and_leases_survive_reopen(tmp_path):
     assert [e["kind"] for e in feed] == ["requested", "requested", "granted", "ended"]
     assert [e["kind"] for e in store.events_since(2)] == ["granted", "ended"]
     assert [e["kind"] for e in store.events_since(0, lease_id="l2")] == ["requested", "ended"]
+    assert [e["lease_id"] for e in store.events_since(0, user="bob")] == ["l2", "l2"]
     assert store.last_event_id() == 4
     store.close()
 

@@ -1,0 +1,366 @@
+"""The lease broker: a JupyterHub service (traitlets Application + tornado).
+
+Run by JupyterHub as a managed service (``c.JupyterHub.services``), or by hand with the
+``JUPYTERHUB_*`` environment variables of an external service::
+
+    jupyter gpulease broker --config gpulease_config.py
+    python -m jupyter_gpulease.broker --generate-config   # writes gpulease_config.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from importlib import resources
+from urllib.parse import quote, urlsplit
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpserver import HTTPServer
+from tornado.ioloop import PeriodicCallback
+from tornado.web import Application as WebApplication
+from traitlets import Any, Bool, Dict, Float, Integer, List, Unicode, default, validate
+from traitlets.config import Application, catch_config_error
+
+from .. import __version__
+from ..core.events import ENDED
+from ..core.policy import DEFAULT_TIERS, Policy, Quota, Tier
+from .manager import LeaseManager, SystemClock
+
+SERVICE_NAME = "gpulease"
+
+
+def load_openapi() -> dict:
+    """The API description kept next to this module (``openapi.json``)."""
+    return json.loads(resources.files(__package__).joinpath("openapi.json").read_text())
+
+
+class GPULeaseBroker(Application):
+    """Hands out GPU leases from a shared pool to JupyterHub users."""
+
+    name = "jupyter-gpulease-broker"
+    description = "The GPU lease broker: a JupyterHub service that queues, grants, extends and ends GPU leases."
+    version = __version__
+
+    aliases = {
+        "config": "GPULeaseBroker.config_file",
+        "db-url": "GPULeaseBroker.db_url",
+        "bind-url": "GPULeaseBroker.bind_url",
+        "device-backend": "GPULeaseBroker.device_backend",
+        "log-level": "Application.log_level",
+    }
+    flags = {
+        "generate-config": ({"GPULeaseBroker": {"generate_config": True}}, "write a commented gpulease_config.py with every option and exit"),
+        "debug": ({"Application": {"log_level": logging.DEBUG}}, "log at DEBUG level"),
+    }
+
+    config_file = Unicode("gpulease_config.py", help="Config file to load (Python, traitlets). Example: --config=/etc/jupyterhub/gpulease_config.py").tag(config=True)
+    generate_config = Bool(False, help="Write a commented default config file to `config_file` and exit.").tag(config=True)
+
+    # ------------------------------------------------------------------ storage
+    db_url = Unicode(
+        "sqlite:///gpulease.sqlite",
+        help="""SQLAlchemy URL of the lease database.
+
+        A SQLite file by default (WAL journal, synchronous=FULL: every answered request is on
+        disk). For larger sites point it at PostgreSQL, e.g.
+        ``postgresql+psycopg://gpulease:secret@db/gpulease``.
+        """,
+    ).tag(config=True)
+
+    # ------------------------------------------------------------------ the pool
+    device_backend = Unicode(
+        "auto",
+        help="""Where the pool's GPUs come from: 'nvml' (the GPUs of this machine), 'static' (a
+        declared inventory, e.g. for several nodes), 'simulated' (fake GPUs, for demos and
+        tests), or 'auto' (NVML when it finds GPUs, else simulated).
+        """,
+    ).tag(config=True)
+
+    devices = Dict(
+        help="""Config of the device backend. For 'static' and 'simulated', ``gpus`` declares the
+        inventory, one entry per group of identical GPUs on one node, e.g.::
+
+            c.GPULeaseBroker.devices = {"gpus": [
+                {"node": "gpu-1", "model": "A100-SXM4-80GB", "count": 4, "memory_mib": 81920},
+                {"node": "gpu-2", "model": "A100-SXM4-80GB", "memory_mib": 81920, "mig": {"1g.10gb": 7}},
+                {"node": "gpu-2", "model": "L4", "count": 2, "memory_mib": 23034},
+            ]}
+        """,
+    ).tag(config=True)
+
+    # ------------------------------------------------------------------ policy
+    tiers = Dict(
+        help="""Priority tiers, name -> settings (all optional): ``priority`` (higher is served
+        first), ``max_duration_s`` / ``default_duration_s`` (seconds), ``max_lifetime_s`` (cap
+        including extensions), ``users`` / ``groups`` (who may use it; both empty: everyone),
+        ``preemptible``, ``preempted_by`` (tier names), ``grace_s`` (warning before a
+        preemption ends the lease, seconds), ``description``. Example::
+
+            c.GPULeaseBroker.tiers = {
+                "production": {"priority": 30, "max_duration_s": 86400, "default_duration_s": 28800, "groups": ["staff"]},
+                "experiment": {"priority": 20, "max_duration_s": 28800, "default_duration_s": 7200},
+                "learning": {"priority": 10, "max_duration_s": 14400, "preemptible": True, "grace_s": 600},
+            }
+
+        Default: production / experiment / learning as above.
+        """,
+    ).tag(config=True)
+
+    @default("tiers")
+    def _default_tiers(self):
+        return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
+
+    default_tier = Unicode("experiment", help="Tier of requests that name none. Example: 'experiment'.").tag(config=True)
+
+    default_user_quota = Dict(
+        help="""Quota of every user without an entry in ``user_quotas``: ``max_gpus`` (GPUs held
+        at once; shares count by fraction), ``gpu_hours`` (per ``period_s`` seconds, rolling).
+        Missing keys: no limit. Example: ``{"max_gpus": 2, "gpu_hours": 100, "period_s": 604800}``.
+        """,
+    ).tag(config=True)
+    user_quotas = Dict(help="Per-user quotas, user name -> quota (as in ``default_user_quota``). Example: ``{'alice': {'max_gpus': 4}}``.").tag(config=True)
+    group_quotas = Dict(help="Per-group quotas (all members together), group name -> quota. Example: ``{'students': {'max_gpus': 2}}``.").tag(config=True)
+
+    fair_share = Bool(True, help="Order the queue within a tier by recent usage (less used first).").tag(config=True)
+    fair_share_half_life = Float(7 * 24 * 3600.0, help="Half-life of past usage in fair share, seconds. Example: 604800 (one week).").tag(config=True)
+    warn_before = Float(600.0, help="Warn a lease's holder this many seconds before it expires. Example: 600.").tag(config=True)
+    backfill = Bool(True, help="Let small requests start ahead of a blocked big one when they cannot delay it.").tag(config=True)
+    preemption = Bool(True, help="Let higher tiers preempt preemptible tiers (after the tier's grace_s).").tag(config=True)
+    reservation_depth = Integer(100, help="How many queued leases get a reservation and an ETA each scheduling pass. Example: 100.").tag(config=True)
+    extend_when_contended = Bool(False, help="Allow extensions even while other leases wait for the same GPUs.").tag(config=True)
+    confirm_timeout = Float(
+        900.0,
+        help="Revoke an active lease whose holder never confirms (its server never came up) after this many seconds; 0: never. Example: 900.",
+    ).tag(config=True)
+    heartbeat_timeout = Float(
+        0.0,
+        help="Revoke an active lease whose heartbeats stop for this many seconds; 0: never (for holders that send none). Example: 600.",
+    ).tag(config=True)
+
+    # ------------------------------------------------------------------ service
+    tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
+
+    stop_servers_on_end = Bool(
+        False,
+        help="""When the broker ends a lease (expired, preempted, revoked, failed), ask the Hub
+        to stop the holder's server. Needs the broker's service to hold the ``admin:servers``
+        scope (a role in jupyterhub_config.py, see the README). Off for the local engine,
+        where a server may outlive its lease.
+        """,
+    ).tag(config=True)
+    stop_server_states = List(
+        Unicode(),
+        ["expired", "preempted", "revoked", "failed"],
+        help="Final states whose leases stop their servers when ``stop_servers_on_end`` is on.",
+    ).tag(config=True)
+
+    admin_scope = Unicode(
+        "custom:gpulease:admin",
+        help="""The scope that lets a caller see and change every lease and act for users (the
+        spawner needs it). Hub admins have it implicitly. Declare it in
+        ``c.JupyterHub.custom_scopes`` and grant it by a role.
+        """,
+    ).tag(config=True)
+
+    authenticate_metrics = Bool(True, help="Require a hub token to read /metrics (false: anyone who can reach the broker).").tag(config=True)
+
+    bind_url = Unicode(help="Where to listen, e.g. http://127.0.0.1:10101. Default: $JUPYTERHUB_SERVICE_URL.").tag(config=True)
+
+    @default("bind_url")
+    def _default_bind_url(self):
+        return os.environ.get("JUPYTERHUB_SERVICE_URL") or "http://127.0.0.1:10101"
+
+    base_url = Unicode(help="URL prefix of every route, e.g. /services/gpulease/. Default: $JUPYTERHUB_SERVICE_PREFIX.").tag(config=True)
+
+    @default("base_url")
+    def _default_base_url(self):
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX") or f"/services/{SERVICE_NAME}/"
+
+    @validate("base_url")
+    def _slashes(self, proposal):
+        v = proposal["value"] or "/"
+        return "/" + v.strip("/") + "/" if v.strip("/") else "/"
+
+    clock = Any(help="Object with .now() -> POSIX seconds. Tests inject one they can move.")
+
+    @default("clock")
+    def _default_clock(self):
+        return SystemClock()
+
+    # ------------------------------------------------------------------ building
+    @catch_config_error
+    def initialize(self, argv=None):
+        super().initialize(argv)
+        if self.generate_config:
+            return
+        if self.config_file and os.path.exists(self.config_file):
+            self.load_config_file(self.config_file)
+            # command-line options win over the file
+            self.update_config(self.cli_config)
+        elif self.config_file and "config_file" in self.cli_config.get("GPULeaseBroker", {}):
+            raise FileNotFoundError(f"config file not found: {self.config_file}")
+        self.policy = self.build_policy()
+        self.init_manager()
+
+    def build_policy(self) -> Policy:
+        def tier(name, d):
+            return d if isinstance(d, Tier) else Tier.from_dict(name, dict(d))
+
+        def quota(d):
+            return d if isinstance(d, Quota) else Quota.from_dict(d)
+
+        return Policy(
+            tiers={name: tier(name, d) for name, d in self.tiers.items()},
+            default_tier=self.default_tier,
+            default_user_quota=quota(self.default_user_quota),
+            user_quotas={k: quota(v) for k, v in self.user_quotas.items()},
+            group_quotas={k: quota(v) for k, v in self.group_quotas.items()},
+            fair_share=self.fair_share,
+            fair_share_half_life_s=self.fair_share_half_life,
+            warn_before_s=self.warn_before,
+            backfill=self.backfill,
+            reservation_depth=self.reservation_depth,
+            preemption=self.preemption,
+            extend_when_contended=self.extend_when_contended,
+            confirm_timeout_s=self.confirm_timeout or None,
+            heartbeat_timeout_s=self.heartbeat_timeout or None,
+        )
+
+    def init_manager(self) -> None:
+        from ..core.scheduler import Scheduler
+        from ..devices import get_backend
+        from ..store import LeaseStore
+        from .metrics import BrokerMetrics
+
+        self.backend = get_backend(self.device_backend, self.devices)
+        inventory = self.backend.inventory()
+        self.log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
+        self.scheduler = Scheduler(inventory, self.policy)
+        self.store = LeaseStore(self.db_url)
+        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock)
+        self.metrics = BrokerMetrics(self.manager)
+        self.manager.listeners.append(self.metrics.observe)
+        self.manager.listeners.append(self._on_events)
+
+    def make_web_app(self) -> WebApplication:
+        from jupyterhub.services.auth import HubAuth, HubOAuth, HubOAuthCallbackHandler
+
+        from .handlers import make_handlers
+
+        hub_auth = HubAuth(parent=self, base_url=self.base_url)
+        hub_oauth = HubOAuth(parent=self, base_url=self.base_url)
+        self.hub_auth = hub_auth
+        settings = {
+            "hub_auth": hub_auth,
+            "hub_oauth": hub_oauth,
+            "cookie_secret": os.urandom(32),
+            "login_url": hub_oauth.login_url,
+            "gpulease_manager": self.manager,
+            "gpulease_broker": self,
+            "gpulease_admin_scope": self.admin_scope,
+            "gpulease_metrics": self.metrics,
+            "gpulease_openapi": load_openapi(),
+            "gpulease_authenticate_metrics": self.authenticate_metrics,
+            "log_function": self._log_request,
+        }
+        return WebApplication(make_handlers(self.base_url, HubOAuthCallbackHandler), **settings)
+
+    def _log_request(self, handler) -> None:
+        status = handler.get_status()
+        level = self.log.debug if status < 400 else self.log.info if status < 500 else self.log.error
+        level("%d %s %s %.1fms", status, handler.request.method, handler.request.uri.split("?")[0], 1000 * handler.request.request_time())
+
+    # ------------------------------------------------------------------ stopping servers
+    def _on_events(self, written, events) -> None:
+        if not self.stop_servers_on_end:
+            return
+        for e in events:
+            if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and getattr(e, "lease", None):
+                asyncio.ensure_future(self.stop_server(e.lease.user, e.lease.server, e.to_state))
+
+    async def stop_server(self, user: str, server: str, why: str) -> None:
+        """Ask the Hub API to stop ``user``'s ``server`` (its lease ended: ``why``)."""
+        path = f"users/{quote(user, safe='')}/servers/{quote(server, safe='')}" if server else f"users/{quote(user, safe='')}/server"
+        url = self.hub_auth.api_url.rstrip("/") + "/" + path
+        req = HTTPRequest(url, method="DELETE", headers={"Authorization": f"token {self.hub_auth.api_token}"}, request_timeout=60)
+        try:
+            await AsyncHTTPClient().fetch(req)
+            self.log.info("Asked the hub to stop %s's server %r: its lease was %s", user, server, why)
+        except HTTPClientError as e:
+            if e.code in (400, 404):  # not running any more
+                self.log.info("Server %r of %s was not running (%s)", server, user, e.code)
+            else:
+                self.log.error("Could not stop %s's server %r after its lease was %s: %s", user, server, why, e)
+        except OSError as e:
+            self.log.error("Could not reach the hub to stop %s's server %r: %s", user, server, e)
+
+    # ------------------------------------------------------------------ running
+    async def start_async(self) -> None:
+        """Restore, listen, tick. Returns once serving."""
+        await self.manager.start()
+        self.web_app = self.make_web_app()
+        url = urlsplit(self.bind_url)
+        self.http_server = HTTPServer(self.web_app, xheaders=True)
+        self.http_server.listen(url.port or 80, url.hostname or "127.0.0.1")
+        self.ticker = PeriodicCallback(self._tick, self.tick_interval * 1000)
+        self.ticker.start()
+        self.log.info("GPU lease broker %s listening on %s%s", __version__, self.bind_url.rstrip("/"), self.base_url)
+
+    async def _tick(self) -> None:
+        try:
+            await self.manager.tick()
+        except Exception:
+            self.log.exception("scheduling pass failed")
+
+    async def stop_async(self) -> None:
+        if getattr(self, "ticker", None):
+            self.ticker.stop()
+        if getattr(self, "http_server", None):
+            self.http_server.stop()
+        await self.manager.close()
+        if getattr(self, "backend", None):
+            self.backend.close()
+        self.log.info("GPU lease broker stopped")
+
+    async def _run(self) -> None:
+        self._stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.start_async()
+        await self._stopping.wait()
+        await self.stop_async()
+
+    def _on_signal(self, sig) -> None:
+        self.log.info("Received %s, stopping", signal.Signals(sig).name)
+        self._stopping.set()
+
+    def start(self) -> None:
+        if self.generate_config:
+            self.write_default_config()
+            return
+        asyncio.run(self._run())
+
+    def write_default_config(self) -> None:
+        path = self.config_file or "gpulease_config.py"
+        if os.path.exists(path):
+            print(f"{path} exists; not overwriting it", file=sys.stderr)
+            self.exit(1)
+        with open(path, "w") as f:
+            f.write(self.generate_config_file())
+        print(f"Wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    app = GPULeaseBroker()
+    app.initialize(argv)
+    app.start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
