@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.model import GPU
