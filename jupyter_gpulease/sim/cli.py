@@ -1,0 +1,218 @@
+"""`jupyter gpulease simulate`: replay a trace through the core scheduler, policy against policy."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+from . import policies as P
+from .report import plot, plot_tradeoff, summarize, table, write_json
+from .replay import replay
+from .traces import (
+    ALIBABA_NODES,
+    ALIBABA_PODS,
+    NOTEBOOK,
+    SHARED_FILES,
+    TraceError,
+    default_traces_dir,
+    detect_format,
+    load_alibaba_nodes,
+    load_alibaba_pods,
+    load_notebook_events,
+)
+from .workload import describe_pool, notebook_sessions, alibaba_workload, pool_from_inventory, uniform_pool
+
+
+def _window(s: str | None) -> tuple[float | None, float | None]:
+    if not s:
+        return (None, None)
+    try:
+        a, b = s.split(":")
+        return (float(a) if a else None, float(b) if b else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-days must look like START:END in trace days (either may be empty), got {s!r}") from None
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jupyter gpulease simulate",
+        description="Replay a GPU-cluster trace through the gpulease scheduler and compare policies side by side.",
+    )
+    p.add_argument("--trace", default="alibaba", help="'alibaba', 'notebook' (the shared samples) or the path of a CSV in one of those formats (default: alibaba)")
+    p.add_argument("--traces-dir", default=None, help="folder of the shared samples (default: $GPULEASE_TRACES or ../shared/traces beside the repository)")
+    p.add_argument("--nodes", default=None, help="Alibaba node inventory CSV to draw the pool from (default: the shared one)")
+    p.add_argument("--pool-nodes", type=int, default=8, help="nodes in the simulated pool (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; inventory nodes with this many GPUs are drawn (default 8)")
+    p.add_argument("--models", default="", help="comma-separated GPU models to draw from the inventory (default: any)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the node draw (default 0)")
+    p.add_argument("--compress", type=float, default=1.0, help="divide inter-arrival times by this (held times unchanged; default 1)")
+    p.add_argument("--window-days", type=_window, default=(None, None), help="keep arrivals in START:END trace days")
+    p.add_argument("--limit", type=int, default=None, help="keep only the first N jobs/sessions (quick runs)")
+    p.add_argument("--policies", default=",".join(P.DEFAULT_POLICIES), help=f"built-in policies to compare (default: {','.join(P.DEFAULT_POLICIES)})")
+    p.add_argument("--policy-file", action="append", default=[], help="TOML/JSON file of more policies ([[policy]] tables); repeatable")
+    p.add_argument("--linger-min", type=float, default=60.0, help="notebook: minutes a session keeps its GPU after its last burst (ASSUMPTION; default 60)")
+    p.add_argument("--session-gap-min", type=float, default=None, help="notebook: a gap longer than this ends a session (ASSUMPTION; default: the linger)")
+    p.add_argument("--culler-timeout-min", type=float, default=30.0, help="static+culler: idle minutes before a server is culled (default 30)")
+    p.add_argument("--idle-sweep", type=_floats, default=None, help="notebook: also run gpulease with these fixed idle timeouts (minutes) and plot the price curves")
+    p.add_argument("--horizon-days", type=float, default=None, help="stop this many simulated days after the last arrival (default: run until all work is done)")
+    p.add_argument("--json", default=None, help="write all results as JSON here")
+    p.add_argument("--plots", default=None, help="write PNG plots with this path prefix (PREFIX_timeline.png, PREFIX_wait_cdf.png, …)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def _trace_path(args) -> tuple[str, str]:
+    """(path, format) of the workload trace."""
+    if args.trace in ("alibaba", "notebook"):
+        d = args.traces_dir or default_traces_dir()
+        path = os.path.join(d, SHARED_FILES[args.trace])
+        if not os.path.exists(path):
+            raise TraceError(path, f"the shared trace sample is not there; pass --traces-dir or set GPULEASE_TRACES (looked in {d})")
+        return path, ALIBABA_PODS if args.trace == "alibaba" else NOTEBOOK
+    fmt = detect_format(args.trace)
+    if fmt == ALIBABA_NODES:
+        raise TraceError(args.trace, "this is a node inventory; give it with --nodes and a pod list with --trace", line=1)
+    return args.trace, fmt
+
+
+def _policies(args) -> list[P.SimPolicy]:
+    out = []
+    for name in [n.strip() for n in args.policies.split(",") if n.strip()]:
+        if name not in P.BUILTIN:
+            raise ValueError(f"--policies: unknown policy {name!r}; built-ins: {', '.join(P.BUILTIN)}")
+        if name == "static+culler":
+            out.append(P.static_culler(args.culler_timeout_min * 60))
+        else:
+            out.append(P.BUILTIN[name]())
+    for f in args.policy_file:
+        out.extend(P.load_policy_file(f))
+    names = [sp.name for sp in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"policy names must be unique; repeated: {', '.join(sorted(dup))}")
+    return out
+
+
+def run(args) -> dict[str, Any]:
+    path, fmt = _trace_path(args)
+    linger_s = args.linger_min * 60
+    if fmt == ALIBABA_PODS:
+        pods = load_alibaba_pods(path)
+        wl = alibaba_workload(pods, compress=args.compress, window_days=args.window_days, limit=args.limit)
+        nodes_path = args.nodes or os.path.join(args.traces_dir or default_traces_dir(), SHARED_FILES["alibaba-nodes"])
+        nodes = load_alibaba_nodes(nodes_path)
+        models = [m for m in args.models.split(",") if m]
+        pool = pool_from_inventory(nodes, n_nodes=args.pool_nodes, gpus_per_node=args.gpus_per_node, models=models or None, seed=args.seed)
+        pool_note = f"{args.pool_nodes} nodes x {args.gpus_per_node} GPUs drawn (seed {args.seed}) from {os.path.basename(nodes_path)}"
+    else:
+        events = load_notebook_events(path)
+        gap = (args.session_gap_min if args.session_gap_min is not None else args.linger_min) * 60
+        wl = notebook_sessions(events, session_gap_s=gap, compress=args.compress, window_days=args.window_days, limit=args.limit)
+        pool = uniform_pool(args.pool_nodes, args.gpus_per_node)
+        pool_note = f"ASSUMPTION: {args.pool_nodes} identical nodes x {args.gpus_per_node} GPUs (the notebook trace has no inventory)"
+        wl.assumptions.notes.append(f"ASSUMPTION: a session keeps its GPU {args.linger_min:g} min after its last burst unless an idle rule takes it earlier.")
+        wl.assumptions.knobs["linger_s"] = linger_s
+    if fmt == ALIBABA_PODS:
+        wl.assumptions.notes.append("Idle culler: the Alibaba trace records no idleness, so the culler never fires there (same as static+backfill).")
+    if not wl.jobs:
+        raise ValueError("no jobs left after filtering (check --window-days and --limit)")
+    horizon = args.horizon_days * 86400 if args.horizon_days is not None else None
+    sps = _policies(args)
+    results, summaries = [], []
+    for sp in sps:
+        r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress)
+        results.append(r)
+        summaries.append(summarize(r))
+    doc: dict[str, Any] = {
+        "trace": os.path.basename(path),
+        "format": fmt,
+        "pool": {**describe_pool(pool), "how": pool_note},
+        "workload": {"jobs": len(wl.jobs), "excluded": wl.excluded, "span_s": list(wl.span)},
+        "assumptions": wl.assumptions.to_dict(),
+        "policies": [sp.to_dict() for sp in sps],
+        "results": summaries,
+    }
+    sweep_results = []
+    if args.idle_sweep and fmt == NOTEBOOK:
+        points = []
+        base = P.gpulease()
+        for minutes in args.idle_sweep:
+            sp = replace(base, name=f"gpulease-idle{minutes:g}m", idle=P.IdleRule(timeout_s=minutes * 60))
+            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress)
+            s = summarize(r)
+            sweep_results.append(s)
+            points.append({"kind": "fixed", "label": sp.name, "timeout_s": minutes * 60, **s["notebook"]})
+        for s, sp in zip(summaries, sps):
+            if "notebook" in s and sp.idle.learn:
+                points.append({"kind": "learnt", "label": f"{sp.name} (learnt timeout)", "timeout_s": None, **s["notebook"]})
+            elif "notebook" in s and not sp.idle.active:
+                points.append({"kind": "none", "label": f"{sp.name} (no reclaim)", "timeout_s": None, **s["notebook"]})
+        doc["idle_sweep"] = {"points": points, "results": sweep_results}
+        if args.plots:
+            doc.setdefault("plots", []).append(plot_tradeoff(points, f"{args.plots}_idle_tradeoff.png", "notebook trace: price of idle reclaim"))
+    if args.plots:
+        title = f"{os.path.basename(path)}: {len(pool)} GPUs, arrivals x{args.compress:g}"
+        doc.setdefault("plots", []).extend(plot(results, args.plots, title))
+    doc["_results"] = results
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = [f"trace: {doc['trace']} ({doc['format']}), {doc['workload']['jobs']} jobs; left out: {doc['workload']['excluded']}"]
+    pool = doc["pool"]
+    lines.append(f"pool: {pool['gpus']} GPUs on {pool['nodes']} nodes {pool['models']} -- {pool['how']}")
+    a = doc["assumptions"]
+    lines.append(f"arrival compression: {a['compress']:g}x; knobs: {a['knobs']}")
+    lines += [f"  - {n}" for n in a["notes"]]
+    for sp in doc["policies"]:
+        lines.append(f"policy {sp['name']}: {sp['description']}; idle: {sp['idle']}")
+    lines.append("")
+    lines.append(table(doc["results"]))
+    if "idle_sweep" in doc:
+        lines.append("")
+        lines.append("idle-timeout sweep (gpulease, notebook trace):")
+        lines.append(f"  {'timeout':<28}{'busy/held med':>14}{'regretted':>11}{'return wait':>13}{'wait/cell':>11}")
+        for p in doc["idle_sweep"]["points"]:
+            lab = f"{p['timeout_s'] / 60:g} min" if p["timeout_s"] is not None else p["label"]
+            lines.append(
+                f"  {lab:<28}{(p['busy_held_per_session_median'] or 0):>14.3f}{100 * p['regretted_share']:>10.1f}%"
+                f"{p['returning_wait_mean_s']:>12.0f}s{p['wait_per_burst_mean_s']:>10.1f}s"
+            )
+    if doc.get("plots"):
+        lines.append("")
+        lines += [f"plot: {f}" for f in doc["plots"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        doc = run(args)
+    except TraceError as e:
+        print(f"jupyter gpulease simulate: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
+        print(f"jupyter gpulease simulate: error: {e}", file=sys.stderr)
+        return 2
+    doc.pop("_results", None)
+    print(render(doc))
+    if args.json:
+        write_json(args.json, doc)
+        print(f"json: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The policies a replay compares, each expressed as a core :class:`Policy` plus the few
+things a policy decides outside the scheduler (how a request is rounded, which tier a QoS
+class maps to, when an idle session loses its GPU).
+
+Built in:
+
+1. ``static`` -- whole GPUs (a share takes a whole GPU), strict FCFS, held until the work or
+   session ends, no time limit, no preemption.
+2. ``static+backfill`` -- the same, but any waiting request that fits starts now (what the
+   Kubernetes default scheduler does): no reservations, so large requests can starve.
+3. ``static+culler`` -- static + backfill, and a notebook server is culled after a fixed idle
+   time, whatever its GPU does (jupyterhub-idle-culler).
+4. ``gpulease`` -- shares packed onto GPUs, tiers from QoS, time limits with extension, idle
+   reclaim with a timeout learnt per session, preemption of the learning tier, backfill with
+   reservations (cannot starve large requests).
+
+More come from a config file (TOML or JSON), see :func:`load_policy_file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..core.policy import HOUR, Policy, Tier
+
+NEVER = 100 * 365 * 24 * HOUR  # "no time limit"
+
+# QoS class of the Alibaba trace -> tier of the gpulease policy. LS (latency-sensitive) and
+# Guaranteed are the cluster's priority work; Burstable is ordinary; BE (best effort) may be
+# preempted. Notebook sessions are day-to-day research.
+GPULEASE_QOS_TIERS = {"LS": "production", "Guaranteed": "production", "Burstable": "experiment", "BE": "learning", "notebook": "experiment"}
+
+
+@dataclass(frozen=True)
+class IdleRule:
+    """When a session's idle GPU is taken back.
+
+    ``timeout_s``: fixed idle timeout (None: never). ``learn``: instead, learn each session's
+    timeout online from its own earlier gaps between bursts: the ``quantile`` of the gaps seen
+    so far times ``factor``, within [``min_s``, ``max_s``]; ``timeout_s`` (or ``default_s``)
+    until ``min_gaps`` gaps have been seen.
+    """
+
+    timeout_s: float | None = None
+    learn: bool = False
+    quantile: float = 90.0
+    factor: float = 1.5
+    min_s: float = 120.0
+    max_s: float = 3600.0
+    min_gaps: int = 3
+    default_s: float = 15 * 60.0
+    label: str = "reclaim"  # "reclaim" (GPU taken back, server kept) or "cull" (server stopped)
+
+    @property
+    def active(self) -> bool:
+        return self.learn or self.timeout_s is not None
+
+    def describe(self) -> str:
+        if self.learn:
+            return (
+                f"learnt per session: p{self.quantile:g} of its earlier gaps x {self.factor:g}, "
+                f"within {self.min_s / 60:g}-{self.max_s / 60:g} min; {self.default_s / 60:g} min until {self.min_gaps} gaps seen"
+            )
+        if self.timeout_s is None:
+            return "never"
+        return f"fixed {self.timeout_s / 60:g} min ({self.label})"
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    """One policy of a comparison."""
+
+    name: str
+    policy: Policy
+    description: str = ""
+    whole_gpus: bool = False  # round a share up to one whole GPU
+    qos_tiers: dict[str, str] = field(default_factory=dict)  # QoS class -> tier (missing: default tier)
+    idle: IdleRule = IdleRule()
+    strict_fcfs: bool = False  # documented expectation: only the head of the queue may start
+
+    def tier_for(self, qos: str) -> str:
+        return self.qos_tiers.get(qos, self.policy.default_tier)
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.policy
+        return {
+            "name": self.name,
+            "description": self.description,
+            "whole_gpus": self.whole_gpus,
+            "strict_fcfs": self.strict_fcfs,
+            "qos_tiers": dict(self.qos_tiers),
+            "idle": self.idle.describe(),
+            "tiers": {n: t.to_dict() for n, t in p.tiers.items()},
+            "default_tier": p.default_tier,
+            "backfill": p.backfill,
+            "reservation_depth": p.reservation_depth,
+            "preemption": p.preemption,
+            "fair_share": p.fair_share,
+            "extend_when_contended": p.extend_when_contended,
+            "warn_before_s": p.warn_before_s,
+        }
+
+
+def _static_policy(backfill: bool) -> Policy:
+    t = Tier("static", priority=0, max_duration_s=NEVER, default_duration_s=NEVER, description="no time limit")
+    return Policy(
+        tiers={"static": t},
+        default_tier="static",
+        fair_share=False,
+        backfill=backfill,
+        # backfill off is strict FCFS in the core (nothing passes a lease that cannot start);
+        # backfill on without reservations is the Kubernetes default: anything that fits starts
+        reservation_depth=0,
+        preemption=False,
+        warn_before_s=0.0,
+        confirm_timeout_s=None,
+        heartbeat_timeout_s=None,
+    )
+
+
+def static() -> SimPolicy:
+    return SimPolicy(
+        "static",
+        _static_policy(backfill=False),
+        "whole GPUs, strict FCFS, held until done, no time limit",
+        whole_gpus=True,
+        strict_fcfs=True,
+    )
+
+
+def static_backfill() -> SimPolicy:
+    return SimPolicy(
+        "static+backfill",
+        _static_policy(backfill=True),
+        "whole GPUs, any waiting request that fits starts (Kubernetes default scheduler), no time limit",
+        whole_gpus=True,
+    )
+
+
+def static_culler(timeout_s: float = 1800.0) -> SimPolicy:
+    return SimPolicy(
+        "static+culler",
+        _static_policy(backfill=True),
+        f"static+backfill, servers culled after {timeout_s / 60:g} min idle (blind to GPU activity)",
+        whole_gpus=True,
+        idle=IdleRule(timeout_s=timeout_s, label="cull"),
+    )
+
+
+def gpulease(idle: IdleRule | None = None, *, extend_when_contended: bool = False) -> SimPolicy:
+    pol = Policy(
+        fair_share=True,
+        backfill=True,
+        preemption=True,
+        extend_when_contended=extend_when_contended,
+        confirm_timeout_s=None,
+        heartbeat_timeout_s=None,
+    )
+    idle = idle or IdleRule(learn=True)
+    return SimPolicy(
+        "gpulease",
+        pol,
+        "shares packed, tiers from QoS, time limits with extension, idle reclaim, preemption, backfill with reservations",
+        qos_tiers=dict(GPULEASE_QOS_TIERS),
+        idle=idle,
+    )
+
+
+BUILTIN = {"static": static, "static+backfill": static_backfill, "static+culler": static_culler, "gpulease": gpulease}
+DEFAULT_POLICIES = ("static", "static+backfill", "static+culler", "gpulease")
+
+
+# --------------------------------------------------------------------------- config files
+_POLICY_KEYS = {
+    "backfill",
+    "reservation_depth",
+    "preemption",
+    "fair_share",
+    "fair_share_half_life_s",
+    "extend_when_contended",
+    "warn_before_s",
+    "default_tier",
+}
+
+
+def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
+    """A policy from a config mapping::
+
+        name = "gpulease-30min"
+        base = "gpulease"            # a built-in to start from (default: gpulease)
+        whole_gpus = false
+        backfill = true              # any core Policy field listed in _POLICY_KEYS
+        idle_timeout_s = 1800        # or idle_learn = true (+ idle_quantile, idle_factor, idle_min_s, idle_max_s)
+        [qos_tiers]
+        BE = "learning"
+        [tiers.learning]             # tiers replace the base's tiers when given
+        priority = 10
+        max_duration_s = 14400
+        preemptible = true
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: a policy must be a table/object")
+    d = dict(d)
+    name = d.pop("name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{source}: each policy needs a 'name'")
+    base_name = d.pop("base", "gpulease")
+    if base_name not in BUILTIN:
+        raise ValueError(f"{source}: policy {name!r}: unknown base {base_name!r}; built-ins: {', '.join(BUILTIN)}")
+    base: SimPolicy = BUILTIN[base_name]()
+    pol = base.policy
+    kw: dict[str, Any] = {}
+    tiers = d.pop("tiers", None)
+    if tiers is not None:
+        if not isinstance(tiers, dict) or not tiers:
+            raise ValueError(f"{source}: policy {name!r}: 'tiers' must map tier names to settings")
+        kw["tiers"] = {tn: Tier.from_dict(tn, td) for tn, td in tiers.items()}
+        if "default_tier" not in d and pol.default_tier not in kw["tiers"]:
+            kw["default_tier"] = next(iter(kw["tiers"]))
+    for k in list(d):
+        if k in _POLICY_KEYS:
+            kw[k] = d.pop(k)
+    try:
+        pol = replace(pol, **kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: policy {name!r}: {e}") from None
+    idle = base.idle
+    idle_kw: dict[str, Any] = {}
+    if "idle_timeout_s" in d:
+        v = d.pop("idle_timeout_s")
+        idle_kw.update(timeout_s=None if v in (None, 0, False) else float(v), learn=False)
+    if d.pop("idle_learn", False):
+        idle_kw["learn"] = True
+    for k in ("quantile", "factor", "min_s", "max_s", "min_gaps", "default_s"):
+        if f"idle_{k}" in d:
+            idle_kw[k] = d.pop(f"idle_{k}")
+    if idle_kw:
+        idle = replace(idle, **idle_kw)
+    sp = replace(
+        base,
+        name=name,
+        policy=pol,
+        description=d.pop("description", f"from {os.path.basename(source)} (base {base_name})"),
+        whole_gpus=bool(d.pop("whole_gpus", base.whole_gpus)),
+        qos_tiers={**base.qos_tiers, **d.pop("qos_tiers", {})},
+        idle=idle,
+        strict_fcfs=bool(d.pop("strict_fcfs", base.strict_fcfs)),
+    )
+    if d:
+        raise ValueError(
+            f"{source}: policy {name!r}: unknown setting(s) {sorted(d)}; known: base, description, whole_gpus, strict_fcfs, qos_tiers, tiers, "
+            f"idle_timeout_s, idle_learn, idle_quantile, idle_factor, idle_min_s, idle_max_s, idle_min_gaps, idle_default_s, {', '.join(sorted(_POLICY_KEYS))}"
+        )
+    for tier in sp.qos_tiers.values():
+        if tier not in pol.tiers:
+            raise ValueError(f"{source}: policy {name!r}: qos_tiers names tier {tier!r}, not one of {sorted(pol.tiers)}")
+    return sp
+
+
+def load_policy_file(path: str) -> list[SimPolicy]:
+    """Policies from a TOML (``[[policy]]`` tables) or JSON (``{"policy": [...]}`` or a list) file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+    if path.endswith(".toml"):
+        import tomllib
+
+        try:
+            data: Any = tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{os.path.basename(path)}: not valid TOML: {e}") from None
+    else:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{os.path.basename(path)}: not valid JSON: {e}") from None
+    items = data.get("policy", data.get("policies")) if isinstance(data, dict) else data
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{os.path.basename(path)}: expected a list of policies ([[policy]] tables in TOML)")
+    return [policy_from_dict(it, source=os.path.basename(path)) for it in items]
