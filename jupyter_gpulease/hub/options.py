@@ -1,0 +1,363 @@
+"""What a spawn asks for: user options (form or REST API) checked into a :class:`LeaseChoice`.
+
+Pure functions, no I/O and no jupyterhub import, so they are tested on their own. The
+spawner calls :func:`parse_user_options` with the admin's presets and (when the broker
+answered) the live pool, and turns :class:`OptionsError` into a spawn failure whose message
+the user reads on the spawn page or in the REST API's answer.
+
+Accepted ``user_options`` (all optional; ``{}`` means "the default")::
+
+    {"preset": "a100"}                              # a named preset of the admin
+    {"gpus": 2, "model": "A100*", "tier": "experiment", "duration_h": 4}
+    {"share": 0.5, "model": "L4"}                   # half of one GPU (compute and memory)
+    {"mig_profile": "3g.40gb"}
+    {"kind": "cpu"}                                 # no GPU
+    ... plus "duration_s" (or "duration_h"), "max_wait_s" (or "max_wait_min"), "min_memory_mib", "memory_mib"
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.model import BadRequest, parse_request
+
+REQUEST_KEYS = ("kind", "gpus", "share", "memory_mib", "mig_profile", "model", "min_memory_mib")
+TIME_KEYS = ("tier", "duration_s", "duration_h", "max_wait_s", "max_wait_min")
+KNOWN_KEYS = frozenset(("preset",) + REQUEST_KEYS + TIME_KEYS)
+PRESET_KEYS = frozenset(("slug", "display_name", "description", "request", "cpu_only", "tier", "duration_s", "max_wait_s", "default"))
+
+
+class OptionsError(ValueError):
+    """The user's options can't be used; ``message`` says what to change, ``field`` which option."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+@dataclass(frozen=True)
+class LeaseChoice:
+    """One spawn's GPU choice. ``request`` is None for a CPU-only server (no lease)."""
+
+    request: dict[str, Any] | None
+    tier: str | None = None
+    duration_s: float | None = None
+    max_wait_s: float | None = None
+    preset: str = ""
+    label: str = ""
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.request is None
+
+    def broker_body(self, *, user: str, server: str = "", groups: list[str] | tuple[str, ...] = (), meta: dict | None = None,
+                    max_wait_s: float | None = None) -> dict[str, Any]:
+        """The body of ``POST api/leases`` for this choice, acting for ``user`` (admin path)."""
+        if self.request is None:
+            raise ValueError("a CPU-only choice needs no lease")
+        body: dict[str, Any] = dict(self.request)
+        body["user"] = user
+        body["server"] = server
+        if groups:
+            body["groups"] = list(groups)
+        if self.tier:
+            body["tier"] = self.tier
+        if self.duration_s is not None:
+            body["duration_s"] = self.duration_s
+        waits = [w for w in (self.max_wait_s, max_wait_s) if w is not None]
+        if waits:
+            body["max_wait_s"] = min(waits)
+        if meta:
+            body["meta"] = dict(meta)
+        return body
+
+
+# --------------------------------------------------------------------------- presets
+@dataclass(frozen=True)
+class Preset:
+    """An admin-defined named option (like KubeSpawner's ``profile_list`` entries)."""
+
+    slug: str
+    display_name: str
+    description: str = ""
+    request: dict[str, Any] | None = None  # None: CPU only
+    tier: str | None = None
+    duration_s: float | None = None
+    max_wait_s: float | None = None
+    default: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.request is None
+
+
+def parse_presets(raw: Any) -> list[Preset]:
+    """Check the admin's ``lease_presets`` config; ``ValueError`` says which entry is wrong."""
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError("lease_presets must be a list of dicts")
+    out: list[Preset] = []
+    seen: set[str] = set()
+    for i, p in enumerate(raw):
+        where = f"lease_presets[{i}]"
+        if not isinstance(p, dict):
+            raise ValueError(f"{where} must be a dict, got {type(p).__name__}")
+        unknown = sorted(set(p) - PRESET_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(PRESET_KEYS)}")
+        slug = p.get("slug")
+        if not isinstance(slug, str) or not slug.strip() or any(c.isspace() for c in slug):
+            raise ValueError(f"{where}: 'slug' must be a short name without spaces, like 'a100-whole'")
+        if slug in seen:
+            raise ValueError(f"{where}: slug {slug!r} is used twice")
+        seen.add(slug)
+        cpu_only = bool(p.get("cpu_only")) or p.get("request") is None
+        request = None
+        if not cpu_only:
+            if not isinstance(p["request"], dict):
+                raise ValueError(f"{where}: 'request' must be a dict such as {{'gpus': 1, 'model': 'A100*'}}")
+            try:
+                parse_request(p["request"])
+            except BadRequest as e:
+                raise ValueError(f"{where}: {e.message}") from None
+            request = dict(p["request"])
+        for k in ("duration_s", "max_wait_s"):
+            v = p.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"{where}: {k!r} must be a positive number of seconds")
+        out.append(Preset(
+            slug=slug,
+            display_name=str(p.get("display_name") or slug),
+            description=str(p.get("description") or ""),
+            request=request,
+            tier=p.get("tier"),
+            duration_s=p.get("duration_s"),
+            max_wait_s=p.get("max_wait_s"),
+            default=bool(p.get("default")),
+        ))
+    if sum(p.default for p in out) > 1:
+        raise ValueError("lease_presets: more than one preset has 'default': True")
+    return out
+
+
+def default_preset(presets: list[Preset]) -> Preset | None:
+    for p in presets:
+        if p.default:
+            return p
+    return presets[0] if presets else None
+
+
+# --------------------------------------------------------------------------- numbers
+def _number(opts: dict, key: str, *, positive: bool = True) -> float | None:
+    v = opts.get(key)
+    if v is None or v == "":
+        return None
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            raise OptionsError(f"'{key}' must be a number, got {opts[key]!r}", key) from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise OptionsError(f"'{key}' must be a number, got {opts[key]!r}", key)
+    if positive and v <= 0:
+        raise OptionsError(f"'{key}' must be more than 0, got {v:g}", key)
+    return float(v)
+
+
+def format_duration(seconds: float) -> str:
+    """3600 → '1 h', 5400 → '1 h 30 min', 600 → '10 min', 30 → '30 s'."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    m = round(s / 60)
+    if m < 60:
+        return f"{m} min"
+    h, m = divmod(m, 60)
+    return f"{h} h" + (f" {m} min" if m else "")
+
+
+def _duration(opts: dict) -> float | None:
+    s = _number(opts, "duration_s")
+    h = _number(opts, "duration_h")
+    if s is not None and h is not None and abs(s - h * 3600) > 1:
+        raise OptionsError("give the duration once: 'duration_s' (seconds) or 'duration_h' (hours), not both", "duration_s")
+    return s if s is not None else (h * 3600 if h is not None else None)
+
+
+def _max_wait(opts: dict) -> float | None:
+    s = _number(opts, "max_wait_s")
+    m = _number(opts, "max_wait_min")
+    if s is not None:
+        return s
+    return m * 60 if m is not None else None
+
+
+# --------------------------------------------------------------------------- the pool
+def pool_models(pool: dict) -> dict[str, dict]:
+    """Per model in the pool: memory, whole GPUs per node (non-MIG), MIG profiles."""
+    out: dict[str, dict] = {}
+    for d in pool.get("devices", []) or []:
+        m = out.setdefault(d["model"], {"memory_mib": 0, "per_node": {}, "mig_profiles": set(), "gpus": 0, "shareable": 0})
+        m["memory_mib"] = max(m["memory_mib"], int(d.get("memory_mib", 0)))
+        m["gpus"] += 1
+        if d.get("mig"):
+            m["mig_profiles"].update(i["profile"] for i in d["mig"])
+        elif d.get("healthy", True):
+            m["per_node"][d["node"]] = m["per_node"].get(d["node"], 0) + 1
+            m["shareable"] += 1
+    return out
+
+
+def _matching_models(patterns: list[str], models: dict[str, dict]) -> list[str]:
+    import fnmatch
+
+    if not patterns:
+        return list(models)
+    return [m for m in models if any(fnmatch.fnmatchcase(m.lower(), p.lower()) for p in patterns)]
+
+
+def check_against_pool(request: dict, tier: str | None, duration_s: float | None, pool: dict) -> None:
+    """Catch what can never work with this pool and these tiers, with a message saying what to change.
+
+    The broker decides in the end (quotas, who may use a tier); this only gives early, clear answers.
+    """
+    req = parse_request(request)
+    models = pool_models(pool)
+    if not models:
+        raise OptionsError("the GPU pool is empty right now; choose a CPU-only server or try again later", "model")
+    names = ", ".join(sorted(models))
+    matching = _matching_models(list(req.models), models)
+    if req.models and not matching:
+        raise OptionsError(f"no GPU model matches {'|'.join(req.models)!r}; the pool has: {names}", "model")
+    cands = {m: models[m] for m in matching}
+    kind = req.kind.value
+    if kind == "gpu":
+        most = max((max(c["per_node"].values(), default=0) for c in cands.values()), default=0)
+        if most == 0:
+            raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be leased whole (all are in MIG mode); ask for a MIG profile", "gpus")
+        if req.gpus > most:
+            where = f" of model {'|'.join(req.models)}" if req.models else ""
+            raise OptionsError(f"'gpus' is {req.gpus}, but at most {most} GPU{'s' if most > 1 else ''}{where} sit on one node; ask for 1 to {most}", "gpus")
+    elif kind == "share":
+        if not any(c["shareable"] for c in cands.values()):
+            raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be shared (all are in MIG mode); ask for a MIG profile", "share")
+        if req.memory_mib and req.memory_mib > max(c["memory_mib"] for c in cands.values()):
+            raise OptionsError(f"'memory_mib' {req.memory_mib} is more than any matching GPU has", "memory_mib")
+    else:
+        profiles = sorted(set().union(*(c["mig_profiles"] for c in cands.values())))
+        if req.mig_profile not in profiles:
+            have = ", ".join(profiles) if profiles else "none"
+            raise OptionsError(f"MIG profile {req.mig_profile!r} is not in the pool; available profiles: {have}", "mig_profile")
+    if req.min_memory_mib and not any(c["memory_mib"] >= req.min_memory_mib for c in cands.values()):
+        raise OptionsError(f"no GPU has {req.min_memory_mib} MiB of memory; the largest has {max(c['memory_mib'] for c in cands.values())} MiB", "min_memory_mib")
+    check_tier(tier, duration_s, pool)
+
+
+def check_tier(tier: str | None, duration_s: float | None, pool: dict) -> None:
+    tiers = {t["name"]: t for t in pool.get("tiers", []) or []}
+    if not tiers:
+        return  # the broker will say
+    if tier is not None and tier not in tiers:
+        raise OptionsError(f"tier {tier!r} is not one you may use; choose one of: {', '.join(tiers)}", "tier")
+    if duration_s is not None and tier is not None:
+        limit = tiers[tier].get("max_duration_s")
+        if limit and duration_s > limit:
+            raise OptionsError(
+                f"a duration of {format_duration(duration_s)} is over the {tier!r} tier's limit of {format_duration(limit)}; "
+                f"ask for at most {format_duration(limit)}, or pick another tier", "duration_s")
+
+
+# --------------------------------------------------------------------------- parse
+def parse_user_options(
+    opts: Any,
+    *,
+    presets: list[Preset] = (),
+    allow_custom: bool = True,
+    allow_cpu_only: bool = True,
+    default_options: dict | None = None,
+    pool: dict | None = None,
+) -> LeaseChoice:
+    """Check one spawn's ``user_options`` and return what to ask the broker for.
+
+    ``presets``: the admin's named options; with ``allow_custom`` False only those can be used.
+    ``pool``: the broker's ``GET api/pool`` answer, for early checks of models, counts, tiers
+    and durations (None: leave every check to the broker). Raises :class:`OptionsError`.
+    """
+    if opts is None:
+        opts = {}
+    if not isinstance(opts, dict):
+        raise OptionsError("user_options must be a JSON object such as {\"gpus\": 1, \"model\": \"A100*\"}")
+    opts = {k: v for k, v in opts.items() if v is not None and v != ""}
+    unknown = sorted(set(opts) - KNOWN_KEYS)
+    if unknown:
+        raise OptionsError(f"unknown option(s) {', '.join(map(repr, unknown))}; known options: {', '.join(sorted(KNOWN_KEYS))}", unknown[0])
+    presets = list(presets)
+    if not opts:
+        p = default_preset(presets)
+        if p is not None:
+            opts = {"preset": p.slug}
+        elif default_options:
+            opts = dict(default_options)
+        elif allow_cpu_only:
+            opts = {"kind": "cpu"}
+        else:
+            opts = {"gpus": 1}
+
+    duration_s = _duration(opts)
+    max_wait_s = _max_wait(opts)
+
+    if "preset" in opts:
+        slug = opts["preset"]
+        by_slug = {p.slug: p for p in presets}
+        if slug not in by_slug:
+            choices = ", ".join(by_slug) or "none are configured"
+            raise OptionsError(f"unknown preset {slug!r}; choose one of: {choices}", "preset")
+        extra = sorted(set(opts) & set(REQUEST_KEYS + ("tier",)))
+        if extra:
+            raise OptionsError(f"a preset fixes what you get; drop {', '.join(map(repr, extra))} or drop 'preset'", extra[0])
+        p = by_slug[slug]
+        if p.cpu_only:
+            if duration_s is not None:
+                raise OptionsError("a CPU-only server has no lease: drop the duration", "duration_s")
+            return LeaseChoice(request=None, preset=p.slug, label=p.display_name)
+        duration_s = duration_s if duration_s is not None else p.duration_s
+        if pool is not None:
+            check_tier(p.tier, duration_s, pool)
+        waits = [w for w in (max_wait_s, p.max_wait_s) if w is not None]
+        return LeaseChoice(request=dict(p.request), tier=p.tier, duration_s=duration_s, max_wait_s=min(waits) if waits else None,
+                           preset=p.slug, label=p.display_name)
+
+    if opts.get("kind") == "cpu":
+        if not allow_cpu_only:
+            raise OptionsError("CPU-only servers are not offered here; ask for a GPU, a share or a MIG profile", "kind")
+        extra = sorted(set(opts) - {"kind"})
+        if extra:
+            raise OptionsError(f"a CPU-only server has no lease: drop {', '.join(map(repr, extra))}", extra[0])
+        return LeaseChoice(request=None, label="CPU only")
+
+    if not allow_custom:
+        choices = ", ".join(p.slug for p in presets)
+        raise OptionsError(f"choose one of the presets with 'preset': {choices}", "preset")
+
+    request = {k: opts[k] for k in REQUEST_KEYS if k in opts}
+    if request.get("kind") == "gpu" and "gpus" not in request:
+        request["gpus"] = 1
+    try:
+        req = parse_request(request)
+    except BadRequest as e:
+        raise OptionsError(_explain(e), e.field) from None
+    tier = opts.get("tier")
+    if tier is not None and not isinstance(tier, str):
+        raise OptionsError(f"'tier' must be a tier name, got {tier!r}", "tier")
+    if pool is not None:
+        check_against_pool(request, tier, duration_s, pool)
+    return LeaseChoice(request=req.to_dict(), tier=tier, duration_s=duration_s, max_wait_s=max_wait_s, label=req.describe())
+
+
+def _explain(e: BadRequest) -> str:
+    if e.field == "gpus" and "at least" in e.message:
+        return f"{e.message}: ask for 1 or more whole GPUs, a 'share' of one GPU, or {{\"kind\": \"cpu\"}} for no GPU"
+    return e.message

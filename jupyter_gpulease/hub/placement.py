@@ -1,0 +1,132 @@
+"""A granted lease turned into what a single-user server sees, and the words the spawn page shows.
+
+Pure functions. The environment is the contract with the server extension and the kernels:
+
+``CUDA_VISIBLE_DEVICES``   the leased devices by UUID (MIG instances by their MIG UUID); empty
+                           for a CPU-only server, so that no GPU is visible at all
+``GPULEASE_LEASE_ID``      the lease's id ("" for a CPU-only server)
+``GPULEASE_BROKER_URL``    the broker's base URL (the server extension talks to it with the
+                           server's own JUPYTERHUB_API_TOKEN)
+``GPULEASE_EXPIRES_AT``    POSIX seconds when the lease ends unless extended
+``GPULEASE_SHARE``         compute share of each slice (1 = whole GPU, 0.5 = half)
+``GPULEASE_MEMORY_MIB``    memory cap of each slice in MiB (comma-separated, one per device)
+``GPULEASE_GPU_UUIDS``     physical GPU UUIDs (for a MIG slice: its parent GPU)
+``GPULEASE_TIER``          the lease's tier
+``GPULEASE_PLACEMENT``     the whole placement as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from .options import format_duration
+
+ENV_PREFIX = "GPULEASE_"
+
+
+def lease_environment(lease: dict[str, Any], *, broker_url: str = "") -> dict[str, str]:
+    """The environment of a server that holds the active ``lease`` (a lease JSON of the broker)."""
+    placement = lease.get("placement") or {}
+    slices = placement.get("slices") or []
+    if not slices:
+        raise ValueError(f"lease {lease.get('id')} has no placement (state {lease.get('state')!r})")
+    devices = [s.get("mig_uuid") or s["gpu_uuid"] for s in slices]
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(devices),
+        # CUDA numbers devices by PCI bus so that indices match nvidia-smi's.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPULEASE_LEASE_ID": str(lease["id"]),
+        "GPULEASE_BROKER_URL": broker_url,
+        "GPULEASE_EXPIRES_AT": "" if lease.get("expires_at") is None else f"{float(lease['expires_at']):.0f}",
+        "GPULEASE_SHARE": ",".join(f"{float(s.get('share', 1.0)):g}" for s in slices),
+        "GPULEASE_MEMORY_MIB": ",".join(str(int(s["memory_mib"])) for s in slices),
+        "GPULEASE_GPU_UUIDS": ",".join(s["gpu_uuid"] for s in slices),
+        "GPULEASE_TIER": str(lease.get("tier") or ""),
+        "GPULEASE_PLACEMENT": json.dumps(placement, separators=(",", ":"), sort_keys=True),
+    }
+    return env
+
+
+def cpu_only_environment(*, broker_url: str = "") -> dict[str, str]:
+    """A server without a lease: no GPU visible, and the broker URL so the user can ask for one."""
+    return {"CUDA_VISIBLE_DEVICES": "", "GPULEASE_LEASE_ID": "", "GPULEASE_BROKER_URL": broker_url}
+
+
+# --------------------------------------------------------------------------- words
+def display_model(name: str, memory_mib: int | None) -> str:
+    """'L4' + 23034 MiB → 'L4 (22 GB)'; a name that already says its memory stays as it is."""
+    if not memory_mib or "gb" in name.lower():
+        return name
+    return f"{name} ({round(memory_mib / 1024)} GB)"
+
+
+def _model_words(patterns: list[str], pool: dict | None) -> str:
+    import fnmatch
+
+    devices = (pool or {}).get("devices") or []
+    mem: dict[str, int] = {}
+    for d in devices:
+        mem[d["model"]] = max(mem.get(d["model"], 0), int(d.get("memory_mib") or 0))
+    if patterns:
+        matching = [m for m in mem if any(fnmatch.fnmatchcase(m.lower(), p.lower()) for p in patterns)]
+    else:
+        matching = list(mem)
+    if len(matching) == 1:
+        return display_model(matching[0], mem[matching[0]])
+    return " or ".join(patterns) if patterns else "GPU"
+
+
+def describe_request(request: dict[str, Any], pool: dict | None = None) -> str:
+    """A lease request (``Request.to_dict()``) in words: '1 × A100-SXM4-80GB', 'a 0.5 share of L4 (22 GB)'."""
+    models = request.get("model") or []
+    if isinstance(models, str):
+        models = [models]
+    what = _model_words(list(models), pool)
+    kind = request.get("kind") or ("mig" if request.get("mig_profile") else "share" if request.get("share") else "gpu")
+    if kind == "share":
+        share = request.get("share")
+        mem = request.get("memory_mib")
+        part = f"a {float(share):g} share" if share else f"{mem} MiB"
+        return f"{part} of one {what}"
+    if kind == "mig":
+        return f"MIG {request.get('mig_profile')} of {what}" if what != "GPU" else f"MIG {request.get('mig_profile')}"
+    return f"{int(request.get('gpus', 1))} × {what}"
+
+
+def describe_wait(eta: float | None, now: float) -> str:
+    if eta is None:
+        return "no estimate yet"
+    left = eta - now
+    if left < 60:
+        return "any moment now"
+    return f"about {format_duration(left)}"
+
+
+def queue_message(lease: dict[str, Any], pool: dict | None = None, now: float | None = None) -> str:
+    """'Waiting for 1 × A100 (80 GB): position 2 of 5, about 14 min'."""
+    now = time.time() if now is None else now
+    q = lease.get("queue") or {}
+    what = describe_request(lease.get("request") or {}, pool)
+    if not q:
+        return f"Waiting for {what}"
+    return f"Waiting for {what}: position {q.get('position')} of {q.get('length')}, {describe_wait(q.get('eta'), now)}"
+
+
+def granted_message(lease: dict[str, Any], now: float | None = None) -> str:
+    """'GPU lease granted: 1 × A100-SXM4-80GB (GPU-…), for 2 h'."""
+    now = time.time() if now is None else now
+    slices = (lease.get("placement") or {}).get("slices") or []
+    parts = []
+    for s in slices:
+        if s.get("mig_uuid"):
+            parts.append(f"MIG {s.get('mig_profile')} of {s['model']} ({s['mig_uuid']})")
+        elif float(s.get("share", 1)) < 1:
+            parts.append(f"a {float(s['share']):g} share of {s['model']} ({s['gpu_uuid']})")
+        else:
+            parts.append(f"{s['model']} ({s['gpu_uuid']})")
+    until = ""
+    if lease.get("expires_at"):
+        until = f", for {format_duration(float(lease['expires_at']) - now)}"
+    return f"GPU lease {lease.get('id')} granted: {', '.join(parts)}{until}"

@@ -1,0 +1,418 @@
+"""The lease spawner without a hub: options, form, state, progress, and every path that ends a lease.
+
+A fake broker (in-memory, same methods as BrokerClient) and a fake engine stand in for the
+real ones; the end-to-end tests against a real hub, proxy and broker are in test_spawner_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+import pytest
+from jupyterhub.objects import Hub
+from jupyterhub.spawner import Spawner
+
+from jupyter_gpulease.client import BrokerError
+from jupyter_gpulease.hub import form as spawn_form
+from jupyter_gpulease.hub.options import OptionsError, parse_presets, parse_user_options
+from jupyter_gpulease.hub.placement import describe_request, lease_environment, queue_message
+from jupyter_gpulease.hub.spawner import GPULeaseSpawner
+
+A100 = "A100-SXM4-80GB"
+POOL = {
+    "devices": [
+        {"uuid": "GPU-a0", "node": "n1", "index": 0, "model": A100, "memory_mib": 81920,
+         "mig": [{"uuid": "MIG-a0-0", "profile": "3g.40gb", "memory_mib": 40960, "index": 0},
+                 {"uuid": "MIG-a0-1", "profile": "3g.40gb", "memory_mib": 40960, "index": 1}], "healthy": True},
+        {"uuid": "GPU-a1", "node": "n1", "index": 1, "model": A100, "memory_mib": 81920, "mig": [], "healthy": True},
+        {"uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": 23034, "mig": [], "healthy": True},
+        {"uuid": "GPU-l1", "node": "n1", "index": 3, "model": "L4", "memory_mib": 23034, "mig": [], "healthy": True},
+    ],
+    "capacity": {
+        A100: {"gpus": 2, "memory_mib": 81920, "idle_gpus": 0, "free_share": 0.0, "largest_free_share": 0.0,
+               "mig": {"3g.40gb": {"total": 2, "free": 1}}},
+        "L4": {"gpus": 2, "memory_mib": 23034, "idle_gpus": 2, "free_share": 2.0, "largest_free_share": 1.0, "mig": {}},
+    },
+    "tiers": [
+        {"name": "experiment", "priority": 20, "max_duration_s": 8 * 3600, "default_duration_s": 7200, "preemptible": False},
+        {"name": "learning", "priority": 10, "max_duration_s": 4 * 3600, "default_duration_s": 3600, "preemptible": True},
+    ],
+    "usage": {"gpus_held": 0.5, "max_gpus": 2},
+    "queue_length": 1,
+}
+
+PRESETS = [
+    {"slug": "cpu", "display_name": "CPU only", "cpu_only": True},
+    {"slug": "l4-half", "display_name": "Half an L4", "request": {"share": 0.5, "model": "L4"}, "tier": "learning", "default": True},
+    {"slug": "a100", "display_name": "One A100", "request": {"gpus": 1, "model": "A100*"}, "tier": "experiment", "duration_s": 7200},
+]
+
+
+# --------------------------------------------------------------------------- options
+def test_empty_options_pick_the_default_preset_or_cpu_only():
+    assert parse_user_options({}, presets=parse_presets(PRESETS)).preset == "l4-half"
+    assert parse_user_options({}).cpu_only
+    assert parse_user_options({}, allow_cpu_only=False).request == {"kind": "gpu", "gpus": 1}
+    assert parse_user_options({}, default_options={"gpus": 2}).request["gpus"] == 2
+
+
+def test_good_options_become_a_broker_body():
+    c = parse_user_options({"gpus": 1, "model": "L4", "tier": "experiment", "duration_h": 2, "max_wait_min": 30}, pool=POOL)
+    body = c.broker_body(user="alice", server="", groups=["lab"], meta={"spawner": "x"}, max_wait_s=3600)
+    assert body == {"kind": "gpu", "gpus": 1, "model": ["L4"], "user": "alice", "server": "", "groups": ["lab"],
+                    "tier": "experiment", "duration_s": 7200.0, "max_wait_s": 1800.0, "meta": {"spawner": "x"}}
+    assert parse_user_options({"share": "0.5", "model": "L4"}, pool=POOL).request["share"] == 0.5
+    assert parse_user_options({"mig_profile": "3g.40gb"}, pool=POOL).request["mig_profile"] == "3g.40gb"
+
+
+@pytest.mark.parametrize(
+    "opts, field, words",
+    [
+        ({"gpus": 1, "model": "H100"}, "model", "the pool has: A100-SXM4-80GB, L4"),
+        ({"gpus": 0}, "gpus", "at least 1"),
+        ({"gpus": 1000}, "gpus", "ask for 1 to 2"),
+        ({"gpus": 1, "tier": "production"}, "tier", "choose one of: experiment, learning"),
+        ({"gpus": 1, "tier": "learning", "duration_h": 48}, "duration_s", "over the 'learning' tier's limit of 4 h"),
+        ({"mig_profile": "1g.10gb"}, "mig_profile", "available profiles: 3g.40gb"),
+        ({"gpus": 1, "colour": "red"}, "colour", "unknown option"),
+        ({"preset": "h100"}, "preset", "choose one of: cpu, l4-half, a100"),
+        ({"preset": "a100", "gpus": 2}, "gpus", "a preset fixes what you get"),
+        ({"kind": "cpu", "gpus": 1}, "gpus", "drop 'gpus'"),
+        ({"share": 1.5}, "share", "between 0 and 1"),
+        ({"gpus": "two"}, "gpus", "whole number"),
+    ],
+)
+def test_bad_options_say_what_to_change(opts, field, words):
+    with pytest.raises(OptionsError) as e:
+        parse_user_options(opts, presets=parse_presets(PRESETS), pool=POOL)
+    assert e.value.field == field
+    assert words in e.value.message
+
+
+def test_presets_only_hub_refuses_free_choice():
+    with pytest.raises(OptionsError, match="choose one of the presets"):
+        parse_user_options({"gpus": 1}, presets=parse_presets(PRESETS), allow_custom=False)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ([{"slug": "x y"}], "without spaces"),
+    ([{"slug": "a", "request": {"gpus": 0}}], "at least 1"),
+    ([{"slug": "a", "cpu_only": True}, {"slug": "a", "cpu_only": True}], "used twice"),
+    ([{"slug": "a", "cpu_only": True, "image": "x"}], "unknown key"),
+])
+def test_bad_presets_are_refused_at_config_time(bad, words):
+    with pytest.raises(ValueError, match=words):
+        parse_presets(bad)
+    with pytest.raises(Exception, match=words):
+        GPULeaseSpawner(lease_presets=bad)
+
+
+# --------------------------------------------------------------------------- form
+def test_form_shows_what_is_free_and_what_waits():
+    queue = [{"id": "q1", "state": "queued", "request": {"kind": "gpu", "gpus": 1, "model": ["A100*"]}}]
+    active = [{"id": "a1", "state": "active", "expires_at": 1000 + 25 * 60,
+               "placement": {"slices": [{"model": A100, "gpu_uuid": "GPU-a1"}]}}]
+    html = spawn_form.render_form(POOL, queue=queue, active=active, now=1000)
+    assert "1 × L4 (22 GB) — free now" in html
+    assert "1 × A100-SXM4-80GB — 1 waiting; one frees in about 25 min" in html
+    assert "MIG 3g.40gb of A100-SXM4-80GB — free now" in html
+    assert "a 0.5 share of one A100-SXM4-80GB — all in use; one frees in about 25 min" in html
+    assert "No GPU (CPU only)" in html
+    assert "Your quota: 0.5 GPUs held of at most 2." in html
+    assert "learning — up to 4 h, may be preempted" in html
+    # values read back into the REST API's shape
+    assert spawn_form.options_from_form({"choice": ["gpu:1:L4"], "tier": ["learning"], "duration_h": ["2"], "max_wait_min": [""]}) == {
+        "gpus": 1, "model": "L4", "tier": "learning", "duration_h": 2.0}
+    assert spawn_form.options_from_form({"choice": ["cpu"], "duration_h": ["2"]}) == {"kind": "cpu"}
+    assert spawn_form.options_from_form({"choice": ["share:0.5:L4"]}) == {"share": 0.5, "model": "L4"}
+    assert spawn_form.options_from_form({"choice": ["mig:3g.40gb:" + A100]}) == {"mig_profile": "3g.40gb", "model": A100}
+
+
+def test_every_form_choice_parses_as_valid_options():
+    for value, _label, _req in spawn_form.custom_choices(POOL):
+        opts = spawn_form.options_from_form({"choice": [value], "tier": ["experiment"], "duration_h": ["1"]})
+        parse_user_options(opts, pool=POOL)
+
+
+def test_form_with_presets_and_without_a_broker():
+    html = spawn_form.render_form(POOL, presets=parse_presets(PRESETS), previous={"preset": "a100"})
+    assert 'value="preset:a100" checked' in html
+    assert "Half an L4</strong> — <span class=\"gpulease-free\">free now" in html
+    html = spawn_form.render_form(None, error="broker down")
+    assert "broker down" in html and 'value="cpu"' in html
+
+
+# --------------------------------------------------------------------------- words and env
+def test_queue_message_names_what_is_awaited_position_and_eta():
+    lease = {"id": "L1", "request": {"kind": "gpu", "gpus": 1, "model": ["L4"]},
+             "queue": {"position": 2, "length": 5, "eta": 1000 + 14 * 60, "waiting_for": "x"}}
+    assert queue_message(lease, POOL, now=1000) == "Waiting for 1 × L4 (22 GB): position 2 of 5, about 14 min"
+    assert describe_request({"kind": "share", "share": 0.5, "model": ["L4"]}, POOL) == "a 0.5 share of one L4 (22 GB)"
+
+
+def test_placement_environment_names_devices_by_uuid():
+    lease = {"id": "L1", "tier": "experiment", "expires_at": 1234.0, "placement": {"node": "n1", "slices": [
+        {"gpu_uuid": "GPU-a0", "node": "n1", "index": 0, "model": A100, "memory_mib": 40960, "share": 0.5,
+         "mig_uuid": "MIG-a0-1", "mig_profile": "3g.40gb"},
+        {"gpu_uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": 11517, "share": 0.5}]}}
+    env = lease_environment(lease, broker_url="http://b/")
+    assert env["CUDA_VISIBLE_DEVICES"] == "MIG-a0-1,GPU-l0"
+    assert env["GPULEASE_LEASE_ID"] == "L1" and env["GPULEASE_EXPIRES_AT"] == "1234"
+    assert env["GPULEASE_SHARE"] == "0.5,0.5" and env["GPULEASE_MEMORY_MIB"] == "40960,11517"
+    assert json.loads(env["GPULEASE_PLACEMENT"])["slices"][1]["gpu_uuid"] == "GPU-l0"
+
+
+# --------------------------------------------------------------------------- the spawner, with fakes
+class FakeBroker:
+    """In-memory broker with BrokerClient's methods: one GPU (GPU-l0), leases granted by the test."""
+
+    def __init__(self, *, grant_at_once=False):
+        self.leases: dict[str, dict] = {}
+        self.calls: list[tuple] = []
+        self.grant_at_once = grant_at_once
+        self._changed = asyncio.Event()
+        self._n = 0
+
+    def _touch(self):
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def pool(self):
+        return POOL
+
+    async def queue(self):
+        return [lease for lease in self.leases.values() if lease["state"] == "queued"]
+
+    async def list_leases(self, state=None, user=None):
+        return [dict(lease) for lease in self.leases.values() if user in (None, lease["user"])]
+
+    async def request_lease(self, body):
+        self.calls.append(("request", body))
+        if body.get("tier") == "production":
+            raise BrokerError(403, "you may not use tier 'production'", "tier", "Forbidden")
+        self._n += 1
+        lid = f"L{self._n}"
+        lease = {"id": lid, "user": body["user"], "server": body.get("server", ""), "state": "queued", "tier": body.get("tier"),
+                 "request": {k: body[k] for k in ("kind", "gpus", "share", "model") if k in body}, "meta": body.get("meta", {}),
+                 "queue": {"position": 1, "length": 1, "eta": None, "waiting_for": "GPU-l0"}, "expires_at": None, "placement": None}
+        self.leases[lid] = lease
+        if self.grant_at_once:
+            self.grant(lid)
+        return dict(lease)
+
+    def grant(self, lid):
+        lease = self.leases[lid]
+        lease.update(state="active", queue=None, expires_at=2e9, placement={"node": "n1", "slices": [
+            {"gpu_uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": 23034, "share": 1.0}]})
+        self._touch()
+
+    def end(self, lid, state="expired"):
+        self.leases[lid].update(state=state, end_reason=state)
+        self._touch()
+
+    async def get_lease(self, lid):
+        if lid not in self.leases:
+            raise BrokerError(404, "no such lease")
+        return dict(self.leases[lid])
+
+    async def events(self, since=0, lease_id=None, timeout=30):
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return {"events": [], "last_id": since}
+
+    async def confirm(self, lid):
+        self.calls.append(("confirm", lid))
+        return dict(self.leases[lid])
+
+    async def release(self, lid, reason=""):
+        self.calls.append(("release", lid, reason))
+        lease = self.leases.get(lid)
+        if lease is None:
+            raise BrokerError(404, "no such lease")
+        if lease["state"] not in ("queued", "active"):
+            raise BrokerError(409, "already ended")
+        lease["state"] = "withdrawn" if lease["state"] == "queued" else "released"
+        self._touch()
+        return dict(lease)
+
+
+class FakeEngine(Spawner):
+    """A spawner whose 'server' is a flag; records the environment it was started with."""
+
+    running = False
+    started_env: dict = {}
+
+    async def start(self):
+        self.started_env = self.get_env()
+        self.running = True
+        return "http://127.0.0.1:9999"
+
+    async def stop(self, now=False):
+        self.running = False
+
+    async def poll(self):
+        return None if self.running else 0
+
+
+class LeaseFakeSpawner(GPULeaseSpawner, FakeEngine):
+    pass
+
+
+def make_spawner(broker, **kw):
+    user = types.SimpleNamespace(name="alice", groups=[], url="/user/alice/", progress_url=lambda name: "")
+    kw.setdefault("queue_refresh_interval", 0.05)
+    s = LeaseFakeSpawner(user=user, hub=Hub(), broker_url="http://broker/", broker_api_token="t", **kw)
+    s._client = broker
+    return s
+
+
+def test_queued_spawn_streams_position_then_starts_with_the_leased_gpu():
+    async def main():
+        broker = FakeBroker()
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1, "model": "L4"}
+        s._spawn_pending = True
+        task = asyncio.ensure_future(s.start())
+        events = []
+
+        async def watch():
+            async for ev in s.progress():
+                events.append(ev)
+        watcher = asyncio.ensure_future(watch())
+        while not broker.leases:
+            await asyncio.sleep(0.01)
+        while not any("position 1 of 1" in e["message"] for e in events):
+            await asyncio.sleep(0.01)
+        assert await s.poll() is None  # waiting counts as starting
+        broker.grant("L1")
+        url = await task
+        await asyncio.wait_for(watcher, 5)
+        return s, broker, url, events
+
+    s, broker, url, events = asyncio.run(main())
+    assert url == "http://127.0.0.1:9999"
+    assert s.started_env["CUDA_VISIBLE_DEVICES"] == "GPU-l0"
+    assert s.started_env["GPULEASE_LEASE_ID"] == "L1"
+    assert s.started_env["GPULEASE_BROKER_URL"] == "http://broker/"
+    queued = [e for e in events if e.get("gpulease", {}).get("state") == "queued"]
+    assert queued[0]["message"].startswith("Waiting for 1 × L4 (22 GB): position 1 of 1")
+    assert queued[0]["gpulease"]["position"] == 1
+    assert any("granted" in e["message"] for e in events)
+    for e in events:  # the hub sends them as JSON
+        json.dumps(e)
+    assert ("confirm", "L1") in broker.calls
+    assert s.get_state()["gpulease"] == {"version": 1, "lease_id": "L1"}
+
+
+def test_state_round_trip_and_stop_after_restart_releases():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        state = json.loads(json.dumps(s.get_state()))
+        # a restarted hub: a new spawner object, same state
+        s2 = make_spawner(broker)
+        s2.load_state(state)
+        s2.running = True
+        assert s2.lease_id == "L1"
+        assert await s2.poll() is None  # lease still active: server still running
+        assert s2._watcher is not None
+        await s2.stop()
+        s._stop_watcher()
+        return broker, s2
+    broker, s2 = asyncio.run(main())
+    assert broker.leases["L1"]["state"] == "released"
+    assert s2.lease_id == "" and "gpulease" not in s2.get_state()
+
+
+def test_cancel_while_queued_withdraws_the_lease():
+    async def main():
+        broker = FakeBroker()
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        task = asyncio.ensure_future(s.start())
+        while not broker.leases:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the hub then stops the spawner: nothing was started, nothing is signalled
+        await s.stop()
+        return broker, s
+    broker, s = asyncio.run(main())
+    assert broker.leases["L1"]["state"] == "withdrawn"
+    assert not s.running
+
+
+def test_refused_request_fails_the_spawn_with_the_brokers_words():
+    async def main():
+        s = make_spawner(FakeBroker())
+        s.user_options = {"gpus": 1, "model": "H100"}
+        with pytest.raises(Exception) as e1:
+            await s.start()
+        s._client.pool = lambda: _pool_with_production()
+        s.user_options = {"gpus": 1, "tier": "production"}
+        with pytest.raises(Exception) as e2:
+            await s.start()
+        return e1.value, e2.value
+    e1, e2 = asyncio.run(main())
+    assert "no GPU model matches 'H100'" in e1.message and e1.status_code == 400
+    assert "you may not use tier 'production'" in e2.message and e2.status_code == 403
+
+
+async def _pool_with_production():
+    return {**POOL, "tiers": POOL["tiers"] + [{"name": "production", "max_duration_s": 86400}]}
+
+
+def test_lease_ending_stops_the_server_through_poll():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        assert s.running
+        broker.end("L1", "expired")
+        status = await s.poll()
+        return s, status
+    s, status = asyncio.run(main())
+    assert status == 0 and not s.running and s.lease_id == ""
+
+
+def test_keep_running_when_configured():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker, on_lease_end="keep")
+        s.user_options = {"gpus": 1}
+        await s.start()
+        broker.end("L1", "preempted")
+        status = await s.poll()
+        s._stop_watcher()
+        return s, status
+    s, status = asyncio.run(main())
+    assert status is None and s.running and s.lease_id == ""
+
+
+def test_cpu_only_needs_no_broker_and_hides_gpus():
+    async def main():
+        s = make_spawner(None)
+        s.user_options = {"kind": "cpu"}
+        await s.start()
+        return s
+    s = asyncio.run(main())
+    assert s.started_env["CUDA_VISIBLE_DEVICES"] == ""
+    assert "gpulease" not in s.get_state()
+
+
+def test_hub_start_timeout_is_stretched_by_the_wait_limit_and_restored():
+    s = make_spawner(FakeBroker(grant_at_once=True), start_timeout=60, lease_wait_timeout=1800, broker_timeout=10)
+    s.run_pre_spawn_hook()
+    assert s.start_timeout == 60 + 1800 + 20
+    s.user_options = {"gpus": 1}
+    asyncio.run(s.start())
+    assert s.start_timeout == 60
