@@ -41,6 +41,10 @@ class BaseHandler(web.RequestHandler):
     """Shared plumbing: JSON errors, the manager, who the caller is."""
 
     @property
+    def log(self):
+        return self.settings["gpulease_broker"].log
+
+    @property
     def manager(self):
         return self.settings["gpulease_manager"]
 
@@ -225,7 +229,18 @@ class LeasesHandler(APIHandler):
         meta = body.get("meta") or {}
         if not isinstance(meta, dict):
             raise BadRequest("'meta' must be a JSON object", field="meta")
-        lease = await self.manager.request(
+        try:
+            lease = await self._request(body, request, user, groups, tier, duration, server, max_wait, meta)
+        except LeaseError as e:
+            if e.field == "request":
+                # name the body field the client sent: the one that makes it impossible
+                e.field = {"gpu": "gpus", "share": "share" if "share" in body else "memory_mib", "mig": "mig_profile"}[request.kind.value]
+            raise
+        self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
+        self.write_json(self.manager.lease_json(lease), 201)
+
+    async def _request(self, body, request, user, groups, tier, duration, server, max_wait, meta):
+        return await self.manager.request(
             user=user,
             request=request,
             tier=tier,
@@ -236,8 +251,6 @@ class LeasesHandler(APIHandler):
             meta=meta,
             actor=self.actor if user == self.caller_name else f"admin:{self.caller_name}",
         )
-        self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
-        self.write_json(self.manager.lease_json(lease), 201)
 
 
 class LeaseHandler(APIHandler):

@@ -1,0 +1,297 @@
+"""The broker in-process, over real HTTP on 127.0.0.1, with a clock the tests move.
+
+Unit level: the caller is named by the token (see brokerutil.patch_auth), so these tests
+cover the REST API, the manager and the store without a hub. test_broker_hub.py runs the
+same broker behind a real JupyterHub.
+"""
+
+import asyncio
+
+import pytest
+
+from brokerutil import broker_url, make_broker, patch_auth
+from jupyter_gpulease.broker.manager import ManualClock
+from jupyter_gpulease.client import BrokerClient, BrokerError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _auth(monkeypatch):
+    patch_auth(monkeypatch)
+
+
+def run_with_broker(tmp_path, scenario, clock=None, **kw):
+    """Start a broker, run ``scenario(app, client_for)``, stop the broker."""
+    clock = clock or ManualClock()
+
+    async def main():
+        app = make_broker(tmp_path, clock, **kw)
+        await app.start_async()
+        try:
+            return await scenario(app, lambda user: BrokerClient(broker_url(app), user))
+        finally:
+            await app.stop_async()
+
+    return asyncio.run(main())
+
+
+async def expect_error(coro, status, field=None):
+    with pytest.raises(BrokerError) as info:
+        await coro
+    err = info.value
+    assert err.status == status, f"expected {status}, got {err.status}: {err.message}"
+    if field is not None:
+        assert err.field == field, f"expected the error to name {field!r}, got {err.field!r}: {err.message}"
+        assert err.message
+    return err
+
+
+def test_a_free_gpu_is_granted_at_once_and_only_its_holder_sees_it(tmp_path):
+    async def scenario(app, client):
+        alice, bob, admin = client("alice"), client("bob"), client("admin-carol")
+        lease = await alice.request_lease({"gpus": 1, "model": "A100*", "duration_s": 3600})
+        assert lease["state"] == "active"
+        assert lease["user"] == "alice" and lease["groups"] == ["physics"]
+        assert lease["placement"]["slices"][0]["model"] == "A100-SXM4-80GB"
+        assert lease["expires_at"] == lease["granted_at"] + 3600
+        assert (await alice.get_lease(lease["id"]))["id"] == lease["id"]
+        assert [x["id"] for x in await alice.list_leases()] == [lease["id"]]
+        assert await bob.list_leases() == []
+        await expect_error(bob.get_lease(lease["id"]), 403)
+        await expect_error(bob.release(lease["id"]), 403)
+        await expect_error(bob.list_leases(user="alice"), 403, "user")
+        assert [x["id"] for x in await admin.list_leases()] == [lease["id"]]
+        assert [x["id"] for x in await admin.list_leases(user="alice")] == [lease["id"]]
+        await expect_error(alice.get_lease("no-such-lease"), 404)
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_a_queued_lease_shows_position_and_eta_and_starts_when_the_gpu_is_released(tmp_path):
+    async def scenario(app, client):
+        alice, bob = client("alice"), client("bob")
+        first = await alice.request_lease({"gpus": 2, "model": "A100*", "duration_s": 3600})
+        waiting = await bob.request_lease({"gpus": 1, "model": "A100*"})
+        assert waiting["state"] == "queued"
+        q = waiting["queue"]
+        assert (q["position"], q["length"]) == (1, 1)
+        assert q["eta"] == first["expires_at"]
+        assert "A100" in q["waiting_for"]
+        # bob sees his own entry; alice sees bob's anonymised
+        assert (await bob.queue())[0]["user"] == "bob"
+        other = (await alice.queue())[0]
+        assert other["user"] == "…" and "meta" not in other
+        # a long poll started now returns bob's grant once alice releases
+        poll = asyncio.ensure_future(bob.events(since=app.manager.last_event_id, lease_id=waiting["id"], timeout=20))
+        await asyncio.sleep(0.2)
+        assert not poll.done()
+        released = await alice.release(first["id"], reason="done")
+        assert released["state"] == "released"
+        feed = await asyncio.wait_for(poll, 20)
+        assert [e["kind"] for e in feed["events"]] == ["granted"]
+        assert feed["last_id"] == feed["events"][-1]["id"]
+        assert (await bob.get_lease(waiting["id"]))["state"] == "active"
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_bad_requests_get_400_naming_the_field_and_change_nothing(tmp_path):
+    async def scenario(app, client):
+        alice = client("alice")
+        cases = [
+            ({"gpus": 0}, "gpus"),
+            ({"gpus": 1000}, "gpus"),
+            ({"gpus": 1, "model": "V100"}, "model"),
+            ({"gpus": 1, "tier": "platinum"}, "tier"),
+            ({"gpus": 1, "duration_s": 10 * 24 * 3600}, "duration_s"),
+            ({"gpus": 1, "duration_s": -5}, "duration_s"),
+            ({"gpus": 1, "max_wait_s": "soon"}, "max_wait_s"),
+            ({"share": 1.5}, "share"),
+            ({"gpus": 1, "colour": "blue"}, "colour"),
+            ({"gpus": 1, "meta": [1]}, "meta"),
+        ]
+        for body, field in cases:
+            await expect_error(alice.request_lease(body), 400, field)
+        await expect_error(alice.request_lease({"gpus": 1, "user": "bob"}), 403, "user")
+        # malformed JSON straight through HTTP
+        err = await expect_error(_raw_post(alice, b"{not json"), 400, "body")
+        assert "JSON" in err.message
+        await expect_error(_raw_post(alice, b"[1, 2]"), 400, "body")
+        assert await alice.list_leases(state="all") == []
+        assert app.manager.scheduler.leases == {}
+        assert app.store.count_leases() == 0
+
+    run_with_broker(tmp_path, scenario)
+
+
+async def _raw_post(client, raw: bytes):
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+
+    try:
+        await AsyncHTTPClient().fetch(client.url + "api/leases", method="POST", body=raw, headers={"Authorization": f"token {client.token}"})
+    except HTTPClientError as e:
+        raise client._error(e) from None
+
+
+def test_ended_leases_cannot_be_extended_or_released_again(tmp_path):
+    async def scenario(app, client):
+        alice = client("alice")
+        lease = await alice.request_lease({"gpus": 1})
+        await alice.release(lease["id"])
+        await expect_error(alice.extend(lease["id"], by_s=600), 409)
+        await expect_error(alice.release(lease["id"]), 409)
+        ended = await alice.get_lease(lease["id"])
+        assert ended["state"] == "released"
+        assert [x["id"] for x in await alice.list_leases(state="ended")] == [lease["id"]]
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_extend_confirm_heartbeat_and_withdraw(tmp_path):
+    async def scenario(app, client):
+        alice = client("alice")
+        lease = await alice.request_lease({"gpus": 1, "model": "L4", "duration_s": 3600})
+        extended = await alice.extend(lease["id"], by_s=1800)
+        assert extended["expires_at"] > lease["expires_at"]
+        await expect_error(alice.extend(lease["id"]), 400, "by_s")
+        assert (await alice.confirm(lease["id"]))["confirmed_at"] is not None
+        hb = await alice.heartbeat(lease["id"], {"gpu_util": 42})
+        assert hb["usage"] == {"gpu_util": 42}
+        assert app.store.get_lease(lease["id"]).usage == {"gpu_util": 42}
+        # fill the L4s and withdraw a queued one
+        await alice.request_lease({"gpus": 1, "model": "L4"})
+        queued = await alice.request_lease({"gpus": 1, "model": "L4"})
+        assert queued["state"] == "queued"
+        assert (await alice.release(queued["id"]))["state"] == "withdrawn"
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_a_lease_expires_when_the_clock_passes_its_end(tmp_path):
+    clock = ManualClock()
+
+    async def scenario(app, client):
+        alice = client("alice")
+        lease = await alice.request_lease({"gpus": 1, "duration_s": 600})
+        clock.advance(601)
+        await app.manager.tick()
+        ended = await alice.get_lease(lease["id"])
+        assert ended["state"] == "expired"
+        feed = await alice.events(since=0, lease_id=lease["id"], timeout=0)
+        assert [e["kind"] for e in feed["events"]][-1] == "ended"
+
+    run_with_broker(tmp_path, scenario, clock=clock)
+
+
+def test_leases_survive_a_broker_restart_with_their_placements(tmp_path):
+    clock = ManualClock()
+
+    async def first(app, client):
+        alice, bob = client("alice"), client("bob")
+        a = await alice.request_lease({"gpus": 2, "model": "A100*"})
+        b = await bob.request_lease({"gpus": 1, "model": "A100*"})
+        return a, b
+
+    a, b = run_with_broker(tmp_path, first, clock=clock)
+
+    async def second(app, client):
+        alice, bob = client("alice"), client("bob")
+        a2, b2 = await alice.get_lease(a["id"]), await bob.get_lease(b["id"])
+        assert a2["state"] == "active" and a2["placement"] == a["placement"]
+        assert b2["state"] == "queued" and b2["queue"]["position"] == 1
+        await alice.release(a["id"])
+        assert (await bob.get_lease(b["id"]))["state"] == "active"
+        new = await bob.request_lease({"gpus": 1})
+        assert new["id"] not in (a["id"], b["id"])
+
+    run_with_broker(tmp_path, second, clock=clock)
+
+
+def test_admin_requests_for_a_user_and_revokes(tmp_path):
+    async def scenario(app, client):
+        admin, alice = client("admin-spawner"), client("alice")
+        lease = await admin.request_lease({"gpus": 1, "user": "alice", "groups": ["physics"], "server": "gpu", "meta": {"by": "spawner"}})
+        assert lease["user"] == "alice" and lease["server"] == "gpu"
+        assert (await alice.get_lease(lease["id"]))["meta"] == {"by": "spawner"}
+        ended = await admin.release(lease["id"], reason="maintenance")
+        assert ended["state"] == "revoked"
+        events = (await admin.events(0, lease_id=lease["id"], timeout=0))["events"]
+        assert events[0]["actor"] == "admin:admin-spawner"
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_pool_lists_devices_capacity_tiers_and_usage(tmp_path):
+    async def scenario(app, client):
+        alice = client("alice")
+        await alice.request_lease({"gpus": 1, "model": "L4"})
+        pool = await alice.pool()
+        assert len(pool["devices"]) == 4
+        assert set(pool["capacity"]) == {"A100-SXM4-80GB", "L4"}
+        assert {t["name"] for t in pool["tiers"]} >= {"experiment"}
+        assert pool["usage"]["gpus_held"] == 1
+        assert pool["queue_length"] == 0
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_unauthenticated_calls_get_401_and_openapi_is_public(tmp_path):
+    async def scenario(app, client):
+        await expect_error(client("invalid").pool(), 401)
+        await expect_error(BrokerClient(broker_url(app), "").list_leases(), 401)
+        from tornado.httpclient import AsyncHTTPClient
+
+        resp = await AsyncHTTPClient().fetch(broker_url(app) + "api/openapi.json")
+        import json
+
+        spec = json.loads(resp.body)
+        assert "/api/leases/{id}/extend" in spec["paths"]
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_metrics_count_leases_gpus_and_grants(tmp_path):
+    async def scenario(app, client):
+        from tornado.httpclient import AsyncHTTPClient
+
+        alice = client("alice")
+        await alice.request_lease({"gpus": 2, "model": "A100*"})
+        await alice.request_lease({"gpus": 1, "model": "A100*"})
+        resp = await AsyncHTTPClient().fetch(broker_url(app) + "metrics", headers={"Authorization": "token alice"})
+        text = resp.body.decode()
+        assert 'gpulease_leases{state="active",tier="experiment"} 1.0' in text
+        assert 'gpulease_leases{state="queued",tier="experiment"} 1.0' in text
+        assert 'gpulease_gpus_total{model="A100-SXM4-80GB"} 2.0' in text
+        assert 'gpulease_gpus_allocated{model="A100-SXM4-80GB"} 2.0' in text
+        assert "gpulease_queue_length 1.0" in text
+        assert 'gpulease_grants_total{tier="experiment"} 1.0' in text
+        assert "gpulease_wait_seconds_bucket" in text
+
+    run_with_broker(tmp_path, scenario)
+
+
+def test_the_admin_page_lists_holders_queue_and_pool():
+    from jupyter_gpulease.broker.handlers import render_admin_page
+
+    import tempfile
+    from pathlib import Path
+
+    tmp = Path(tempfile.mkdtemp())
+    app = make_broker(tmp)
+
+    async def fill():
+        from jupyter_gpulease.core.model import parse_request
+
+        m = app.manager
+        await m.start()
+        await m.request(user="alice", request=parse_request({"gpus": 2, "model": "A100*"}))
+        await m.request(user="bob<script>", request=parse_request({"gpus": 1, "model": "A100*"}))
+        page = render_admin_page(m, m.now())
+        await m.close()
+        return page
+
+    page = asyncio.run(fill())
+    assert "alice" in page and "n1/0 A100-SXM4-80GB" in page
+    assert "bob&lt;script&gt;" in page and "<script>" not in page
+    assert "Queue" in page and "Pool" in page
