@@ -39,13 +39,23 @@ class IdleRule:
     """When a session's idle GPU is taken back.
 
     ``timeout_s``: fixed idle timeout (None: never). ``learn``: instead, learn each session's
-    timeout online from its own earlier gaps between bursts: the ``quantile`` of the gaps seen
-    so far times ``factor``, within [``min_s``, ``max_s``]; ``timeout_s`` (or ``default_s``)
-    until ``min_gaps`` gaps have been seen.
+    timeout online, each time its GPU falls idle:
+
+    - ``method="cost"`` (default): pick the timeout T from ``candidates_s`` that minimises
+      expected idle holding E[min(gap, T)] plus ``regret_cost_s`` × P(T < gap <= T + 10 min),
+      over the session's own earlier gaps mixed with ``prior_weight`` pseudo-gaps drawn from
+      the gaps (and session ends) of sessions seen so far. ``regret_cost_s`` says what one
+      regretted reclaim is worth in GPU-seconds of idle holding.
+    - ``method="quantile"``: the ``quantile`` of its earlier gaps times ``factor``, within
+      [``min_s``, ``max_s``]; ``default_s`` until ``min_gaps`` gaps have been seen.
     """
 
     timeout_s: float | None = None
     learn: bool = False
+    method: str = "cost"
+    regret_cost_s: float = 1800.0
+    prior_weight: float = 2.0
+    candidates_s: tuple[float, ...] = (60, 120, 180, 300, 420, 600, 900, 1200, 1800, 2700, 3600)
     quantile: float = 90.0
     factor: float = 1.5
     min_s: float = 120.0
@@ -59,6 +69,11 @@ class IdleRule:
         return self.learn or self.timeout_s is not None
 
     def describe(self) -> str:
+        if self.learn and self.method == "cost":
+            return (
+                f"learnt per session: T minimising idle holding + {self.regret_cost_s / 60:g} GPU-min per regretted reclaim, "
+                f"over its own earlier gaps and a prior of {self.prior_weight:g} pseudo-gaps from sessions seen so far"
+            )
         if self.learn:
             return (
                 f"learnt per session: p{self.quantile:g} of its earlier gaps x {self.factor:g}, "
@@ -234,7 +249,7 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         idle_kw.update(timeout_s=None if v in (None, 0, False) else float(v), learn=False)
     if d.pop("idle_learn", False):
         idle_kw["learn"] = True
-    for k in ("quantile", "factor", "min_s", "max_s", "min_gaps", "default_s"):
+    for k in ("quantile", "factor", "min_s", "max_s", "min_gaps", "default_s", "method", "regret_cost_s", "prior_weight"):
         if f"idle_{k}" in d:
             idle_kw[k] = d.pop(f"idle_{k}")
     if idle_kw:

@@ -10,8 +10,10 @@ runs. The scheduler is looked up on its module at run time, so a test can wrap i
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import math
 import sys
 import time as _time
 from dataclasses import dataclass, field
@@ -25,6 +27,10 @@ from .policies import SimPolicy
 from .workload import Job, Workload
 
 REGRET_WINDOW_S = 600.0  # a reclaim is regretted when the GPU is needed again within this
+
+# bins of the population gap histogram (seconds); the last bin holds session ends (inf)
+_GAP_EDGES = [30, 60, 90, 120, 180, 240, 300, 420, 600, 780, 900, 1200, 1500, 1800, 2400, 2700, 3000, 3600, 5400, 7200, 14400, 86400]
+_GAP_MID = [15.0] + [(a + b) / 2 for a, b in zip(_GAP_EDGES, _GAP_EDGES[1:])] + [math.inf]
 
 # kinds of replay events, in processing order for equal times
 _END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE = range(6)
@@ -155,6 +161,8 @@ class Replay:
         self.arrived = 0
         self._lease_ids = itertools.count(1)
         self._deadlines: set[float] = set()
+        self._pop_hist = [0] * (len(_GAP_EDGES) + 1)
+        self._pop_n = 0
         warn = sim_policy.policy.warn_before_s
         self.warn_before_s = warn
 
@@ -335,7 +343,7 @@ class Replay:
 
     def _run_burst(self, rec: JobRecord, i: int, now: float) -> None:
         _, length = rec.job.bursts[i]
-        if rec.busy_until < now:
+        if not rec.busy_milli:
             self._set_busy(rec, now, True)
         rec.busy_until = max(rec.busy_until, now + length)
         rec.next_burst = i + 1
@@ -349,6 +357,7 @@ class Replay:
             return
         if rec.busy_until < now:
             rec.gaps.append(now - rec.busy_until)
+            self._learn_gap(now - rec.busy_until)
         if rec.active:
             self._run_burst(rec, i, now)
             return
@@ -360,8 +369,42 @@ class Replay:
         rec.next_burst = i
         self._request(rec, now)
 
+    def _learn_gap(self, gap: float) -> None:
+        """Population histogram of gaps (inf: a session ended) for the learnt timeout's prior."""
+        self._pop_hist[bisect.bisect_right(_GAP_EDGES, gap)] += 1
+        self._pop_n += 1
+
+    def _cost_timeout(self, rec: JobRecord) -> float:
+        rule = self.sp.idle
+        own = rec.gaps
+        w_prior = rule.prior_weight if self._pop_n else 0.0
+        n = len(own) + w_prior
+        if n == 0:
+            return rule.default_s
+        best_t, best_c = rule.candidates_s[-1], math.inf
+        for t in rule.candidates_s:
+            hold = sum(min(g, t) for g in own)
+            regret = sum(1 for g in own if t < g <= t + REGRET_WINDOW_S)
+            if w_prior:
+                h = r = 0.0
+                for i, c in enumerate(self._pop_hist):
+                    if not c:
+                        continue
+                    g = _GAP_MID[i]
+                    h += c * min(g, t)
+                    if t < g <= t + REGRET_WINDOW_S:
+                        r += c
+                hold += w_prior * h / self._pop_n
+                regret += w_prior * r / self._pop_n
+            cost = (hold + rule.regret_cost_s * regret) / n
+            if cost < best_c - 1e-9:
+                best_t, best_c = t, cost
+        return best_t
+
     def _idle_timeout(self, rec: JobRecord) -> float | None:
         rule = self.sp.idle
+        if rule.learn and rule.method == "cost":
+            return self._cost_timeout(rec)
         if rule.learn:
             if len(rec.gaps) < rule.min_gaps:
                 return rule.timeout_s if rule.timeout_s is not None else rule.default_s
@@ -370,6 +413,9 @@ class Replay:
         return rule.timeout_s
 
     def _idle(self, rec: JobRecord, version: int, what: str, now: float) -> None:
+        if what == "ended":
+            self._learn_gap(math.inf)
+            return
         if version != rec.idle_version or not rec.active:
             return
         if what == "busy-end":
@@ -392,7 +438,10 @@ class Replay:
             self._release(rec, now, LeaseState.RECLAIMED, "idle" if self.sp.idle.label == "reclaim" else "culled: server idle")
             if not more:
                 rec.finished = True
+                # the broker learns that the session is over only when it stays away
+                self._push(now + self.linger_s, _IDLE, (rec, -1, "ended"))
         elif what == "leave":
+            self._learn_gap(math.inf)
             self._release(rec, now, LeaseState.RELEASED, "session over")
             rec.finished = True
 
