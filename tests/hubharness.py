@@ -245,6 +245,8 @@ class HubHarness:
         proc = self.proc
         if proc is None:
             return
+        # managed services and the proxy run in their own sessions: remember them, to clean up after
+        leftovers = [pid for pid, _ in self.descendants()]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -267,6 +269,13 @@ class HubHarness:
             except (ValueError, ProcessLookupError):
                 pass
         wait_for(lambda: not pid_alive(proc.pid), timeout, f"hub PID {proc.pid} did not exit")
+        for pid in leftovers:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                wait_for(lambda: not pid_alive(pid), 10, f"PID {pid} (started by the hub) did not exit")
         self.proc = None
         if self._log_handle:
             self._log_handle.close()

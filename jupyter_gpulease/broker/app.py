@@ -57,6 +57,18 @@ class GPULeaseBroker(Application):
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "log at DEBUG level"),
     }
 
+    @default("log_level")
+    def _default_log_level(self):
+        return logging.INFO
+
+    @default("log_format")
+    def _default_log_format(self):
+        return "[%(levelname)1.1s %(asctime)s.%(msecs).03d gpulease %(module)s:%(lineno)d] %(message)s"
+
+    @default("log_datefmt")
+    def _default_log_datefmt(self):
+        return "%Y-%m-%d %H:%M:%S"
+
     config_file = Unicode("gpulease_config.py", help="Config file to load (Python, traitlets). Example: --config=/etc/jupyterhub/gpulease_config.py").tag(config=True)
     generate_config = Bool(False, help="Write a commented default config file to `config_file` and exit.").tag(config=True)
 
@@ -241,7 +253,7 @@ class GPULeaseBroker(Application):
         self.log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
         self.scheduler = Scheduler(inventory, self.policy)
         self.store = LeaseStore(self.db_url)
-        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock)
+        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log)
         self.metrics = BrokerMetrics(self.manager)
         self.manager.listeners.append(self.metrics.observe)
         self.manager.listeners.append(self._on_events)

@@ -53,7 +53,7 @@ EventListener = Callable[[list[dict[str, Any]], list[Event]], None]
 class LeaseManager:
     """Owns the :class:`Scheduler` and the :class:`LeaseStore`; the only writer of lease state."""
 
-    def __init__(self, scheduler, store: LeaseStore, *, clock=None, usage_lookback_s: float | None = None):
+    def __init__(self, scheduler, store: LeaseStore, *, clock=None, usage_lookback_s: float | None = None, logger: logging.Logger | None = None):
         self.scheduler = scheduler
         self.store = store
         self.clock = clock or SystemClock()
@@ -63,6 +63,7 @@ class LeaseManager:
         self.listeners: list[EventListener] = []
         self.usage_lookback_s = usage_lookback_s
         self.closed = False
+        self.log = logger or log
 
     # ------------------------------------------------------------------ plumbing
     def now(self) -> float:
@@ -86,7 +87,7 @@ class LeaseManager:
             try:
                 listener(written, events)
             except Exception:
-                log.exception("event listener %r failed", listener)
+                self.log.exception("event listener %r failed", listener)
         return written
 
     async def wait_for_events(self, timeout: float) -> None:
@@ -107,7 +108,7 @@ class LeaseManager:
         for lease in past:
             self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
         self.last_event_id = await self.run_store(self.store.last_event_id)
-        log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
+        self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
         events = self.scheduler.tick(now)
         await self._persist(events)
         return events

@@ -1,0 +1,294 @@
+"""End to end: the broker as a managed service of a REAL JupyterHub behind configurable-http-proxy.
+
+No auth is faked here: every call carries a token the hub issued, through the proxy, and
+the broker checks it with the hub (HubAuth). The pool is simulated.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from hubharness import HubHarness, free_port, pid_alive, wait_for
+from jupyter_gpulease.client import BrokerClient, BrokerError
+
+pytestmark = pytest.mark.timeout(180)
+
+POOL = [
+    {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
+    {"node": "n2", "model": "L4", "count": 4, "memory_mib": 23034},
+]
+
+BROKER_CONFIG = """
+c.GPULeaseBroker.db_url = {db_url!r}
+c.GPULeaseBroker.device_backend = "simulated"
+c.GPULeaseBroker.devices = {{"gpus": {pool!r}}}
+c.GPULeaseBroker.tick_interval = 1
+c.GPULeaseBroker.confirm_timeout = 0
+"""
+
+
+def hub_for_broker(tmp_path) -> HubHarness:
+    """A hub running the broker as a managed service, roles as the README tells admins to set them."""
+    port = free_port()
+    cfg = tmp_path / "gpulease_config.py"
+    cfg.write_text(BROKER_CONFIG.format(db_url=f"sqlite:///{tmp_path / 'gpulease.sqlite'}", pool=POOL))
+    return HubHarness(
+        tmp_path,
+        users=["alice", "bob", "carol"],
+        admin_users=["root"],
+        groups={"physics": ["alice"]},
+        services=[
+            {
+                "name": "gpulease",
+                "url": f"http://127.0.0.1:{port}",
+                "command": [sys.executable, "-m", "jupyter_gpulease.broker", "--config", str(cfg)],
+                "cwd": str(tmp_path),
+                "oauth_no_confirm": True,
+                "display": True,
+            }
+        ],
+        custom_scopes={"custom:gpulease:admin": {"description": "see and change every GPU lease; request leases for users"}},
+        roles=[
+            {"name": "gpulease-admin", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["carol"]},
+            {"name": "gpulease-service", "scopes": ["admin:servers", "read:users"], "services": ["gpulease"]},
+        ],
+        user_scopes=["access:services!service=gpulease"],
+    )
+
+
+def wait_for_broker(hub: HubHarness, token: str, timeout: float = 60) -> None:
+    def up():
+        status, _ = hub.request("GET", hub.service_url("gpulease") + "api/pool", token=token)
+        return status == 200
+
+    try:
+        wait_for(up, timeout, "the broker did not answer through the proxy")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- hub log ---\n{hub.log_tail(60)}") from None
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    h = hub_for_broker(tmp_path_factory.mktemp("hub"))
+    h.start()
+    try:
+        h.tokens = {name: h.create_token(name) for name in ("alice", "bob", "carol", "root")}
+        wait_for_broker(h, h.tokens["alice"])
+        yield h
+    finally:
+        h.stop()
+
+
+def client(hub, who) -> BrokerClient:
+    return BrokerClient(hub.service_url("gpulease"), hub.tokens[who] if who in hub.tokens else who)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def expect(coro, status, field=None):
+    with pytest.raises(BrokerError) as info:
+        await coro
+    assert info.value.status == status, f"expected {status}, got {info.value.status}: {info.value.message}"
+    if field is not None:
+        assert info.value.field == field, f"expected the message to name {field!r}: {info.value.field!r} {info.value.message}"
+    return info.value
+
+
+def test_user_tokens_see_only_their_own_leases(hub):
+    async def scenario():
+        alice, bob = client(hub, "alice"), client(hub, "bob")
+        a = await alice.request_lease({"gpus": 1, "model": "L4", "duration_s": 3600})
+        b = await bob.request_lease({"share": 0.5, "model": "L4"})
+        assert a["user"] == "alice" and a["state"] == "active"
+        assert a["groups"] == ["physics"], "groups come from the hub's user model"
+        assert {x["id"] for x in await alice.list_leases()} == {a["id"]}
+        assert {x["id"] for x in await bob.list_leases()} == {b["id"]}
+        await expect(bob.get_lease(a["id"]), 403)
+        await expect(bob.extend(a["id"], by_s=60), 403)
+        await expect(bob.release(a["id"]), 403)
+        await expect(bob.list_leases(user="alice"), 403, "user")
+        await expect(alice.request_lease({"gpus": 1, "user": "bob"}), 403, "user")
+        for lease, who in ((a, alice), (b, bob)):
+            assert (await who.release(lease["id"]))["state"] == "released"
+
+    run(scenario())
+
+
+def test_admin_scope_and_hub_admins_see_all_and_act_for_users(hub):
+    async def scenario():
+        alice, carol, root = client(hub, "alice"), client(hub, "carol"), client(hub, "root")
+        mine = await alice.request_lease({"gpus": 1, "model": "L4"})
+        for_bob = await carol.request_lease({"gpus": 1, "model": "L4", "user": "bob", "server": "gpu", "meta": {"spawner": "test"}})
+        assert for_bob["user"] == "bob" and for_bob["server"] == "gpu"
+        for admin in (carol, root):
+            ids = {x["id"] for x in await admin.list_leases()}
+            assert {mine["id"], for_bob["id"]} <= ids
+            assert (await admin.get_lease(mine["id"]))["user"] == "alice"
+        assert {x["id"] for x in await client(hub, "bob").list_leases()} == {for_bob["id"]}
+        revoked = await carol.release(mine["id"], reason="maintenance")
+        assert revoked["state"] == "revoked"
+        await root.release(for_bob["id"])
+
+    run(scenario())
+
+
+def test_errors_have_the_right_status_and_name_the_field(hub):
+    async def scenario():
+        alice = client(hub, "alice")
+        await expect(BrokerClient(hub.service_url("gpulease"), "").pool(), 401)
+        await expect(BrokerClient(hub.service_url("gpulease"), "not-a-real-token").list_leases(), 401)
+        await expect(alice.get_lease("0123456789abcdef"), 404)
+        before = await client(hub, "carol").list_leases(state="all")
+        for body, field in [
+            ({"gpus": 1, "model": "V100"}, "model"),
+            ({"gpus": 0}, "gpus"),
+            ({"gpus": 1000}, "gpus"),
+            ({"gpus": 1, "tier": "gold"}, "tier"),
+            ({"gpus": 1, "duration_s": 365 * 86400}, "duration_s"),
+        ]:
+            err = await expect(alice.request_lease(body), 400, field)
+            assert field.split("_")[0] in err.message.lower() or field in err.message
+        status, reply = hub.request("POST", hub.service_url("gpulease") + "api/leases", b"{oops", token=hub.tokens["alice"])
+        assert status == 400 and reply["field"] == "body" and "JSON" in reply["message"]
+        after = await client(hub, "carol").list_leases(state="all")
+        assert [x["id"] for x in after] == [x["id"] for x in before], "a bad request left a lease behind"
+        # 409: extend a released lease
+        lease = await alice.request_lease({"gpus": 1, "model": "L4"})
+        await alice.release(lease["id"])
+        err = await expect(alice.extend(lease["id"], by_s=600), 409)
+        assert "released" in err.message
+        assert (await alice.get_lease(lease["id"]))["state"] == "released"
+
+    run(scenario())
+
+
+def test_the_long_poll_feed_returns_the_grant_of_a_queued_lease(hub):
+    async def scenario():
+        alice, bob = client(hub, "alice"), client(hub, "bob")
+        big = await alice.request_lease({"gpus": 2, "model": "A100*"})
+        assert big["state"] == "active"
+        waiting = await bob.request_lease({"gpus": 1, "model": "A100*"})
+        assert waiting["state"] == "queued" and waiting["queue"]["position"] == 1
+        since = (await bob.events(0, lease_id=waiting["id"], timeout=0))["last_id"]
+        poll = asyncio.ensure_future(bob.events(since, lease_id=waiting["id"], timeout=30))
+        await asyncio.sleep(0.3)
+        await alice.release(big["id"])
+        feed = await asyncio.wait_for(poll, 40)
+        assert [e["kind"] for e in feed["events"]] == ["granted"]
+        # bob's feed never shows alice's events
+        mine = (await bob.events(0, timeout=0))["events"]
+        assert all(e["lease_id"] != big["id"] for e in mine)
+        await bob.release(waiting["id"])
+
+    run(scenario())
+
+
+def test_the_admin_page_sends_browsers_to_the_hub_login(hub):
+    status, _ = hub.request("GET", hub.service_url("gpulease"))
+    # urllib follows redirects to the hub's login page: it ends at a 200 HTML page of the hub
+    assert status == 200
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *a, **kw):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        opener.open(hub.service_url("gpulease"), timeout=10)
+    assert info.value.code == 302
+    assert "/hub/api/oauth2/authorize" in info.value.headers["Location"]
+
+
+def test_a_broker_killed_mid_run_restarts_with_every_lease_and_no_double_grant(hub):
+    """SIGKILL the broker while requests are in flight, restart the hub (which restarts its service)."""
+    seen: dict[str, dict] = {}
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def flood():
+        async def go():
+            alice, bob = client(hub, "alice"), client(hub, "bob")
+            i = 0
+            while not stop.is_set():
+                who = (alice, bob)[i % 2]
+                body = [{"gpus": 1, "model": "L4"}, {"share": 0.25, "model": "L4"}, {"gpus": 1, "model": "A100*"}][i % 3]
+                try:
+                    lease = await who.request_lease(body)
+                    seen[lease["id"]] = lease
+                    if i % 4 == 3:
+                        seen[lease["id"]] = await who.release(lease["id"])
+                except BrokerError as e:
+                    if e.status not in (0, 502, 503, 599):
+                        errors.append(f"{e.status} {e.message}")
+                    if e.status in (0, 502, 503):
+                        await asyncio.sleep(0.05)
+                i += 1
+
+        asyncio.run(go())
+
+    pid = wait_for(lambda: hub.find_process("jupyter_gpulease.broker"), 20, "no broker process below the hub")
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    wait_for(lambda: len(seen) >= 6, 60, "the flood of requests never got going")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 10, f"broker PID {pid} survived SIGKILL")
+    time.sleep(0.3)
+    stop.set()
+    t.join(60)
+    assert not errors, f"unexpected errors while flooding: {errors[:5]}"
+    acknowledged = dict(seen)
+    assert acknowledged, "no request was answered before the kill"
+
+    hub.restart()
+    wait_for_broker(hub, hub.tokens["carol"])
+    new_pid = hub.find_process("jupyter_gpulease.broker")
+    assert new_pid and new_pid != pid
+
+    async def check():
+        carol = client(hub, "carol")
+        for lid, lease in acknowledged.items():
+            now = await carol.get_lease(lid)
+            assert now["user"] == lease["user"]
+            if lease["state"] in ("active", "queued") and now["state"] != lease["state"]:
+                # it may have moved on since (a queued one granted when another was released)
+                assert lease["state"] == "queued" and now["state"] in ("active", "withdrawn"), (lid, lease["state"], now["state"])
+            else:
+                assert now["state"] == lease["state"], (lid, lease["state"], now["state"])
+            if lease["state"] == "active" or (lease["state"] == "released" and lease["placement"]):
+                assert now["placement"] == lease["placement"], f"lease {lid} moved"
+        active = await carol.list_leases(state="active")
+        # nothing granted twice: no GPU is over-committed
+        held: dict[str, float] = {}
+        for lease in active:
+            for s in lease["placement"]["slices"]:
+                held[s["gpu_uuid"]] = held.get(s["gpu_uuid"], 0) + s["share"]
+        assert all(v <= 1.0 + 1e-9 for v in held.values()), held
+        # and the audit log has at most one grant per lease
+        events, since = [], 0
+        while True:
+            page = await carol.events(since, timeout=0)
+            if not page["events"]:
+                break
+            events += page["events"]
+            since = page["last_id"]
+        grants: dict[str, int] = {}
+        for e in events:
+            if e["kind"] == "granted":
+                grants[e["lease_id"]] = grants.get(e["lease_id"], 0) + 1
+        assert all(n == 1 for n in grants.values()), {k: n for k, n in grants.items() if n > 1}
+        for lease in active:
+            await carol.release(lease["id"])
+
+    run(check())
+    log = hub.log_file.read_text(errors="replace")
+    assert log.count("Restored") >= 2, "the restarted broker did not log its restore"
+    json.dumps(acknowledged)  # everything the API returned is plain JSON
