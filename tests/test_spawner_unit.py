@@ -228,7 +228,7 @@ class FakeBroker:
         self.calls.append(("confirm", lid))
         return dict(self.leases[lid])
 
-    async def release(self, lid, reason=""):
+    async def release(self, lid, reason="", state="released"):
         self.calls.append(("release", lid, reason))
         lease = self.leases.get(lid)
         if lease is None:

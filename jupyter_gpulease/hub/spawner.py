@@ -34,7 +34,7 @@ from traitlets import TraitError
 from ..client import BrokerClient, BrokerError
 from . import form as spawn_form
 from .options import LeaseChoice, OptionsError, parse_presets, parse_user_options
-from .placement import cpu_only_environment, granted_message, lease_environment, queue_message
+from .placement import cpu_only_environment, describe_request, granted_message, lease_environment, queue_message
 
 try:  # JupyterHub >= 6
     from jupyterhub.spawner import SpawnException
@@ -216,6 +216,11 @@ class GPULeaseSpawner(Spawner):
     def _default_options_from_form(self):
         return spawn_form.options_from_form
 
+    @default("apply_user_options")
+    def _default_apply_user_options(self):
+        # JupyterHub >= 5.3 calls this before start(): bad options fail at once, with their message
+        return _check_user_options
+
     async def render_options_form(self) -> str:
         """The spawn form, from the broker's live pool, queue and leases."""
         pool = None
@@ -354,7 +359,8 @@ class GPULeaseSpawner(Spawner):
             max_wait_s=self.lease_wait_timeout,
         )
         wait_limit = body.get("max_wait_s", self.lease_wait_timeout)
-        self.emit_progress(f"Asking for {choice.label}", 5)
+        what = choice.label if choice.preset else describe_request(choice.request, pool)
+        self.emit_progress(f"Asking for {what}", 5)
         request = asyncio.ensure_future(client.request_lease(body))
         try:
             lease = await asyncio.shield(request)
@@ -533,7 +539,7 @@ class GPULeaseSpawner(Spawner):
         if not lease_id:
             return
         try:
-            await self.broker.release(lease_id, reason=reason)
+            await self._release_as_holder(lease_id, reason)
             self.log.info("Released lease %s of %s (%s)", lease_id, self._log_name, reason)
         except BrokerError as e:
             if e.status not in (404, 409):
@@ -545,6 +551,14 @@ class GPULeaseSpawner(Spawner):
             return
         if self.lease_id == lease_id:
             self.lease_id = ""
+
+    async def _release_as_holder(self, lease_id: str, reason: str) -> dict:
+        # The spawner acts for the user: the lease ends as 'released' (or 'withdrawn' while
+        # queued), not 'revoked' as when an admin ends someone else's lease.
+        client = self.broker
+        if "state" in inspect.signature(client.release).parameters:
+            return await client.release(lease_id, reason=reason, state="released")
+        return await client._call("POST", f"api/leases/{lease_id}/release", {"reason": reason, "state": "released"})
 
     def get_state(self):
         state = super().get_state()
@@ -608,6 +622,10 @@ def _queue_progress(q: dict) -> int:
     """Progress of a queued lease: 10 at the back of a long queue, up to 40 at its head."""
     pos, length = q.get("position") or 1, q.get("length") or 1
     return int(10 + 30 * (1 - (pos - 1) / max(length, 1)))
+
+
+def _check_user_options(spawner: GPULeaseSpawner, user_options: dict) -> None:
+    spawner.lease_choice(user_options)
 
 
 async def _render_options_form(spawner: GPULeaseSpawner) -> str:

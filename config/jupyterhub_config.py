@@ -1,0 +1,133 @@
+# JupyterHub with GPU leases: an annotated example.
+#
+# This is the file `jupyter gpulease demo` runs, and the one an admin starts from. The demo
+# passes its folder, ports and secrets in GPULEASE_DEMO_* environment variables; on a real
+# hub, replace those lookups with fixed values (and a real authenticator).
+#
+# The parts:
+#   1. the lease broker, run by the hub as a managed service ("gpulease");
+#   2. a token-only service ("gpulease-spawner") whose token the spawner uses to ask the
+#      broker for leases on behalf of users: it needs the custom scope custom:gpulease:admin;
+#   3. the spawner: c.JupyterHub.spawner_class = "gpulease-local" (system users) or
+#      "gpulease-simple" (no system users; demos and tests only);
+#   4. roles: users may reach the broker (their servers' extension and the %gpu magics do),
+#      the spawner's service holds the admin scope, the broker may stop servers.
+
+import os
+import secrets
+import sys
+from pathlib import Path
+
+c = get_config()  # noqa: F821 - provided by JupyterHub
+
+env = os.environ.get
+here = Path(__file__).resolve().parent
+state = Path(env("GPULEASE_DEMO_DIR", "demo-state")).resolve()  # everything the hub writes lives here
+state.mkdir(parents=True, exist_ok=True)
+
+port = int(env("GPULEASE_DEMO_PORT", "8000"))
+hub_port = int(env("GPULEASE_DEMO_HUB_PORT", "8081"))
+proxy_api_port = int(env("GPULEASE_DEMO_PROXY_API_PORT", "8001"))
+broker_port = int(env("GPULEASE_DEMO_BROKER_PORT", "10101"))
+
+# ------------------------------------------------------------------ the hub and its proxy
+c.JupyterHub.bind_url = f"http://127.0.0.1:{port}"
+c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{hub_port}"
+c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api_port}"
+c.ConfigurableHTTPProxy.pid_file = str(state / "jupyterhub-proxy.pid")
+if env("GPULEASE_CHP"):  # where configurable-http-proxy is, when it is not on PATH
+    c.ConfigurableHTTPProxy.command = [env("GPULEASE_CHP")]
+# Ctrl-C on the demo stops every server (the default); keep them running across a hub
+# restart on a real site with c.JupyterHub.cleanup_servers = False: the spawner finds their
+# leases again from its saved state.
+c.JupyterHub.cleanup_servers = True
+
+# ------------------------------------------------------------------ who may log in
+# The demo: any user name, one shared password. A real hub uses its site's authenticator.
+c.JupyterHub.authenticator_class = "dummy"
+c.DummyAuthenticator.password = env("GPULEASE_DEMO_PASSWORD", "gpulease")
+c.Authenticator.allow_all = True
+c.Authenticator.admin_users = {"admin"}
+
+# ------------------------------------------------------------------ the lease broker service
+broker_url = f"http://127.0.0.1:{broker_port}"
+broker_config = env("GPULEASE_BROKER_CONFIG", str(here / "gpulease_config.py"))
+broker_cmd = [sys.executable, "-m", "jupyter_gpulease.cli", "broker"]
+if os.path.exists(broker_config):
+    broker_cmd.append(f"--config={broker_config}")
+broker_cmd.append(f"--db-url=sqlite:///{state / 'gpulease.sqlite'}")
+if env("GPULEASE_DEVICE_BACKEND"):  # auto (NVML if it finds GPUs, else simulated), nvml, simulated, static
+    broker_cmd.append(f"--device-backend={env('GPULEASE_DEVICE_BACKEND')}")
+
+# The spawner's token. The demo keeps one in its folder; on a real hub generate one
+# (openssl rand -hex 32) and give it to the hub's environment as GPULEASE_HUB_TOKEN.
+spawner_token = env("GPULEASE_HUB_TOKEN") or secrets.token_hex(32)
+
+c.JupyterHub.services = [
+    {
+        "name": "gpulease",
+        "url": broker_url,
+        "command": broker_cmd,
+        "cwd": str(state),
+        "oauth_no_confirm": True,  # the admin page logs in through the hub without a consent page
+        "display": True,  # listed in the hub's Services menu: the admin page
+    },
+    {"name": "gpulease-spawner", "api_token": spawner_token},
+]
+if env("GPULEASE_DEMO_ADMIN_TOKEN"):
+    # the demo command's own token: on Ctrl-C it stops every server (ending their leases)
+    # before it stops the hub, which stops its services first
+    c.JupyterHub.services.append({"name": "gpulease-demo", "api_token": env("GPULEASE_DEMO_ADMIN_TOKEN")})
+
+# ------------------------------------------------------------------ scopes and roles
+c.JupyterHub.custom_scopes = {
+    "custom:gpulease:admin": {"description": "See and change every GPU lease, and ask for leases on behalf of users."},
+}
+c.JupyterHub.load_roles = [
+    # Users reach the broker: their own leases, the pool, the queue (through their servers'
+    # tokens too, see server_token_scopes below).
+    {"name": "user", "scopes": ["self", "access:services!service=gpulease"]},
+    # The spawner asks for leases for users; only the hub process holds this token.
+    {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
+    # The broker reads users' groups (group tiers and quotas) and may stop a server whose
+    # lease ended (GPULeaseBroker.stop_servers_on_end).
+    {"name": "gpulease-broker", "scopes": ["read:users", "read:groups", "admin:servers"], "services": ["gpulease"]},
+    # Hub admins manage every lease on the broker's admin page.
+    {"name": "gpulease-admins", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["admin"]},
+]
+if env("GPULEASE_DEMO_ADMIN_TOKEN"):
+    c.JupyterHub.load_roles.append({"name": "gpulease-demo", "scopes": ["list:users", "read:users", "admin:servers"], "services": ["gpulease-demo"]})
+
+# ------------------------------------------------------------------ the spawner
+c.JupyterHub.spawner_class = "gpulease-simple" if env("GPULEASE_DEMO_DIR") else "gpulease-local"
+c.GPULeaseSpawner.broker_url = f"{broker_url}/services/gpulease/"  # the hub talks to the broker directly
+c.GPULeaseSpawner.broker_api_token = spawner_token
+# How long a spawn may wait in the queue; the hub's start_timeout is stretched by this much.
+c.GPULeaseSpawner.lease_wait_timeout = 2 * 3600
+# When a lease ends (after the broker's warning): "stop" the server, or "keep" it without GPU.
+c.GPULeaseSpawner.on_lease_end = "stop"
+# Named options on the spawn form (leave empty for free choice of model, count, share, MIG
+# profile, tier and duration). Each works through the REST API too: {"preset": "<slug>"}.
+c.GPULeaseSpawner.lease_presets = []
+# e.g.:
+# c.GPULeaseSpawner.lease_presets = [
+#     {"slug": "cpu", "display_name": "CPU only", "cpu_only": True},
+#     {"slug": "l4-half", "display_name": "Half an L4", "request": {"share": 0.5, "model": "L4"},
+#      "tier": "learning", "default": True},
+#     {"slug": "a100", "display_name": "One A100 (80 GB)", "request": {"gpus": 1, "model": "A100*"},
+#      "tier": "experiment", "duration_s": 4 * 3600},
+# ]
+# c.GPULeaseSpawner.allow_custom_request = False   # presets only
+c.GPULeaseSpawner.allow_cpu_only = True
+
+# The single-user server's token may reach the broker (the server extension sends heartbeats,
+# extends and releases with it).
+c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server", "access:services!service=gpulease"]
+c.Spawner.cmd = [str(Path(sys.executable).with_name("jupyterhub-singleuser"))]
+c.Spawner.default_url = "/lab"
+c.Spawner.poll_interval = 10  # seconds; poll() also notices a lease that ended
+if os.getuid() == 0:
+    c.Spawner.args = ["--allow-root"]
+c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")

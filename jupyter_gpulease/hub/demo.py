@@ -1,0 +1,358 @@
+"""`jupyter gpulease demo`: JupyterHub, its proxy, the lease broker and the spawner on 127.0.0.1.
+
+Runs ``jupyterhub -f config/jupyterhub_config.py`` (the annotated example) with its state in
+one folder, prints the URL and how to log in, and on Ctrl-C stops the hub (which stops the
+servers, the broker and the proxy) and makes sure no process it started is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+DEFAULT_STATE_DIR = "demo-state"
+DEFAULT_PASSWORD = "gpulease"
+
+
+def find_config_dir() -> Path | None:
+    """The folder of the example configs: the checkout's config/, or a copy shipped in the package."""
+    pkg = Path(__file__).resolve().parent.parent
+    for cand in (pkg.parent / "config", pkg / "config_examples"):
+        if (cand / "jupyterhub_config.py").exists():
+            return cand
+    return None
+
+
+def find_chp(state_dir: Path) -> str | None:
+    """configurable-http-proxy: $GPULEASE_CHP, PATH, or a node_modules of the checkout or state folder."""
+    cands = [os.environ.get("GPULEASE_CHP"), shutil.which("configurable-http-proxy")]
+    pkg = Path(__file__).resolve().parent.parent
+    for base in (pkg.parent, state_dir, Path.cwd()):
+        cands.append(str(base / "node_modules" / ".bin" / "configurable-http-proxy"))
+    for c in cands:
+        if c and os.path.exists(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _token(path: Path) -> str:
+    if path.exists():
+        tok = path.read_text().strip()
+        if tok:
+            return tok
+    tok = secrets.token_hex(32)
+    path.write_text(tok + "\n")
+    path.chmod(0o600)
+    return tok
+
+
+def _hub_answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/hub/api", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _broker_answers(url: str) -> bool:
+    # the broker's API refuses an anonymous call (401/403) once it listens; 503/404 while the proxy has no route yet
+    try:
+        urllib.request.urlopen(f"{url}/services/gpulease/api/pool", timeout=2)
+        return True
+    except urllib.error.HTTPError as e:
+        return e.code in (401, 403)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+_OURS = ("jupyterhub", "configurable-http-proxy", "jupyter_gpulease", "jupyter-gpulease", "ipykernel", "jupyter-lab", "jupyter_server")
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def _procs_in(state_dir: Path) -> list[int]:
+    """Jupyter processes working inside the state folder: the servers and kernels the hub started.
+
+    (Single-user servers run in sessions of their own, so the hub's process group misses them
+    if the hub itself died.) Never this process or its parents, such as a shell in that folder.
+    """
+    out = []
+    skip = _ancestors()
+    root = str(state_dir.resolve())
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in skip:
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{d}/cwd")
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if (cwd == root or cwd.startswith(root + os.sep)) and any(w in cmd for w in _OURS):
+            out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="jupyter gpulease demo",
+        description="Run JupyterHub with GPU leases on 127.0.0.1: the hub, configurable-http-proxy, the lease broker "
+        "on a simulated GPU pool (real GPUs when NVML finds them) and the lease spawner. Ctrl-C stops everything.",
+    )
+    p.add_argument("--state-dir", default=os.environ.get("GPULEASE_DEMO_DIR", DEFAULT_STATE_DIR),
+                   help=f"folder for the demo's databases, logs, tokens and home folders (default: ./{DEFAULT_STATE_DIR})")
+    p.add_argument("--port", type=int, default=8000, help="port of the hub on 127.0.0.1 (default: 8000; 0: any free port)")
+    p.add_argument("--password", default=os.environ.get("GPULEASE_DEMO_PASSWORD", DEFAULT_PASSWORD),
+                   help=f"the password every demo user logs in with (default: {DEFAULT_PASSWORD})")
+    p.add_argument("--device-backend", choices=("auto", "simulated", "nvml", "static"), default="auto",
+                   help="GPUs of the pool: auto (NVML when it finds GPUs, else 4 simulated GPUs), simulated, nvml, static")
+    p.add_argument("--config-dir", default=None, help="folder with jupyterhub_config.py and gpulease_config.py (default: the examples in config/)")
+    p.add_argument("--fresh", action="store_true", help="delete the state folder first (users, leases, logs)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    state = Path(args.state_dir).resolve()
+    if args.fresh and state.exists():
+        shutil.rmtree(state)
+    state.mkdir(parents=True, exist_ok=True)
+
+    config_dir = Path(args.config_dir).resolve() if args.config_dir else find_config_dir()
+    if config_dir is None or not (config_dir / "jupyterhub_config.py").exists():
+        print("jupyter gpulease demo: config/jupyterhub_config.py not found; pass --config-dir", file=sys.stderr)
+        return 2
+    chp = find_chp(state)
+    if chp is None:
+        print(
+            "jupyter gpulease demo: configurable-http-proxy is missing. Install it with npm (Node.js 18 or newer):\n\n"
+            f"    npm install --prefix {state} configurable-http-proxy\n\n"
+            "or put it on PATH (npm install -g configurable-http-proxy), or set GPULEASE_CHP to its path.",
+            file=sys.stderr,
+        )
+        return 2
+    port = args.port or free_port()
+    if not port_is_free(port):
+        print(f"jupyter gpulease demo: port {port} on 127.0.0.1 is in use; choose another with --port", file=sys.stderr)
+        return 2
+
+    env = dict(os.environ)
+    env.pop("JUPYTERHUB_API_TOKEN", None)
+    env.update(
+        GPULEASE_DEMO_DIR=str(state),
+        GPULEASE_DEMO_PORT=str(port),
+        GPULEASE_DEMO_HUB_PORT=str(free_port()),
+        GPULEASE_DEMO_PROXY_API_PORT=str(free_port()),
+        GPULEASE_DEMO_BROKER_PORT=str(free_port()),
+        GPULEASE_DEMO_PASSWORD=args.password,
+        GPULEASE_HUB_TOKEN=_token(state / "spawner-token"),
+        GPULEASE_CHP=chp,
+        GPULEASE_DEVICE_BACKEND=args.device_backend,
+        CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
+        GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
+    )
+    if (config_dir / "gpulease_config.py").exists():
+        env["GPULEASE_BROKER_CONFIG"] = str(config_dir / "gpulease_config.py")
+    # the hub's own command-line entry in this Python's environment
+    cmd = [sys.executable, "-m", "jupyterhub", "-f", str(config_dir / "jupyterhub_config.py")]
+    log_path = state / "jupyterhub.log"
+    url = f"http://127.0.0.1:{port}"
+
+    stop_requested = False
+
+    def on_signal(signum, frame):
+        nonlocal stop_requested
+        stop_requested = True
+
+    old_int = signal.signal(signal.SIGINT, on_signal)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    print(f"Starting JupyterHub with GPU leases (state folder: {state}) ...", flush=True)
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== jupyter gpulease demo {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+        log.flush()
+        hub = subprocess.Popen(cmd, cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        rc = 0
+        try:
+            deadline = time.monotonic() + 120
+            while not (_hub_answers(url) and _broker_answers(url)):
+                if hub.poll() is not None:
+                    print(f"JupyterHub exited with status {hub.returncode}. The end of its log ({log_path}):\n", file=sys.stderr)
+                    print(_tail(log_path), file=sys.stderr)
+                    return 1
+                if stop_requested:
+                    break
+                if time.monotonic() > deadline:
+                    print(f"JupyterHub did not come up within 120 s; see {log_path}", file=sys.stderr)
+                    rc = 1
+                    break
+                time.sleep(0.3)
+            else:
+                print(_banner(url, args.password, state, log_path), flush=True)
+            while not stop_requested and rc == 0:
+                if hub.poll() is not None:
+                    print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
+                    rc = 1
+                    break
+                time.sleep(0.3)
+        finally:
+            print("Stopping JupyterHub, the servers, the broker and the proxy ...", flush=True)
+            if hub.poll() is None:
+                _stop_servers(url, env["GPULEASE_DEMO_ADMIN_TOKEN"])
+            _shutdown(hub, state)
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+    print("Stopped; nothing is left running.", flush=True)
+    return rc
+
+
+def _banner(url: str, password: str, state: Path, log_path: Path) -> str:
+    return "\n".join([
+        "",
+        f"JupyterHub with GPU leases is running at {url}/",
+        "",
+        f"  Log in with any user name (alice, bob, ...) and the password {password!r}.",
+        "  Pick a GPU option on the spawn form; a second user asking for a busy GPU sees their place in the queue.",
+        "  User 'admin' is a hub admin and sees every lease on the broker's page:",
+        f"      {url}/services/gpulease/",
+        f"  State folder: {state}   (logs: {log_path.name}; delete the folder, or use --fresh, to start afresh)",
+        "",
+        "Press Ctrl-C to stop.",
+        "",
+    ])
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _hub_api(url: str, token: str, method: str, path: str):
+    req = urllib.request.Request(f"{url}/hub/api/{path}", method=method, headers={"Authorization": f"token {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return r.status, json.loads(body) if body else None
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+def _stop_servers(url: str, token: str, timeout: float = 60) -> None:
+    """Stop every server (and cancel pending spawns) through the Hub API while the broker still
+    runs, so that their leases are released; the hub stops its services before its servers."""
+    try:
+        status, users = _hub_api(url, token, "GET", "users?state=active")
+        if status != 200:
+            return
+        for u in users or []:
+            for name in (u.get("servers") or {}):
+                path = f"users/{quote(u['name'], safe='')}/servers/{quote(name, safe='')}" if name else f"users/{quote(u['name'], safe='')}/server"
+                _hub_api(url, token, "DELETE", path)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, users = _hub_api(url, token, "GET", "users?state=active")
+            if status != 200 or not users:
+                return
+            time.sleep(0.5)
+    except (urllib.error.URLError, OSError, ValueError):
+        return
+
+
+def _shutdown(hub: subprocess.Popen, state: Path) -> None:
+    """SIGTERM the hub (it stops the servers, its services and the proxy); then make sure of it."""
+    if hub.poll() is None:
+        hub.send_signal(signal.SIGTERM)
+        try:
+            hub.wait(45)
+        except subprocess.TimeoutExpired:
+            hub.kill()
+            hub.wait(10)
+    # the hub's process group: the broker service and the proxy, should they have outlived it
+    try:
+        os.killpg(hub.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    pid_file = state / "jupyterhub-proxy.pid"
+    pids = []
+    if pid_file.exists():
+        try:
+            pids.append(int(pid_file.read_text().strip()))
+        except ValueError:
+            pass
+    # single-user servers run in sessions of their own, with their home under the state folder
+    pids += _procs_in(state)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(hub.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
