@@ -57,12 +57,18 @@ def find_chp() -> str:
 
 
 def wait_for(predicate, timeout: float, message: str, interval: float = 0.1):
-    """Call ``predicate`` until it returns something truthy; AssertionError(message) after ``timeout`` s."""
+    """Call ``predicate`` until it returns something truthy; AssertionError(message) after ``timeout`` s.
+
+    Other exceptions are retried; an AssertionError raised by ``predicate`` fails at once (use it
+    for "this will never happen now", e.g. the process under test exited).
+    """
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
     while time.monotonic() < deadline:
         try:
             value = predicate()
+        except AssertionError:
+            raise
         except Exception as e:  # noqa: BLE001 - retried until the deadline, reported then
             last_exc = e
             value = None

@@ -1,0 +1,91 @@
+"""The broker application: config files, --generate-config, signals."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hubharness import free_port, wait_for
+from jupyter_gpulease.broker.app import GPULeaseBroker
+
+pytestmark = pytest.mark.timeout(60)
+
+EXAMPLE = Path(__file__).parent.parent / "config" / "gpulease_config.py"
+
+
+def test_the_example_config_loads_and_the_command_line_wins(tmp_path):
+    app = GPULeaseBroker()
+    app.initialize(["--config", str(EXAMPLE), "--db-url", f"sqlite:///{tmp_path / 'x.sqlite'}"])
+    try:
+        assert app.db_url.endswith("x.sqlite")
+        pol = app.policy
+        assert set(pol.tiers) == {"production", "experiment", "learning"}
+        assert pol.tiers["production"].groups == ("staff",)
+        assert pol.tiers["learning"].preemptible
+        assert pol.user_quotas["alice"].max_gpus == 4
+        assert pol.group_quotas["students"].max_gpus == 2
+        assert pol.confirm_timeout_s == 900 and pol.heartbeat_timeout_s is None
+        assert len(app.scheduler.inventory) == 4 + 1 + 2
+    finally:
+        app.store.close()
+        GPULeaseBroker.clear_instance()
+
+
+def test_a_bad_tier_setting_is_reported_by_name(tmp_path):
+    cfg = tmp_path / "bad.py"
+    cfg.write_text("c.GPULeaseBroker.tiers = {'fast': {'priority': 1, 'max_hours': 3}}\nc.GPULeaseBroker.default_tier = 'fast'\n")
+    app = GPULeaseBroker()
+    with pytest.raises(ValueError, match="max_hours"):
+        app.initialize(["--config", str(cfg), "--db-url", "sqlite://"])
+
+
+def test_generate_config_writes_every_option_with_its_help(tmp_path):
+    out = tmp_path / "gpulease_config.py"
+    r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.broker", "--generate-config", f"--config={out}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    for option in ("db_url", "device_backend", "devices", "tiers", "default_tier", "user_quotas", "group_quotas", "default_user_quota",
+                   "fair_share_half_life", "warn_before", "reservation_depth", "extend_when_contended", "confirm_timeout",
+                   "heartbeat_timeout", "tick_interval", "stop_servers_on_end", "admin_scope", "bind_url"):
+        assert f"c.GPULeaseBroker.{option} =" in text, option
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_broker_stops_cleanly_on_a_signal(tmp_path, sig):
+    port = free_port()
+    env = {
+        **os.environ,
+        "JUPYTERHUB_SERVICE_URL": f"http://127.0.0.1:{port}",
+        "JUPYTERHUB_SERVICE_PREFIX": "/services/gpulease/",
+        "JUPYTERHUB_SERVICE_NAME": "gpulease",
+        "JUPYTERHUB_API_TOKEN": "unused",
+        "JUPYTERHUB_API_URL": f"http://127.0.0.1:{free_port()}/hub/api",
+    }
+    log = tmp_path / "broker.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_gpulease.broker", "--config=", "--device-backend", "simulated",
+             "--db-url", f"sqlite:///{tmp_path / 'b.sqlite'}"],
+            env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+            # a background process inherits SIGINT ignored: the broker must install its own handler
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+    try:
+        import urllib.request
+
+        def up():
+            assert proc.poll() is None, f"the broker exited:\n{log.read_text()}"
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/services/gpulease/api/openapi.json", timeout=2).status == 200
+
+        wait_for(up, 30, "the broker did not start")
+        proc.send_signal(sig)
+        rc = proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, log.read_text()
+    assert "GPU lease broker stopped" in log.read_text()
