@@ -367,6 +367,27 @@ class HubHarness:
         assert status == 201, f"creating a token for {user} failed: {status} {reply}"
         return reply["token"]
 
+    def login(self, user: str, password: str | None = None):
+        """A urllib opener that logged ``user`` in through the hub's login form, with its cookies.
+
+        ``opener.open(url)`` then behaves like that user's browser (it follows OAuth redirects).
+        """
+        import http.cookiejar
+        import re
+        import urllib.parse
+
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        page = opener.open(f"{self.url}/hub/login", timeout=30).read().decode()
+        m = re.search(r'name="_xsrf" value="([^"]+)"', page)
+        form = {"username": user, "password": self.password if password is None else password}
+        if m:
+            form["_xsrf"] = m.group(1)
+        resp = opener.open(f"{self.url}/hub/login", data=urllib.parse.urlencode(form).encode(), timeout=60)
+        assert "/hub/login" not in resp.url, f"logging in {user} failed: ended at {resp.url}"
+        opener.cookiejar = jar
+        return opener
+
     def service_url(self, name: str) -> str:
         """The service's public URL through the proxy, with a trailing slash."""
         return f"{self.url}/services/{name}/"

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
 
 import pytest
 
@@ -50,13 +51,14 @@ def hub_for_broker(tmp_path) -> HubHarness:
                 "command": [sys.executable, "-m", "jupyter_gpulease.broker", "--config", str(cfg)],
                 "cwd": str(tmp_path),
                 "oauth_no_confirm": True,
+                "oauth_client_allowed_scopes": ["custom:gpulease:admin"],
                 "display": True,
             }
         ],
         custom_scopes={"custom:gpulease:admin": {"description": "see and change every GPU lease; request leases for users"}},
         roles=[
             {"name": "gpulease-admin", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["carol"]},
-            {"name": "gpulease-service", "scopes": ["admin:servers", "read:users"], "services": ["gpulease"]},
+            {"name": "gpulease-service", "scopes": ["admin:servers"], "services": ["gpulease"]},
         ],
         user_scopes=["access:services!service=gpulease"],
     )
@@ -206,6 +208,23 @@ def test_the_admin_page_sends_browsers_to_the_hub_login(hub):
         opener.open(hub.service_url("gpulease"), timeout=10)
     assert info.value.code == 302
     assert "/hub/api/oauth2/authorize" in info.value.headers["Location"]
+
+
+def test_the_admin_page_shows_lease_admins_the_holders_and_refuses_others(hub):
+    async def hold():
+        return await client(hub, "alice").request_lease({"gpus": 1, "model": "L4"})
+
+    lease = run(hold())
+    try:
+        browser = hub.login("carol")
+        page = browser.open(hub.service_url("gpulease"), timeout=60).read().decode()
+        assert "Who holds what" in page and "alice" in page and lease["id"] in page
+        other = hub.login("bob")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            other.open(hub.service_url("gpulease"), timeout=60)
+        assert info.value.code == 403
+    finally:
+        run(client(hub, "alice").release(lease["id"]))
 
 
 def test_a_broker_killed_mid_run_restarts_with_every_lease_and_no_double_grant(hub):

@@ -259,7 +259,7 @@ class GPULeaseBroker(Application):
         self.manager.listeners.append(self._on_events)
 
     def make_web_app(self) -> WebApplication:
-        from jupyterhub.services.auth import HubAuth, HubOAuth, HubOAuthCallbackHandler
+        from jupyterhub.services.auth import HubAuth, HubOAuth
 
         from .handlers import make_handlers
 
@@ -279,7 +279,7 @@ class GPULeaseBroker(Application):
             "gpulease_authenticate_metrics": self.authenticate_metrics,
             "log_function": self._log_request,
         }
-        return WebApplication(make_handlers(self.base_url, HubOAuthCallbackHandler), **settings)
+        return WebApplication(make_handlers(self.base_url), **settings)
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()

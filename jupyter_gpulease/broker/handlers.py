@@ -14,7 +14,7 @@ import math
 import time
 from typing import Any
 
-from jupyterhub.services.auth import HubOAuthenticated
+from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 from tornado.iostream import StreamClosedError
 
@@ -515,7 +515,19 @@ def render_admin_page(manager, now: float) -> str:
 """
 
 
-def make_handlers(prefix: str, oauth_callback_handler) -> list[tuple]:
+class OAuthCallbackHandler(HubOAuthCallbackHandler):
+    """Finishes the admin page's OAuth login with the broker's own HubOAuth (it holds the PKCE state)."""
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_oauth"]
+
+    @hub_auth.setter
+    def hub_auth(self, value):
+        pass
+
+
+def make_handlers(prefix: str, oauth_callback_handler=OAuthCallbackHandler) -> list[tuple]:
     """Routes under the service ``prefix`` (which starts and ends with '/')."""
     p = prefix
     lease_id = r"([A-Za-z0-9_.\-]+)"
