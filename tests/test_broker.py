@@ -295,3 +295,30 @@ def test_the_admin_page_lists_holders_queue_and_pool():
     assert "alice" in page and "n1/0 A100-SXM4-80GB" in page
     assert "bob&lt;script&gt;" in page and "<script>" not in page
     assert "Queue" in page and "Pool" in page
+
+
+def test_the_event_stream_sends_server_sent_events_of_the_callers_leases(tmp_path):
+    async def scenario(app, client):
+        from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+        alice, bob = client("alice"), client("bob")
+        chunks: list[bytes] = []
+        got_grant = asyncio.Event()
+
+        def on_chunk(chunk):
+            chunks.append(chunk)
+            if b"event: granted" in b"".join(chunks):
+                got_grant.set()
+
+        req = HTTPRequest(broker_url(app) + "api/events/stream?since=0", headers={"Authorization": "token bob"}, streaming_callback=on_chunk, request_timeout=30)
+        fetch = asyncio.ensure_future(AsyncHTTPClient(force_instance=True).fetch(req, raise_error=False))
+        await alice.request_lease({"gpus": 1, "model": "L4"})
+        mine = await bob.request_lease({"gpus": 1, "model": "L4"})
+        await asyncio.wait_for(got_grant.wait(), 20)
+        text = b"".join(chunks).decode()
+        assert f'"lease_id": "{mine["id"]}"' in text
+        assert text.count("event: ") == 2, "bob sees only his own lease's events"
+        assert "id: " in text
+        fetch.cancel()
+
+    run_with_broker(tmp_path, scenario)
