@@ -322,3 +322,54 @@ def test_the_event_stream_sends_server_sent_events_of_the_callers_leases(tmp_pat
         fetch.cancel()
 
     run_with_broker(tmp_path, scenario)
+
+
+def test_an_expired_lease_stops_its_server_through_the_hub_api_when_configured(tmp_path):
+    """stop_servers_on_end: the broker DELETEs the holder's server (a recording stand-in for the Hub API)."""
+    from tornado import web
+    from traitlets.config import Config
+
+    from hubharness import free_port
+
+    calls: list[tuple[str, str, str]] = []
+
+    class FakeHubAPI(web.RequestHandler):
+        def delete(self, path):
+            calls.append(("DELETE", path, self.request.headers.get("Authorization", "")))
+            self.set_status(204)
+
+    hub_port = free_port()
+    clock = ManualClock()
+
+    async def scenario():
+        fake = web.Application([(r"/hub/api/(.*)", FakeHubAPI)]).listen(hub_port, "127.0.0.1")
+        app = make_broker(tmp_path, clock, stop_servers_on_end=True, confirm_timeout=0)
+        app.update_config(Config({"HubAuth": {"api_url": f"http://127.0.0.1:{hub_port}/hub/api", "api_token": "broker-token"}}))
+        await app.start_async()
+        try:
+            alice = BrokerClient(broker_url(app), "alice")
+            named = await alice.request_lease({"gpus": 1, "duration_s": 600, "server": "gpu"})
+            default = await alice.request_lease({"gpus": 1, "duration_s": 1200})
+            released = await alice.request_lease({"gpus": 1, "duration_s": 600})
+            await alice.release(released["id"])  # the holder's own release stops nothing
+            clock.advance(601)
+            await app.manager.tick()
+            for _ in range(100):
+                if calls:
+                    break
+                await asyncio.sleep(0.05)
+            assert calls == [("DELETE", "users/alice/servers/gpu", "token broker-token")]
+            clock.advance(600)
+            await app.manager.tick()
+            for _ in range(100):
+                if len(calls) > 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert calls[1][:2] == ("DELETE", "users/alice/server")
+            assert (await alice.get_lease(named["id"]))["state"] == "expired"
+            assert (await alice.get_lease(default["id"]))["state"] == "expired"
+        finally:
+            await app.stop_async()
+            fake.stop()
+
+    asyncio.run(scenario())
