@@ -354,7 +354,10 @@ def parse_user_options(
         raise OptionsError(f"'tier' must be a tier name, got {tier!r}", "tier")
     if pool is not None:
         check_against_pool(request, tier, duration_s, pool)
-    return LeaseChoice(request=req.to_dict(), tier=tier, duration_s=duration_s, max_wait_s=max_wait_s, label=req.describe())
+    normal = req.to_dict()
+    if not normal.get("memory_mib"):
+        normal.pop("memory_mib", None)  # 0: sized by the share (the broker wants a positive value or none)
+    return LeaseChoice(request=normal, tier=tier, duration_s=duration_s, max_wait_s=max_wait_s, label=req.describe())
 
 
 def _explain(e: BadRequest) -> str:

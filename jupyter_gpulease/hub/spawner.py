@@ -205,7 +205,9 @@ class GPULeaseSpawner(Spawner):
         pool = self.broker.pool
         if "user" in inspect.signature(pool).parameters:
             return await pool(user=self.user.name)
-        return await pool()
+        answer = dict(await pool())
+        answer.pop("usage", None)  # the hub's own, not this user's
+        return answer
 
     # ------------------------------------------------------------------ form and options
     @default("options_form")
@@ -624,8 +626,16 @@ def _queue_progress(q: dict) -> int:
     return int(10 + 30 * (1 - (pos - 1) / max(length, 1)))
 
 
-def _check_user_options(spawner: GPULeaseSpawner, user_options: dict) -> None:
-    spawner.lease_choice(user_options)
+async def _check_user_options(spawner: GPULeaseSpawner, user_options: dict) -> None:
+    """Check the options against the live pool before start(), so the REST API answers at once."""
+    choice = spawner.lease_choice(user_options)
+    if choice.cpu_only:
+        return
+    try:
+        pool = await spawner.fetch_pool()
+    except (BrokerError, web.HTTPError):
+        return  # start() reports the broker's trouble
+    spawner.lease_choice(user_options, pool)
 
 
 async def _render_options_form(spawner: GPULeaseSpawner) -> str:
