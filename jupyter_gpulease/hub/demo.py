@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
     )
-    if (config_dir / "gpulease_config.py").exists():
-        env["GPULEASE_BROKER_CONFIG"] = str(config_dir / "gpulease_config.py")
+    env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, args.device_backend))
     # the hub's own command-line entry in this Python's environment
     cmd = [sys.executable, "-m", "jupyterhub", "-f", str(config_dir / "jupyterhub_config.py")]
     log_path = state / "jupyterhub.log"
@@ -254,6 +253,29 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, old_term)
     print("Stopped; nothing is left running.", flush=True)
     return rc
+
+
+def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
+    """The broker's config for the demo: the annotated example, with the demo's pool and database."""
+    example = config_dir / "gpulease_config.py"
+    lines = [
+        "# Written by `jupyter gpulease demo` on every start: the example config with the demo's",
+        "# database and pool. Edit the example (or pass --config-dir) instead of this file.",
+        "c = get_config()  # noqa: F821",
+    ]
+    if example.exists():
+        lines.append(f"load_subconfig({str(example)!r})  # noqa: F821")
+    lines += [
+        f"c.GPULeaseBroker.db_url = {('sqlite:///' + str(state / 'gpulease.sqlite'))!r}",
+        f"c.GPULeaseBroker.device_backend = {backend!r}",
+        "c.GPULeaseBroker.tick_interval = 1.0  # a lively demo: decisions within a second",
+    ]
+    if backend in ("auto", "simulated"):
+        # the simulated pool: 4 GPUs of two models, one A100 in MIG mode (real GPUs instead when NVML finds them)
+        lines.append("c.GPULeaseBroker.devices = {}")
+    path = state / "gpulease_config.py"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _banner(url: str, password: str, state: Path, log_path: Path) -> str:
