@@ -10,6 +10,7 @@ Usage::
     token = hub.create_token("alice")
     status, body = hub.api("GET", "users/alice")       # the admin token by default
     hub.restart()                                       # waits for the old hub's PID to exit
+    hub.keep_servers = True                             # with cleanup_servers = False: servers outlive stop()
     hub.stop()
 
 Everything binds to 127.0.0.1 on free ports; the hub's database, cookie secret, proxy pid
@@ -165,6 +166,7 @@ class HubHarness:
         self.config_file = self.dir / "jupyterhub_config.py"
         self.log_file = self.dir / "jupyterhub.log"
         self.proc: subprocess.Popen | None = None
+        self.keep_servers = False  # stop() leaves single-user servers running (a hub restart that keeps them)
         self.pid: int | None = None
         self._log_handle = None
 
@@ -251,8 +253,9 @@ class HubHarness:
         proc = self.proc
         if proc is None:
             return
-        # managed services and the proxy run in their own sessions: remember them, to clean up after
-        leftovers = [pid for pid, _ in self.descendants()]
+        # managed services and the proxy run in their own sessions: remember them, to clean up after;
+        # with keep_servers (and c.JupyterHub.cleanup_servers = False) single-user servers live on
+        leftovers = [pid for pid, cmd in self.descendants() if not (self.keep_servers and "singleuser" in cmd)]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
