@@ -8,6 +8,7 @@ float rounding; memory is in MiB.
 from __future__ import annotations
 
 import enum
+import functools
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,7 +323,7 @@ class Placement:
     def node(self) -> str:
         return self.slices[0].node if self.slices else ""
 
-    @property
+    @functools.cached_property
     def gpu_milli(self) -> int:
         return sum(s.share_milli for s in self.slices)
 

@@ -112,6 +112,7 @@ class Policy:
     backfill: bool = True
     reservation_depth: int = 100  # queued leases that get a reservation (and an ETA) each pass
     preemption: bool = True
+    preemption_searches_per_pass: int = 4  # waiting leases per pass that look for victims (bounds a pass's cost)
     extend_when_contended: bool = False  # allow extension even when someone waits for these GPUs
     confirm_timeout_s: float | None = 15 * 60  # an active lease never confirmed is revoked after this
     heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this

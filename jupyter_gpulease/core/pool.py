@@ -78,7 +78,27 @@ class Pool:
         self.idle_by_model: dict[str, int] = {m: sum(1 for s in lst if s.wholly_free) for m, lst in self.by_model.items()}
         self.free_milli_by_model: dict[str, int] = {m: sum(s.free_milli for s in lst if not s.gpu.mig and s.gpu.healthy) for m, lst in self.by_model.items()}
         self.mig_free_by_model: dict[str, int] = {m: sum(len(s.mig_free) for s in lst if s.gpu.healthy) for m, lst in self.by_model.items()}
+        # GPUs open to shares, per model: partly used (packed first) and wholly free
+        self.partial_by_model: dict[str, set[GPUState]] = defaultdict(set)
+        self.idle_set_by_model: dict[str, set[GPUState]] = defaultdict(set)
+        for st in self.gpus.values():
+            self._index(st)
         self._match_cache: dict[tuple[tuple[str, ...], int], tuple[str, ...]] = {}
+
+    def _index(self, st: GPUState) -> None:
+        g = st.gpu
+        if g.mig or not g.healthy:
+            return
+        part, idle = self.partial_by_model[g.model], self.idle_set_by_model[g.model]
+        if not st.holders:
+            idle.add(st)
+            part.discard(st)
+        else:
+            idle.discard(st)
+            if st.free_milli > 0:
+                part.add(st)
+            else:
+                part.discard(st)
 
     # ----------------------------------------------------------------- queries
     def models(self, patterns: tuple[str, ...], min_memory_mib: int = 0) -> tuple[str, ...]:
@@ -193,21 +213,30 @@ class Pool:
         for m in models:
             if self.free_milli_by_model.get(m, 0) <= 0:
                 continue
-            for s in self.by_model[m]:
+            # fullest partly used GPU that still fits first, so that idle GPUs stay whole
+            for s in self.partial_by_model.get(m, ()):
                 g = s.gpu
-                if g.mig or not g.healthy or g.memory_mib < req.min_memory_mib:
+                if g.memory_mib < req.min_memory_mib:
                     continue
                 milli, mem = share_need(req, g)
-                if s.free_milli < milli or s.free_mem < mem:
+                if s.free_milli < milli or s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
                     continue
-                if blocked and blocked(s, milli, mem, ""):
-                    continue
-                # fullest GPU first (already shared beats idle), then lowest index for stable results
                 key = (s.free_milli - milli, g.node, g.index)
                 if best_key is None or key < best_key:
                     best, best_key = (s, milli, mem), key
-                    if key[0] == 0:
-                        break
+        if best is None:
+            for m in models:
+                for s in self.idle_set_by_model.get(m, ()):
+                    g = s.gpu
+                    if g.memory_mib < req.min_memory_mib:
+                        continue
+                    milli, mem = share_need(req, g)
+                    if s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
+                        continue
+                    # an idle GPU on the node with the fewest idle GPUs keeps big nodes whole
+                    key = (self.idle_by_node[g.node], g.node, g.index)
+                    if best_key is None or key < best_key:
+                        best, best_key = (s, milli, mem), key
         if best is None:
             return None
         s, milli, mem = best
@@ -249,6 +278,7 @@ class Pool:
             if was_free:
                 self.idle_by_node[s.gpu.node] -= 1
                 self.idle_by_model[s.gpu.model] -= 1
+            self._index(s)
 
     def give(self, lease_id: str, placement: Placement) -> None:
         """Return a placement's slices to the pool."""
@@ -268,6 +298,7 @@ class Pool:
             if s.wholly_free:
                 self.idle_by_node[s.gpu.node] += 1
                 self.idle_by_model[s.gpu.model] += 1
+            self._index(s)
 
     def fits_placement(self, placement: Placement) -> bool:
         """Whether every slice of a (restored) placement exists and still has room."""

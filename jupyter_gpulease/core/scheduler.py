@@ -79,6 +79,8 @@ class _Reservations:
         self.heaps: dict[str, list[tuple[float, str]]] = {}
         self.promised_end: dict[str, float] = {}  # GPU uuid -> end of the last promise on it
         self.whole: set[str] = set()  # GPUs promised whole to someone
+        self.releases: dict[str, list[tuple[float, int, int]]] = {}  # GPU uuid -> (end, milli, mem) of its holders
+        self.partial_early: dict[str, list[str]] = {}  # model -> partly used GPUs whose first holder leaves soonest
         self.any = False
 
     # --------------------------------------------------------------- time GPUs free up
@@ -92,11 +94,15 @@ class _Reservations:
         return max(end, self.now)
 
     def gpu_free_at(self, st: GPUState) -> float:
+        return max(self.now, self.s._gpu_free_at.get(st.gpu.uuid, self.now))
+
+    def _gpu_free_at_slow(self, st: GPUState) -> float:
         return max((self._end(h) for h in st.holders), default=self.now)
 
     def _ensure(self) -> None:
         if self.avail is None:
-            self.avail = {u: self.gpu_free_at(st) for u, st in self.pool.gpus.items() if not st.gpu.mig}
+            now, fa = self.now, self.s._gpu_free_at
+            self.avail = {u: max(now, fa.get(u, now)) for u, st in self.pool.gpus.items() if not st.gpu.mig}
 
     def refresh(self, uuids: Iterable[str]) -> None:
         """Recompute when GPUs free up (after preemption moved some ends earlier)."""
@@ -106,6 +112,7 @@ class _Reservations:
                 for sl in st.holders.values():
                     self.mig_avail.pop(sl.mig_uuid, None)  # recomputed on next use
                 continue
+            self.releases.pop(u, None)
             if self.avail is None:
                 continue
             self.avail[u] = max(self.gpu_free_at(st), self.promised_end.get(u, self.now))
@@ -121,6 +128,18 @@ class _Reservations:
             heapq.heapify(h)
             self.heaps[model] = h
         return h
+
+    def _valid_tops(self, model: str, k: int) -> list[str]:
+        """Up to ``k`` GPUs of ``model`` that free up first (current heap entries only)."""
+        h = self._heap(model)
+        got: list[tuple[float, str]] = []
+        while h and len(got) < k:
+            e = heapq.heappop(h)
+            if self.avail[e[1]] == e[0] and all(e[1] != g[1] for g in got):
+                got.append(e)
+        for e in got:
+            heapq.heappush(h, e)
+        return [u for _, u in got]
 
     def _valid_top(self, model: str, min_mem: int, skip: set[str]) -> tuple[float, str] | None:
         h = self._heap(model)
@@ -234,21 +253,32 @@ class _Reservations:
         free_m, free_b = st.free_milli - r_milli, st.free_mem - r_mem
         if free_m >= milli and free_b >= mem:
             return self.now
-        for t, lid in sorted((self._end(h), h) for h in st.holders):
-            sl = st.holders[lid]
-            free_m += sl.share_milli
-            free_b += sl.memory_mib
+        rel = self.releases.get(u)
+        if rel is None:
+            rel = self.releases[u] = sorted((self._end(h), sl.share_milli, sl.memory_mib) for h, sl in st.holders.items())
+        for t, m, b in rel:
+            free_m += m
+            free_b += b
             if free_m >= milli and free_b >= mem:
                 return t
         return INF
+
+    def _early_partial(self, model: str) -> list[str]:
+        got = self.partial_early.get(model)
+        if got is None:
+            part = self.pool.partial_by_model.get(model, ())
+            got = [st.gpu.uuid for st in heapq.nsmallest(8, part, key=lambda st: min((self._end(h) for h in st.holders), default=self.now))]
+            self.partial_early[model] = got
+        return got
 
     def _reserve_share(self, req: Request, models) -> tuple[float, list[str], int, int] | None:
         best = None
         for m in models:
             h = self._heap(m)
-            # look at the GPUs that free up first, and at any GPU already shared (a share may fit sooner)
-            cands = {u for _, u in heapq.nsmallest(16, h)}
-            cands.update(st.gpu.uuid for st in self.pool.by_model[m] if st.holders and st.free_milli > 0 and not st.gpu.mig)
+            # look at the GPUs that free up first wholly, and at the partly used GPUs whose
+            # first holder leaves soonest (a share may fit there sooner)
+            cands = set(self._valid_tops(m, 8))
+            cands.update(self._early_partial(m))
             for u in cands:
                 st = self.pool.gpus[u]
                 if st.gpu.mig or not st.gpu.healthy or st.gpu.memory_mib < req.min_memory_mib:
@@ -289,14 +319,21 @@ class Scheduler:
         self.leases: dict[str, Lease] = {}
         self._queued: dict[str, dict[str, list[Lease]]] = defaultdict(dict)  # tier -> user -> leases by seq
         self._n_queued = 0
+        self._shape_of: dict[str, tuple] = {}  # queued lease id -> request shape
+        self._weight: dict[str, float] = {}  # queued lease id -> GPU-seconds it asks for
+        self._shape_n: dict[tuple, int] = {}  # queued leases per shape
+        self._shape_min_d: dict[tuple, float] = {}  # lower bound of their durations
         self._seq = 0
         self._dl: list[tuple[float, int, str, str]] = []  # deadlines: (time, n, kind, lease id)
         self._dl_n = 0
         self._fair = FairShare(self.policy.fair_share_half_life_s)
         self._window = UsageWindow()
         self._held_user: dict[str, int] = defaultdict(int)
+        self._held_user_t: dict[str, float] = defaultdict(float)  # Σ milli · granted_at of active leases
         self._held_group: dict[str, int] = defaultdict(int)
         self._active_by_user: dict[str, set[str]] = defaultdict(set)
+        self._active_by_tier: dict[str, dict[str, None]] = defaultdict(dict)  # in grant order: newest last
+        self._gpu_free_at: dict[str, float] = {}  # GPU uuid -> when its last holder leaves (held GPUs only)
         self._eta: dict[str, float] = {}
         self._waiting: dict[str, str] = {}
         self._reserved_by: dict[str, str] = {}  # GPU uuid -> queued lease promised it (last pass)
@@ -408,6 +445,11 @@ class Scheduler:
         return [Event(lease.id, ev.REQUESTED, now, "", LeaseState.QUEUED.value, actor=actor or lease.user, data={"request": lease.request.to_dict(), "tier": lease.tier}, lease=lease)]
 
     def _enqueue(self, lease: Lease) -> None:
+        shape = lease.request.shape()
+        self._shape_of[lease.id] = shape
+        self._weight[lease.id] = self.pool.gpu_milli_of(lease.request) / MILLI * lease.duration_s
+        self._shape_n[shape] = self._shape_n.get(shape, 0) + 1
+        self._shape_min_d[shape] = min(self._shape_min_d.get(shape, INF), lease.duration_s)
         per_user = self._queued[lease.tier]
         lst = per_user.setdefault(lease.user, [])
         if lst and lst[-1].seq > lease.seq:
@@ -425,6 +467,14 @@ class Scheduler:
             try:
                 lst.remove(lease)
                 self._n_queued -= 1
+                shape = self._shape_of.pop(lease.id)
+                self._weight.pop(lease.id, None)
+                n = self._shape_n[shape] - 1
+                if n:
+                    self._shape_n[shape] = n
+                else:
+                    del self._shape_n[shape]
+                    del self._shape_min_d[shape]
             except ValueError:
                 pass
             if not lst:
@@ -494,6 +544,7 @@ class Scheduler:
         old = l.expires_at
         l.expires_at = new
         l.warned_at = None
+        self._touch_gpus(l.placement)
         self._push_expiry_deadlines(l, now)
         self._dirty = True  # ETAs move
         return [Event(l.id, ev.EXTENDED, now, l.state.value, l.state.value, actor=actor or l.user, data={"from": old, "to": new}, lease=l)]
@@ -585,13 +636,45 @@ class Scheduler:
             out += self.schedule(now)
         return out
 
+    def _lease_end(self, l: Lease) -> float:
+        end = l.expires_at if l.expires_at is not None else INF
+        return min(end, l.preempt_at) if l.preempt_at is not None else end
+
+    def _touch_gpus(self, placement: Placement | None) -> None:
+        """Recompute when the GPUs of ``placement`` free up (after a grant, end, extension, preemption)."""
+        if placement is None:
+            return
+        for sl in placement.slices:
+            st = self.pool.gpus.get(sl.gpu_uuid)
+            if st is None or not st.holders:
+                self._gpu_free_at.pop(sl.gpu_uuid, None)
+            else:
+                self._gpu_free_at[sl.gpu_uuid] = max(self._lease_end(self.leases[h]) for h in st.holders if h in self.leases)
+
+    def _hold(self, l: Lease) -> None:
+        """Book-keeping when a lease starts holding its placement (grant or restore)."""
+        m = l.placement.gpu_milli
+        self._held_user[l.user] += m
+        self._held_user_t[l.user] += m * l.granted_at
+        for g in l.groups:
+            self._held_group[g] += m
+        self._active_by_user[l.user].add(l.id)
+        self._active_by_tier[l.tier][l.id] = None
+
+    def _unhold(self, l: Lease) -> None:
+        m = l.placement.gpu_milli
+        self._held_user[l.user] -= m
+        self._held_user_t[l.user] -= m * l.granted_at
+        for g in l.groups:
+            self._held_group[g] -= m
+        self._active_by_user[l.user].discard(l.id)
+        self._active_by_tier[l.tier].pop(l.id, None)
+
     # ================================================================== the pass
     def _user_usage(self, user: str, now: float) -> float:
-        v = self._fair.value(user, now)
-        for lid in self._active_by_user.get(user, ()):
-            l = self.leases[lid]
-            v += (now - l.granted_at) * l.gpu_milli / MILLI
-        return v
+        """Decayed past GPU-seconds plus what the user's active leases have used so far."""
+        # Σ (now - granted_i) · milli_i = now · Σ milli_i - Σ granted_i · milli_i
+        return self._fair.value(user, now) + (now * self._held_user.get(user, 0) - self._held_user_t.get(user, 0.0)) / MILLI
 
     def _iter_order(self, now: float) -> Iterator[Lease]:
         tiers = sorted((t for t in self.policy.tiers.values() if self._queued.get(t.name)), key=lambda t: -t.priority)
@@ -604,16 +687,18 @@ class Scheduler:
                 yield from heapq.merge(*(list(v) for v in per_user.values()), key=lambda l: l.seq)
                 continue
             heap = []
+            weight = self._weight
             for u, lst in per_user.items():
                 heap.append((self._user_usage(u, now), lst[0].seq, u, 0, list(lst)))
             heapq.heapify(heap)
             while heap:
                 key, _, u, i, lst = heap[0]
                 l = lst[i]
+                w = weight[l.id]  # read before yielding: a grant drops it
                 yield l
                 i += 1
                 if i < len(lst):
-                    heapq.heapreplace(heap, (key + l.gpu_milli / MILLI * l.duration_s, lst[i].seq, u, i, lst))
+                    heapq.heapreplace(heap, (key + w, lst[i].seq, u, i, lst))
                 else:
                     heapq.heappop(heap)
 
@@ -653,23 +738,33 @@ class Scheduler:
         room = self._has_room()
         blocked_head = False  # strict FCFS (no backfill): nothing passes a lease that could not start
         preempt_tiers = self._tiers_with_victims() if pol.preemption else {}
+        searches = 0
+        open_shapes = len(self._shape_n)  # shapes that might still start now
+        shape_of, min_d = self._shape_of, self._shape_min_d
+        check_quota = bool(pol.user_quotas or pol.group_quotas or pol.default_user_quota.max_gpus is not None)
         for l in self._iter_order(now):
-            if depth <= 0 and not room:
-                break
+            if depth <= 0 and (not room or open_shapes <= 0 or blocked_head):
+                break  # nothing further back can start now, and reservations are used up
             req = l.request
-            milli = l.gpu_milli if req.kind is not SliceKind.MIG else self.pool.gpu_milli_of(req)
-            qmsg = self._quota_block(l, milli) if (pol.user_quotas or pol.group_quotas or pol.default_user_quota.max_gpus is not None) else ""
-            if qmsg:
-                self._waiting[l.id] = qmsg
-                continue
+            if check_quota:
+                qmsg = self._quota_block(l, self.pool.gpu_milli_of(req))
+                if qmsg:
+                    self._waiting[l.id] = qmsg
+                    continue
             placement = None
             if room and not blocked_head:
-                key = req.shape()
+                key = shape_of[l.id]
                 f = failed.get(key)
                 if f is None or l.duration_s < f:
-                    placement = self.pool.place(req, res.blocker(now + l.duration_s))
+                    blocker = res.blocker(now + l.duration_s)
+                    placement = self.pool.place(req, blocker)
                     if placement is None:
-                        failed[key] = l.duration_s if f is None else min(f, l.duration_s)
+                        # no room even ignoring promises: no duration of this shape can start now
+                        hopeless = blocker is None or (f is None and self.pool.place(req) is None)
+                        failed[key] = 0.0 if hopeless else (l.duration_s if f is None else min(f, l.duration_s))
+                        if f is None or f > min_d.get(key, INF):
+                            if failed[key] <= min_d.get(key, INF):
+                                open_shapes -= 1
             if placement is not None:
                 out += self._grant(l, placement, now)
                 room = self._has_room()
@@ -680,7 +775,8 @@ class Scheduler:
                 continue
             depth -= 1
             victims_tiers = preempt_tiers.get(l.tier)
-            if victims_tiers and l.id not in self._preempting_for:
+            if victims_tiers and searches < pol.preemption_searches_per_pass and l.id not in self._preempting_for:
+                searches += 1
                 vkey = (req.shape(), l.tier)
                 if vkey not in no_victims:
                     victims = self._choose_victims(l, now, victims_tiers, res)
@@ -710,11 +806,8 @@ class Scheduler:
         l.placement = placement
         l.granted_at = now
         l.expires_at = now + l.duration_s
-        m = placement.gpu_milli
-        self._held_user[l.user] += m
-        for g in l.groups:
-            self._held_group[g] += m
-        self._active_by_user[l.user].add(l.id)
+        self._hold(l)
+        self._touch_gpus(placement)
         self._push_expiry_deadlines(l, now)
         if self.policy.confirm_timeout_s is not None:
             self._deadline(now + self.policy.confirm_timeout_s, "confirm", l.id)
@@ -743,12 +836,8 @@ class Scheduler:
         out: list[Event] = []
         if prev is LeaseState.ACTIVE:
             self.pool.give(l.id, l.placement)
-            m = l.placement.gpu_milli
-            self._held_user[l.user] -= m
-            for g in l.groups:
-                self._held_group[g] -= m
-            self._active_by_user[l.user].discard(l.id)
-            self.record_usage(l.user, l.groups, l.granted_at, now, m)
+            self._unhold(l)
+            self.record_usage(l.user, l.groups, l.granted_at, now, l.placement.gpu_milli)
             if l.preempted_for:
                 s = self._preempting_for.get(l.preempted_for)
                 if s is not None:
@@ -760,6 +849,8 @@ class Scheduler:
         l.ended_at = now
         l.end_reason = reason
         del self.leases[l.id]
+        if prev is LeaseState.ACTIVE:
+            self._touch_gpus(l.placement)
         self._eta.pop(l.id, None)
         self._waiting.pop(l.id, None)
         self._dirty = True
@@ -769,7 +860,7 @@ class Scheduler:
     # ================================================================== preemption
     def _tiers_with_victims(self) -> dict[str, set[str]]:
         """For each tier: the tiers it may preempt that hold active leases now."""
-        active_tiers = {l.tier for l in self.leases.values() if l.state is LeaseState.ACTIVE and l.preempt_at is None}
+        active_tiers = {t for t, ids in self._active_by_tier.items() if ids}
         out = {}
         for t in self.policy.tiers.values():
             can = {v for v in active_tiers if self.policy.tiers[v].can_be_preempted_by(t)}
@@ -777,70 +868,88 @@ class Scheduler:
                 out[t.name] = can
         return out
 
+    VICTIM_SCAN = 512  # newest preemptible leases looked at per search
+
     def _choose_victims(self, l: Lease, now: float, victim_tiers: set[str], res: _Reservations) -> list[Lease]:
-        """Leases whose preemption frees room for ``l`` with the least lost work; [] if none will do."""
+        """Leases whose preemption frees room for ``l``, losing little work; [] if none will do.
+
+        Lost work is the victims' GPU-seconds so far, so the newest leases are the cheapest:
+        the search walks preemptible leases newest first (a bounded number) and stops at the
+        first place where they, together with idle GPUs, make room.
+        """
         req = l.request
-        models = self.pool.models(req.models, req.min_memory_mib)
+        models = set(self.pool.models(req.models, req.min_memory_mib))
+        leases = self.leases
 
         def ok(lid: str) -> bool:
-            v = self.leases[lid]
+            v = leases[lid]
             return v.preempt_at is None and v.tier in victim_tiers
 
         def lost(lids) -> float:
-            return sum((now - self.leases[x].granted_at) * self.leases[x].gpu_milli for x in lids)
+            return sum((now - leases[x].granted_at) * leases[x].gpu_milli for x in lids)
 
+        newest = heapq.merge(
+            *(reversed(list(self._active_by_tier.get(t, {}))) for t in victim_tiers),
+            key=lambda lid: -leases[lid].granted_at,
+        )
+        seen: set[str] = set()
         if req.kind is SliceKind.GPU:
-            best: tuple[float, list[str]] | None = None
-            nodes = set().union(*(self.pool.nodes_by_model[m] for m in models))
-            for node in nodes:
-                cands = []
-                for st in self.pool.by_node[node]:
+            per_node: dict[str, dict[str, list[str]]] = defaultdict(dict)
+            idle_on: dict[str, list[str]] = {}
+            for k, vid in enumerate(newest):
+                if k >= self.VICTIM_SCAN:
+                    break
+                for sl in leases[vid].placement.slices:
+                    st = self.pool.gpus[sl.gpu_uuid]
                     g = st.gpu
-                    if g.mig or not g.healthy or g.model not in models or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
+                    if g.uuid in seen or g.mig or not g.healthy or g.model not in models or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
                         continue
-                    if not st.holders:
-                        cands.append((0.0, g.uuid, []))
-                    elif all(ok(h) for h in st.holders):
-                        cands.append((lost(st.holders), g.uuid, list(st.holders)))
-                if len(cands) >= req.gpus:
-                    cands.sort()
-                    pick = cands[: req.gpus]
-                    cost = sum(c for c, _, _ in pick)
-                    vs = [h for _, _, hs in pick for h in hs]
-                    if vs and (best is None or cost < best[0]):
-                        best = (cost, vs)
-            return [self.leases[x] for x in dict.fromkeys(best[1])] if best else []
+                    seen.add(g.uuid)
+                    if not all(ok(h) for h in st.holders):
+                        continue
+                    node = g.node
+                    per_node[node][g.uuid] = list(st.holders)
+                    if node not in idle_on:
+                        idle_on[node] = [
+                            x.gpu.uuid
+                            for x in self.pool.by_node[node]
+                            if x.wholly_free and x.gpu.model in models and x.gpu.memory_mib >= req.min_memory_mib and x.gpu.uuid not in res.res_from
+                        ]
+                    if len(idle_on[node]) + len(per_node[node]) >= req.gpus:
+                        need = req.gpus - len(idle_on[node])
+                        pick = sorted(per_node[node].values(), key=lost)[:need]
+                        return [leases[x] for x in dict.fromkeys(h for hs in pick for h in hs)]
+            return []
         if req.kind is SliceKind.SHARE:
-            best = None
-            for m in models:
-                for st in self.pool.by_model[m]:
-                    g = st.gpu
-                    if g.mig or not g.healthy or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
-                        continue
-                    milli, mem = share_need(req, g)
-                    fm, fb = st.free_milli, st.free_mem
-                    chosen = []
-                    for c, h in sorted((lost([h]), h) for h in st.holders if ok(h)):
-                        if fm >= milli and fb >= mem:
-                            break
-                        sl = st.holders[h]
-                        fm += sl.share_milli
-                        fb += sl.memory_mib
-                        chosen.append((c, h))
-                    if chosen and fm >= milli and fb >= mem:
-                        cost = sum(c for c, _ in chosen)
-                        if best is None or cost < best[0]:
-                            best = (cost, [h for _, h in chosen])
-            return [self.leases[x] for x in best[1]] if best else []
-        best = None
-        for m in models:
-            for st in self.pool.by_model[m]:
-                for lid, sl in st.holders.items():
-                    if sl.mig_profile == req.mig_profile and ok(lid) and sl.mig_uuid not in res.mig_res:
-                        c = lost([lid])
-                        if best is None or c < best[0]:
-                            best = (c, lid)
-        return [self.leases[best[1]]] if best else []
+            for k, vid in enumerate(newest):
+                if k >= self.VICTIM_SCAN:
+                    break
+                sl = leases[vid].placement.slices[0]
+                st = self.pool.gpus[sl.gpu_uuid]
+                g = st.gpu
+                if g.uuid in seen or g.mig or not g.healthy or g.model not in models or g.memory_mib < req.min_memory_mib or g.uuid in res.res_from:
+                    continue
+                seen.add(g.uuid)
+                milli, mem = share_need(req, g)
+                fm, fb = st.free_milli, st.free_mem
+                chosen = []
+                for _, h in sorted((lost([h]), h) for h in st.holders if ok(h)):
+                    if fm >= milli and fb >= mem:
+                        break
+                    hs = st.holders[h]
+                    fm += hs.share_milli
+                    fb += hs.memory_mib
+                    chosen.append(h)
+                if chosen and fm >= milli and fb >= mem:
+                    return [leases[x] for x in chosen]
+            return []
+        for k, vid in enumerate(newest):
+            if k >= self.VICTIM_SCAN:
+                break
+            sl = leases[vid].placement.slices[0]
+            if sl.mig_profile == req.mig_profile and sl.model in models and sl.mig_uuid not in res.mig_res:
+                return [leases[vid]]
+        return []
 
     def _start_preemption(self, waiter: Lease, victims: list[Lease], now: float) -> list[Event]:
         out = []
@@ -851,6 +960,7 @@ class Scheduler:
             v.preempted_for = waiter.id
             self._preempting_for[waiter.id].add(v.id)
             self._deadline(v.preempt_at, "preempt", v.id)
+            self._touch_gpus(v.placement)
             out.append(
                 Event(
                     v.id,
@@ -874,6 +984,7 @@ class Scheduler:
             if v is not None and v.preempt_at is not None and v.preempted_for == waiter.id:
                 v.preempt_at = None
                 v.preempted_for = ""
+                self._touch_gpus(v.placement)
                 out.append(Event(v.id, ev.PREEMPT_CANCELLED, now, "active", "active", f"preemption called off: {why}", "broker", lease=v))
         return out
 
@@ -897,11 +1008,8 @@ class Scheduler:
                 self._enqueue(l)
                 continue
             self.pool.take(l.id, l.placement)
-            m = l.placement.gpu_milli
-            self._held_user[l.user] += m
-            for g in l.groups:
-                self._held_group[g] += m
-            self._active_by_user[l.user].add(l.id)
+            self._hold(l)
+            self._touch_gpus(l.placement)
             self._deadline(l.expires_at, "expire", l.id)
             if self.policy.warn_before_s and l.warned_at is None:
                 self._deadline(l.expires_at - self.policy.warn_before_s, "warn", l.id)
@@ -929,11 +1037,13 @@ class Scheduler:
         gpus = list(gpus)
         self.inventory = {g.uuid: g for g in gpus}
         self.pool = Pool(gpus)
+        self._gpu_free_at.clear()
         out: list[Event] = []
         for l in list(self.leases.values()):
             if l.state is LeaseState.ACTIVE:
                 if self.pool.fits_placement(l.placement):
                     self.pool.take(l.id, l.placement)
+                    self._touch_gpus(l.placement)
                 else:
                     out += self._end_lost(l, now)
         for l in list(self.leases.values()):
@@ -946,12 +1056,8 @@ class Scheduler:
 
     def _end_lost(self, l: Lease, now: float) -> list[Event]:
         # its slices are not in the new pool: end it without giving them back
-        m = l.placement.gpu_milli
-        self._held_user[l.user] -= m
-        for g in l.groups:
-            self._held_group[g] -= m
-        self._active_by_user[l.user].discard(l.id)
-        self.record_usage(l.user, l.groups, l.granted_at, now, m)
+        self._unhold(l)
+        self.record_usage(l.user, l.groups, l.granted_at, now, l.placement.gpu_milli)
         prev = l.state
         l.state, l.ended_at, l.end_reason = LeaseState.FAILED, now, "its GPU left the pool"
         del self.leases[l.id]
