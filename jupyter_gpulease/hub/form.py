@@ -306,7 +306,7 @@ def render_form(
         if tiers:
             out.append('<div class="form-group mb-2"><label for="gpulease-tier">Tier</label>')
             out.append('<select class="form-select form-control" id="gpulease-tier" name="tier"' + (" disabled" if presets else "") + ">")
-            prev_tier = previous.get("tier")
+            prev_tier = previous.get("tier") or (pool or {}).get("default_tier")
             for t in sorted(tiers, key=lambda t: -int(t.get("priority", 0))):
                 label = f"{t['name']} — up to {format_duration(t.get('max_duration_s') or 0)}"
                 if t.get("preemptible"):
