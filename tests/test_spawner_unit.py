@@ -291,6 +291,7 @@ def test_queued_spawn_streams_position_then_starts_with_the_leased_gpu():
         broker.grant("L1")
         url = await task
         await asyncio.wait_for(watcher, 5)
+        await s._confirm_task
         return s, broker, url, events
 
     s, broker, url, events = asyncio.run(main())

@@ -39,7 +39,7 @@ def find_chp(state_dir: Path) -> str | None:
     """configurable-http-proxy: $GPULEASE_CHP, PATH, or a node_modules of the checkout or state folder."""
     cands = [os.environ.get("GPULEASE_CHP"), shutil.which("configurable-http-proxy")]
     pkg = Path(__file__).resolve().parent.parent
-    for base in (pkg.parent, state_dir, Path.cwd()):
+    for base in (pkg.parent, pkg.parent / ".ci", state_dir, Path.cwd()):
         cands.append(str(base / "node_modules" / ".bin" / "configurable-http-proxy"))
     for c in cands:
         if c and os.path.exists(c) and os.access(c, os.X_OK):

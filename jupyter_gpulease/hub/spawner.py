@@ -178,6 +178,8 @@ class GPULeaseSpawner(Spawner):
         self._progress_done = False
         self._progress_signal = asyncio.Event()
         self._client: BrokerClient | None = None
+        self._checked_pool: dict | None = None
+        self._confirm_task: asyncio.Future | None = None
         self.last_warning: dict | None = None
 
     # ------------------------------------------------------------------ the broker
@@ -346,13 +348,15 @@ class GPULeaseSpawner(Spawner):
             return await super().start()
 
         client = self.broker
-        pool = None
+        pool, self._checked_pool = self._checked_pool, None  # fetched by the options check just before
         try:
-            pool = await self.fetch_pool()
+            if pool is None:
+                pool, _ = await asyncio.gather(self.fetch_pool(), self._withdraw_orphans(client))
+            else:
+                await self._withdraw_orphans(client)
         except BrokerError as e:
             raise self._broker_failure(e, "ask for a GPU lease") from None
         choice = self.lease_choice(self.user_options, pool)
-        await self._withdraw_orphans(client)
         body = choice.broker_body(
             user=self.user.name,
             server=self.name or "",
@@ -387,19 +391,23 @@ class GPULeaseSpawner(Spawner):
             self._finish_lease_progress()
             self._restore_start_timeout()
             url = await super().start()
-            try:
-                self.lease = await client.confirm(self.lease_id)
-            except BrokerError as e:
-                if e.status in (404, 409):
-                    raise spawn_error(f"The GPU lease {self.lease_id} ended while the server started; start it again.",
-                                      reason="gpulease_ended") from None
-                self.log.warning("Could not confirm lease %s for %s: %s", self.lease_id, self._log_name, e)
+            # confirm in the background: the hub goes on waiting for the server meanwhile, and a
+            # lease that ended in between is noticed by the watcher and poll(), which stop the server
+            self._confirm_task = asyncio.ensure_future(self._confirm(lease_id))
             self._start_watcher()
             return url
         except BaseException as e:  # cancelled (the user pressed cancel), failed, timed out
             reason = "spawn cancelled" if isinstance(e, asyncio.CancelledError) else f"spawn failed: {e}"
             await asyncio.shield(self._end_lease(lease_id, reason))
             raise
+
+    async def _confirm(self, lease_id: str) -> None:
+        try:
+            self.lease = await self.broker.confirm(lease_id)
+        except BrokerError as e:
+            self.log.warning("Could not confirm lease %s of %s: %s", lease_id, self._log_name, e)
+        except Exception:
+            self.log.exception("Could not confirm lease %s of %s", lease_id, self._log_name)
 
     async def _wait_for_grant(self, client: BrokerClient, lease: dict, pool: dict | None, deadline: float, wait_limit: float) -> dict:
         lease_id = lease["id"]
@@ -636,6 +644,7 @@ async def _check_user_options(spawner: GPULeaseSpawner, user_options: dict) -> N
     except (BrokerError, web.HTTPError):
         return  # start() reports the broker's trouble
     spawner.lease_choice(user_options, pool)
+    spawner._checked_pool = pool  # start() runs right after: no second fetch
 
 
 async def _render_options_form(spawner: GPULeaseSpawner) -> str:
