@@ -23,70 +23,15 @@ from typing import Any
 
 from sqlalchemy import JSON, Float, Integer, String, Text, create_engine, event, func, select
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 from sqlalchemy.pool import StaticPool
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .core.events import Event
-from .core.model import Lease, LeaseState, Placement, Request, SliceKind
+from .core.model import Lease, LeaseState
 
 log = logging.getLogger(__name__)
 
 LIVE_STATES = (LeaseState.QUEUED.value, LeaseState.ACTIVE.value)
-
-
-# --------------------------------------------------------------------------- (de)serialising
-def request_from_dict(d: dict[str, Any]) -> Request:
-    """Inverse of :meth:`Request.to_dict` (trusted input: what the store wrote)."""
-    kind = SliceKind(d.get("kind", "gpu"))
-    models = tuple(d.get("model") or ())
-    min_mem = int(d.get("min_memory_mib") or 0)
-    if kind is SliceKind.GPU:
-        return Request(kind=kind, gpus=int(d.get("gpus", 1)), models=models, min_memory_mib=min_mem)
-    if kind is SliceKind.SHARE:
-        return Request(
-            kind=kind,
-            share_milli=round(float(d.get("share") or 0) * 1000),
-            memory_mib=int(d.get("memory_mib") or 0),
-            models=models,
-            min_memory_mib=min_mem,
-        )
-    return Request(kind=kind, mig_profile=d.get("mig_profile", ""), models=models, min_memory_mib=min_mem)
-
-
-def lease_to_dict(lease: Lease) -> dict[str, Any]:
-    """:meth:`Lease.to_dict` plus the fields it leaves out that a restore needs (``seq``)."""
-    d = lease.to_dict()
-    d["seq"] = lease.seq
-    return d
-
-
-def lease_from_dict(d: dict[str, Any]) -> Lease:
-    """Inverse of :func:`lease_to_dict` (and of :meth:`Lease.to_dict`)."""
-    return Lease(
-        id=d["id"],
-        user=d["user"],
-        request=request_from_dict(d["request"]),
-        tier=d["tier"],
-        duration_s=float(d["duration_s"]),
-        created_at=float(d["created_at"]),
-        server=d.get("server", ""),
-        groups=tuple(d.get("groups") or ()),
-        max_wait_s=d.get("max_wait_s"),
-        seq=int(d.get("seq") or 0),
-        state=LeaseState(d["state"]),
-        granted_at=d.get("granted_at"),
-        expires_at=d.get("expires_at"),
-        ended_at=d.get("ended_at"),
-        end_reason=d.get("end_reason") or "",
-        placement=Placement.from_dict(d.get("placement")),
-        warned_at=d.get("warned_at"),
-        preempt_at=d.get("preempt_at"),
-        preempted_for=d.get("preempted_for") or "",
-        confirmed_at=d.get("confirmed_at"),
-        last_heartbeat=d.get("last_heartbeat"),
-        usage=dict(d.get("usage") or {}),
-        meta=dict(d.get("meta") or {}),
-    )
 
 
 # --------------------------------------------------------------------------- tables
@@ -216,9 +161,9 @@ class LeaseStore:
             batch.events.append(d)
             lease = getattr(ev, "lease", None)
             if lease is not None:
-                batch.leases[lease.id] = lease_to_dict(lease)
+                batch.leases[lease.id] = lease.to_dict()
         for lease in leases:
-            batch.leases[lease.id] = lease_to_dict(lease)
+            batch.leases[lease.id] = lease.to_dict()
         return batch
 
     def write(self, batch: Batch) -> list[dict[str, Any]]:
@@ -263,7 +208,7 @@ class LeaseStore:
     # ------------------------------------------------------------------ reading
     @staticmethod
     def _leases(rows) -> list[Lease]:
-        return [lease_from_dict(r.data) for r in rows]
+        return [Lease.from_dict(r.data) for r in rows]
 
     def load_live(self) -> list[Lease]:
         """Every queued and active lease, in arrival order (for :meth:`Scheduler.restore`)."""
@@ -275,7 +220,7 @@ class LeaseStore:
         """Any lease, ended ones included; None when unknown."""
         with self._session() as s:
             row = s.get(LeaseRow, lease_id)
-            return lease_from_dict(row.data) if row is not None else None
+            return Lease.from_dict(row.data) if row is not None else None
 
     def list_leases(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None) -> list[Lease]:
         """Leases, newest first, filtered by user and states (values of :class:`LeaseState`)."""

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jupyter_gpulease.core.model import GPU, MILLI, LeaseError, LeaseState, MigInstance, parse_request
-from jupyter_gpulease.core.policy import HOUR, Policy, Quota
+from jupyter_gpulease.core.policy import Policy, Quota
 from jupyter_gpulease.core.scheduler import Scheduler
 
 T0 = 1_000_000.0

@@ -5,7 +5,7 @@ import sqlalchemy
 
 from jupyter_gpulease.core.events import Event
 from jupyter_gpulease.core.model import Lease, LeaseState, Placement, Request, Slice, SliceKind, parse_request
-from jupyter_gpulease.store import LeaseStore, lease_from_dict, lease_to_dict, request_from_dict
+from jupyter_gpulease.store import LeaseStore
 
 
 def make_lease(i=1, user="alice", state=LeaseState.QUEUED, request=None, **kw):
@@ -48,7 +48,7 @@ def ev(lease, kind, t, frm="", to=""):
 )
 def test_request_round_trips_through_its_dict(body):
     r = parse_request(body)
-    assert request_from_dict(r.to_dict()) == r
+    assert Request.from_dict(r.to_dict()) == r
 
 
 def test_lease_round_trips_with_placement_usage_and_meta():
@@ -56,7 +56,7 @@ def test_lease_round_trips_with_placement_usage_and_meta():
     e = granted(lease)
     lease.confirmed_at = 2001.0
     lease.warned_at = 5000.0
-    back = lease_from_dict(lease_to_dict(lease))
+    back = Lease.from_dict(lease.to_dict())
     assert back == lease
     assert e.kind == "granted"
 

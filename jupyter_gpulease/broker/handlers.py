@@ -229,13 +229,7 @@ class LeasesHandler(APIHandler):
         meta = body.get("meta") or {}
         if not isinstance(meta, dict):
             raise BadRequest("'meta' must be a JSON object", field="meta")
-        try:
-            lease = await self._request(body, request, user, groups, tier, duration, server, max_wait, meta)
-        except LeaseError as e:
-            if e.field == "request":
-                # name the body field the client sent: the one that makes it impossible
-                e.field = {"gpu": "gpus", "share": "share" if "share" in body else "memory_mib", "mig": "mig_profile"}[request.kind.value]
-            raise
+        lease = await self._request(body, request, user, groups, tier, duration, server, max_wait, meta)
         self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
         self.write_json(self.manager.lease_json(lease), 201)
 

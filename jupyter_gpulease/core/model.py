@@ -8,8 +8,8 @@ float rounding; memory is in MiB.
 from __future__ import annotations
 
 import enum
-import functools
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,18 @@ class Request:
         if self.min_memory_mib:
             d["min_memory_mib"] = self.min_memory_mib
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Request:
+        """Inverse of :meth:`to_dict` (trusted input: what we wrote; untrusted input goes through parse_request)."""
+        kind = SliceKind(d.get("kind", "gpu"))
+        models = tuple(d.get("model") or ())
+        min_mem = int(d.get("min_memory_mib") or 0)
+        if kind is SliceKind.GPU:
+            return cls(kind=kind, gpus=int(d.get("gpus", 1)), models=models, min_memory_mib=min_mem)
+        if kind is SliceKind.SHARE:
+            return cls(kind=kind, share_milli=round(float(d.get("share") or 0) * MILLI), memory_mib=int(d.get("memory_mib") or 0), models=models, min_memory_mib=min_mem)
+        return cls(kind=kind, mig_profile=d.get("mig_profile", ""), models=models, min_memory_mib=min_mem)
 
 
 def _int_field(d: dict, name: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
@@ -408,6 +420,7 @@ class Lease:
             "tier": self.tier,
             "duration_s": self.duration_s,
             "max_wait_s": self.max_wait_s,
+            "seq": self.seq,
             "state": self.state.value,
             "created_at": self.created_at,
             "granted_at": self.granted_at,
@@ -423,3 +436,32 @@ class Lease:
             "usage": self.usage,
             "meta": self.meta,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Lease:
+        """Inverse of :meth:`to_dict`: what the store wrote back into a live lease."""
+        return cls(
+            id=d["id"],
+            user=d["user"],
+            request=Request.from_dict(d["request"]),
+            tier=d["tier"],
+            duration_s=float(d["duration_s"]),
+            created_at=float(d["created_at"]),
+            server=d.get("server", ""),
+            groups=tuple(d.get("groups") or ()),
+            max_wait_s=d.get("max_wait_s"),
+            seq=int(d.get("seq") or 0),
+            state=LeaseState(d["state"]),
+            granted_at=d.get("granted_at"),
+            expires_at=d.get("expires_at"),
+            ended_at=d.get("ended_at"),
+            end_reason=d.get("end_reason") or "",
+            placement=Placement.from_dict(d.get("placement")),
+            warned_at=d.get("warned_at"),
+            preempt_at=d.get("preempt_at"),
+            preempted_for=d.get("preempted_for") or "",
+            confirmed_at=d.get("confirmed_at"),
+            last_heartbeat=d.get("last_heartbeat"),
+            usage=dict(d.get("usage") or {}),
+            meta=dict(d.get("meta") or {}),
+        )

@@ -11,13 +11,13 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
-from .model import GPU, MILLI, MigInstance, Placement, Request, SliceKind, Slice, model_matches
+from .model import GPU, MILLI, MigInstance, Placement, Request, Slice, SliceKind, model_matches
 
 
 class GPUState:
     """Occupancy of one GPU."""
 
-    __slots__ = ("gpu", "free_milli", "free_mem", "holders", "mig_free")
+    __slots__ = ("free_mem", "free_milli", "gpu", "holders", "mig_free")
 
     def __init__(self, gpu: GPU):
         self.gpu = gpu
@@ -116,15 +116,16 @@ class Pool:
         return self.gpus.get(s.gpu_uuid)
 
     # ----------------------------------------------------------------- feasibility
-    def why_never(self, req: Request) -> str | None:
-        """Why ``req`` can never be placed on this inventory, even on an empty pool; None if it can."""
+    def why_never(self, req: Request) -> tuple[str, str] | None:
+        """Why ``req`` can never be placed here, even on an empty pool, as (field at fault, reason); None if it can."""
         models = self.models(req.models)
         all_models = ", ".join(sorted(self.by_model)) or "none"
         if req.models and not models:
-            return f"no GPU model in the pool matches {'|'.join(req.models)!r}; the pool has: {all_models}"
+            return "model", f"no GPU model in the pool matches {'|'.join(req.models)!r}; the pool has: {all_models}"
         models = self.models(req.models, req.min_memory_mib)
         if not models:
-            return f"no GPU has at least {req.min_memory_mib} MiB of memory" + (f" among {'|'.join(req.models)}" if req.models else "")
+            where = f" among {'|'.join(req.models)}" if req.models else ""
+            return "min_memory_mib", f"no GPU has at least {req.min_memory_mib} MiB of memory{where}"
         cands = [s for m in models for s in self.by_model[m] if s.gpu.healthy and s.gpu.memory_mib >= req.min_memory_mib]
         if req.kind is SliceKind.GPU:
             per_node: dict[str, int] = defaultdict(int)
@@ -134,19 +135,19 @@ class Pool:
             most = max(per_node.values(), default=0)
             if req.gpus > most:
                 what = f" of model {'|'.join(req.models)}" if req.models else ""
-                return f"asks for {req.gpus} GPUs on one node, but the most any node has{what} is {most}"
+                return "gpus", f"asks for {req.gpus} GPUs on one node, but the most any node has{what} is {most}"
             return None
         if req.kind is SliceKind.SHARE:
+            if not any(not s.gpu.mig for s in cands):
+                return "share", "every matching GPU is in MIG mode; ask for a MIG profile instead of a share"
             if req.memory_mib and not any(not s.gpu.mig and s.gpu.memory_mib >= req.memory_mib for s in cands):
                 biggest = max((s.gpu.memory_mib for s in cands if not s.gpu.mig), default=0)
-                return f"asks for {req.memory_mib} MiB on one GPU, but the largest GPU has {biggest} MiB"
-            if not any(not s.gpu.mig for s in cands):
-                return "every matching GPU is in MIG mode; ask for a MIG profile instead of a share"
+                return "memory_mib", f"asks for {req.memory_mib} MiB on one GPU, but the largest GPU has {biggest} MiB"
             return None
         profiles = sorted({m.profile for s in cands for m in s.gpu.mig})
         if not any(m.profile == req.mig_profile for s in cands for m in s.gpu.mig):
             have = ", ".join(profiles) if profiles else "none"
-            return f"no GPU offers MIG profile {req.mig_profile!r}; profiles in the pool: {have}"
+            return "mig_profile", f"no GPU offers MIG profile {req.mig_profile!r}; profiles in the pool: {have}"
         return None
 
     def gpu_milli_of(self, req: Request) -> int:

@@ -387,9 +387,9 @@ class Scheduler:
             )
         if max_wait_s is not None and (isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or max_wait_s < 0):
             raise BadRequest(f"'max_wait_s' must be a number of seconds >= 0, got {max_wait_s!r}", field="max_wait_s")
-        why = self.pool.why_never(request)
-        if why:
-            raise Refused(f"this request can never be granted: {why}", field="model" if "model" in why else "request")
+        never = self.pool.why_never(request)
+        if never:
+            raise Refused(f"this request can never be granted: {never[1]}", field=never[0])
         milli = self.pool.gpu_milli_of(request)
         self._check_hard_quota(user, groups, milli, duration_s, now)
         return Lease(
@@ -1048,9 +1048,9 @@ class Scheduler:
                     out += self._end_lost(l, now)
         for l in list(self.leases.values()):
             if l.state is LeaseState.QUEUED:
-                why = self.pool.why_never(l.request)
-                if why:
-                    out += self._end(l, LeaseState.FAILED, now, f"can no longer be granted: {why}", "broker")
+                never = self.pool.why_never(l.request)
+                if never:
+                    out += self._end(l, LeaseState.FAILED, now, f"can no longer be granted: {never[1]}", "broker")
         self._dirty = True
         return out
 
@@ -1123,4 +1123,4 @@ class Scheduler:
         }
 
 
-__all__ = ["Scheduler", "fmt_duration", "Tier"]
+__all__ = ["Scheduler", "Tier", "fmt_duration"]
