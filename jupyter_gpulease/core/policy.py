@@ -113,6 +113,15 @@ class Policy:
     reservation_depth: int = 100  # queued leases that get a reservation (and an ETA) each pass
     preemption: bool = True
     preemption_searches_per_pass: int = 4  # waiting leases per pass that look for victims (bounds a pass's cost)
+    # preemption-aware placement: non-preemptible leases are packed onto nodes that already
+    # hold non-preemptible work, preemptible ones onto other nodes, so that preemption can free
+    # whole nodes for multi-GPU requests (False: plain best fit, blind to tiers)
+    placement_by_preemptibility: bool = True
+    # aging: a queued lease that has waited this long (seconds) is considered before every
+    # tier's newer leases, oldest first, so its reservation holds against higher tiers too and
+    # a large request cannot be passed forever by a stream of small higher-tier ones
+    # (None: off, strict tier order)
+    aging_s: float | None = 30 * 60
     extend_when_contended: bool = False  # allow extension even when someone waits for these GPUs
     confirm_timeout_s: float | None = 15 * 60  # an active lease never confirmed is revoked after this
     heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this

@@ -84,6 +84,11 @@ class Pool:
         for st in self.gpus.values():
             self._index(st)
         self._match_cache: dict[tuple[tuple[str, ...], int], tuple[str, ...]] = {}
+        # preemptibility of what each node holds (slices), for preemption-aware placement:
+        # keeping non-preemptible leases together leaves whole nodes that preemption can free
+        self.preemptible_of: dict[str, bool] = {}  # lease id -> preemptible (as given to take())
+        self.nonpre_by_node: dict[str, int] = defaultdict(int)  # non-preemptible slices held per node
+        self.pre_by_node: dict[str, int] = defaultdict(int)  # preemptible slices held per node
 
     def _index(self, st: GPUState) -> None:
         g = st.gpu
@@ -168,32 +173,54 @@ class Pool:
         return 0
 
     # ----------------------------------------------------------------- placement now
-    def place(self, req: Request, blocked=None) -> Placement | None:
+    def node_rank(self, node: str, preemptible: bool | None) -> int:
+        """How well a node suits a lease of this preemptibility (lower is better; 0 when ignored).
+
+        Non-preemptible leases go first to nodes that already hold non-preemptible work, then to
+        empty nodes, last to nodes holding only preemptible work; a preemptible lease first to
+        nodes that hold only preemptible work, then into the gaps of nodes with non-preemptible
+        work, last to empty nodes. Within a rank, the usual best fit. So a node mostly either
+        holds non-preemptible work or can be emptied by preemption for a multi-GPU request.
+        """
+        if preemptible is None:
+            return 0
+        nonpre = self.nonpre_by_node.get(node, 0)
+        if not preemptible:
+            return 0 if nonpre else (2 if self.pre_by_node.get(node, 0) else 1)
+        if nonpre:
+            return 1
+        return 0 if self.pre_by_node.get(node, 0) else 2
+
+    def place(self, req: Request, blocked=None, preemptible: bool | None = None) -> Placement | None:
         """Find room for ``req`` now, or None.
 
         ``blocked(state, milli, mem, mig_uuid) -> bool`` lets the scheduler keep reserved capacity out
         (backfill). Best fit: whole GPUs go to the node with the fewest idle GPUs that still
         fit, shares to the fullest GPU that still fits, so that whole GPUs stay whole.
+        ``preemptible`` (None: ignored) ranks nodes first by :meth:`node_rank`.
         """
         models = self.models(req.models, req.min_memory_mib)
         if not models:
             return None
         if req.kind is SliceKind.GPU:
-            return self._place_whole(req, models, blocked)
+            return self._place_whole(req, models, blocked, preemptible)
         if req.kind is SliceKind.SHARE:
-            return self._place_share(req, models, blocked)
+            return self._place_share(req, models, blocked, preemptible)
         return self._place_mig(req, models, blocked)
 
-    def _place_whole(self, req: Request, models, blocked) -> Placement | None:
+    def _place_whole(self, req: Request, models, blocked, preemptible: bool | None = None) -> Placement | None:
         n = req.gpus
         if sum(self.idle_by_model.get(m, 0) for m in models) < n:
             return None
         best: list[GPUState] | None = None
-        best_idle = 1 << 30
+        best_idle = (1 << 30, 1 << 30)
         nodes = set().union(*(self.nodes_by_model[m] for m in models)) if len(models) < len(self.by_model) else self.by_node.keys()
         for node in nodes:
-            idle = self.idle_by_node.get(node, 0)
-            if idle < n or idle >= best_idle:
+            idle0 = self.idle_by_node.get(node, 0)
+            if idle0 < n:
+                continue
+            idle = (self.node_rank(node, preemptible), idle0)
+            if idle >= best_idle:
                 continue
             fit = [
                 s
@@ -202,15 +229,16 @@ class Pool:
             ]
             if len(fit) >= n:
                 best, best_idle = fit[:n], idle
-                if idle == n:
+                if idle == (0, n):
                     break
         if best is None:
             return None
         return Placement(tuple(Slice(s.gpu.uuid, s.gpu.node, s.gpu.index, s.gpu.model, s.gpu.memory_mib, MILLI) for s in best))
 
-    def _place_share(self, req: Request, models, blocked) -> Placement | None:
+    def _place_share(self, req: Request, models, blocked, preemptible: bool | None = None) -> Placement | None:
         best = None
         best_key = None
+        rank = self.node_rank
         for m in models:
             if self.free_milli_by_model.get(m, 0) <= 0:
                 continue
@@ -222,10 +250,11 @@ class Pool:
                 milli, mem = share_need(req, g)
                 if s.free_milli < milli or s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
                     continue
-                key = (s.free_milli - milli, g.node, g.index)
+                key = (rank(g.node, preemptible), 0, s.free_milli - milli, g.node, g.index)
                 if best_key is None or key < best_key:
                     best, best_key = (s, milli, mem), key
-        if best is None:
+        if best is None or best_key[0] > 0:
+            # an idle GPU on a better-ranked node beats a partly used one on a worse node
             for m in models:
                 for s in self.idle_set_by_model.get(m, ()):
                     g = s.gpu
@@ -235,7 +264,7 @@ class Pool:
                     if s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
                         continue
                     # an idle GPU on the node with the fewest idle GPUs keeps big nodes whole
-                    key = (self.idle_by_node[g.node], g.node, g.index)
+                    key = (rank(g.node, preemptible), 1, self.idle_by_node[g.node], g.node, g.index)
                     if best_key is None or key < best_key:
                         best, best_key = (s, milli, mem), key
         if best is None:
@@ -259,8 +288,10 @@ class Pool:
         return None
 
     # ----------------------------------------------------------------- occupancy
-    def take(self, lease_id: str, placement: Placement) -> None:
+    def take(self, lease_id: str, placement: Placement, preemptible: bool = False) -> None:
         """Mark a placement as held by ``lease_id`` (grant or restore)."""
+        self.preemptible_of[lease_id] = preemptible
+        per_node = self.pre_by_node if preemptible else self.nonpre_by_node
         for sl in placement.slices:
             s = self.gpus[sl.gpu_uuid]
             was_free = s.wholly_free
@@ -276,6 +307,7 @@ class Pool:
                 s.free_mem -= sl.memory_mib
                 self.free_milli_by_model[s.gpu.model] -= sl.share_milli
             s.holders[lease_id] = sl
+            per_node[s.gpu.node] += 1
             if was_free:
                 self.idle_by_node[s.gpu.node] -= 1
                 self.idle_by_model[s.gpu.model] -= 1
@@ -283,10 +315,13 @@ class Pool:
 
     def give(self, lease_id: str, placement: Placement) -> None:
         """Return a placement's slices to the pool."""
+        pre = self.preemptible_of.pop(lease_id, False)
+        per_node = self.pre_by_node if pre else self.nonpre_by_node
         for sl in placement.slices:
             s = self.gpus.get(sl.gpu_uuid)
             if s is None or s.holders.pop(lease_id, None) is None:
                 continue
+            per_node[s.gpu.node] -= 1
             if sl.mig_uuid:
                 inst = next((m for m in s.gpu.mig if m.uuid == sl.mig_uuid), None)
                 if inst is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import uuid as _uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -319,6 +319,7 @@ class Scheduler:
         self.leases: dict[str, Lease] = {}
         self._queued: dict[str, dict[str, list[Lease]]] = defaultdict(dict)  # tier -> user -> leases by seq
         self._n_queued = 0
+        self._arrivals: deque[Lease] = deque()  # queued leases in submit order (ended ones dropped lazily)
         self._shape_of: dict[str, tuple] = {}  # queued lease id -> request shape
         self._weight: dict[str, float] = {}  # queued lease id -> GPU-seconds it asks for
         self._shape_n: dict[tuple, int] = {}  # queued leases per shape
@@ -458,7 +459,13 @@ class Scheduler:
         else:
             lst.append(lease)
         self._n_queued += 1
+        self._arrivals.append(lease)
+        if len(self._arrivals) > 2 * self._n_queued + 1024:
+            self._arrivals = deque(l for l in self._arrivals if self._is_queued(l))
         self._order = None
+
+    def _is_queued(self, l: Lease) -> bool:
+        return l.state is LeaseState.QUEUED and self.leases.get(l.id) is l and l.id in self._shape_of
 
     def _dequeue(self, lease: Lease) -> None:
         per_user = self._queued.get(lease.tier, {})
@@ -677,6 +684,31 @@ class Scheduler:
         return self._fair.value(user, now) + (now * self._held_user.get(user, 0) - self._held_user_t.get(user, 0.0)) / MILLI
 
     def _iter_order(self, now: float) -> Iterator[Lease]:
+        """Queued leases in scheduling order: aged leases first (oldest first), then by tier."""
+        aging = self.policy.aging_s
+        if aging is None:
+            yield from self._iter_tiers(now)
+            return
+        arr = self._arrivals
+        while arr and not self._is_queued(arr[0]):
+            arr.popleft()
+        cutoff = now - aging
+        if not arr or arr[0].created_at > cutoff:
+            yield from self._iter_tiers(now)
+            return
+        aged = []
+        for l in arr:
+            if l.created_at > cutoff:
+                break
+            if self._is_queued(l):
+                aged.append(l)
+        seen = {l.id for l in aged}
+        yield from aged
+        for l in self._iter_tiers(now):
+            if l.id not in seen:
+                yield l
+
+    def _iter_tiers(self, now: float) -> Iterator[Lease]:
         tiers = sorted((t for t in self.policy.tiers.values() if self._queued.get(t.name)), key=lambda t: -t.priority)
         for t in tiers:
             per_user = self._queued[t.name]
@@ -757,7 +789,7 @@ class Scheduler:
                 f = failed.get(key)
                 if f is None or l.duration_s < f:
                     blocker = res.blocker(now + l.duration_s)
-                    placement = self.pool.place(req, blocker)
+                    placement = self.pool.place(req, blocker, self._pre_pref(l))
                     if placement is None:
                         # no room even ignoring promises: no duration of this shape can start now
                         hopeless = blocker is None or (f is None and self.pool.place(req) is None)
@@ -799,8 +831,16 @@ class Scheduler:
                 self._waiting[l.id] = f"waiting for {req.describe()}"
         return out
 
+    def _preemptible(self, l: Lease) -> bool:
+        t = self.policy.tiers.get(l.tier)
+        return bool(t and t.preemptible)
+
+    def _pre_pref(self, l: Lease) -> bool | None:
+        """Preemptibility the placement should group this lease by (None: placement ignores it)."""
+        return self._preemptible(l) if self.policy.placement_by_preemptibility else None
+
     def _grant(self, l: Lease, placement: Placement, now: float) -> list[Event]:
-        self.pool.take(l.id, placement)
+        self.pool.take(l.id, placement, self._preemptible(l))
         self._dequeue(l)
         l.state = LeaseState.ACTIVE
         l.placement = placement
@@ -1007,7 +1047,7 @@ class Scheduler:
                 l.state = LeaseState.QUEUED  # not holding anything; ended as failed on the next tick
                 self._enqueue(l)
                 continue
-            self.pool.take(l.id, l.placement)
+            self.pool.take(l.id, l.placement, self._preemptible(l))
             self._hold(l)
             self._touch_gpus(l.placement)
             self._deadline(l.expires_at, "expire", l.id)
@@ -1042,7 +1082,7 @@ class Scheduler:
         for l in list(self.leases.values()):
             if l.state is LeaseState.ACTIVE:
                 if self.pool.fits_placement(l.placement):
-                    self.pool.take(l.id, l.placement)
+                    self.pool.take(l.id, l.placement, self._preemptible(l))
                     self._touch_gpus(l.placement)
                 else:
                     out += self._end_lost(l, now)

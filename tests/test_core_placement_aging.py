@@ -1,0 +1,84 @@
+"""Preemption-aware placement and aging in the core scheduler."""
+
+from jupyter_gpulease.core import events as ev
+from jupyter_gpulease.core.model import GPU, LeaseState, parse_request
+from jupyter_gpulease.core.policy import HOUR, Policy
+from jupyter_gpulease.core.scheduler import Scheduler
+
+T0 = 1_000_000.0
+
+
+def pool(nodes=2, per_node=4):
+    return [GPU(f"GPU-n{n}-{i}", f"n{n}", i, "A100", 81920) for n in range(nodes) for i in range(per_node)]
+
+
+def lease(s, user, gpus=1, tier="experiment", now=T0, duration_s=HOUR):
+    l = s.new_lease(user=user, request=parse_request({"gpus": gpus}), now=now, tier=tier, duration_s=duration_s)
+    s.submit(l, now)
+    return l
+
+
+def node_of(s, l):
+    return s.get(l.id).placement.slices[0].node
+
+
+def test_non_preemptible_leases_are_kept_together():
+    s = Scheduler(pool(), Policy(confirm_timeout_s=None))
+    a = lease(s, "a", tier="learning")
+    s.tick(T0)
+    b = lease(s, "b", tier="production")
+    s.tick(T0)
+    c = lease(s, "c", tier="experiment")
+    d = lease(s, "d", tier="learning")
+    s.tick(T0)
+    # preemptible work on one node, non-preemptible on the other
+    assert node_of(s, b) == node_of(s, c) != node_of(s, a) == node_of(s, d)
+
+
+def test_segregation_lets_preemption_free_a_whole_node():
+    s = Scheduler(pool(), Policy(confirm_timeout_s=None))
+    for u, t in (("l1", "learning"), ("l2", "learning"), ("l3", "learning"), ("p1", "production"), ("p2", "production"), ("p3", "production")):
+        lease(s, u, tier=t, duration_s=4 * HOUR)
+        s.tick(T0)
+    big = lease(s, "big", gpus=4, tier="production", now=T0 + 1)
+    out = s.tick(T0 + 1)
+    assert [e.kind for e in out if e.kind == ev.PREEMPT_WARNED]  # the learning node is emptied
+    out = s.tick(T0 + 1 + 11 * 60)
+    assert s.get(big.id).state is LeaseState.ACTIVE
+
+
+def test_blind_placement_when_off():
+    s = Scheduler(pool(), Policy(confirm_timeout_s=None, placement_by_preemptibility=False))
+    a = lease(s, "a", tier="learning")
+    s.tick(T0)
+    b = lease(s, "b", tier="production")
+    s.tick(T0)
+    assert node_of(s, a) == node_of(s, b)  # best fit, blind to tiers
+
+
+def test_aged_lease_is_considered_before_newer_higher_tier_leases():
+    s = Scheduler(pool(1, 2), Policy(confirm_timeout_s=None, aging_s=1800, preemption=False))
+    hold = lease(s, "h", gpus=2, tier="production", duration_s=HOUR)
+    s.tick(T0)
+    old = lease(s, "old", gpus=2, tier="experiment", now=T0 + 10)
+    s.tick(T0 + 10)
+    new = lease(s, "new", gpus=1, tier="production", now=T0 + 2000)
+    s.tick(T0 + 2000)
+    assert [l.id for l in s.queue()] == [old.id, new.id]
+    s.release(hold.id, T0 + 2100)
+    s.tick(T0 + 2100)
+    assert s.get(old.id).state is LeaseState.ACTIVE
+    assert s.get(new.id).state is LeaseState.QUEUED
+
+
+def test_no_aging_keeps_strict_tier_order():
+    s = Scheduler(pool(1, 2), Policy(confirm_timeout_s=None, aging_s=None, preemption=False))
+    hold = lease(s, "h", gpus=2, tier="production", duration_s=HOUR)
+    s.tick(T0)
+    old = lease(s, "old", gpus=2, tier="experiment", now=T0 + 10)
+    new = lease(s, "new", gpus=1, tier="production", now=T0 + 2000)
+    s.tick(T0 + 2000)
+    assert [l.id for l in s.queue()] == [new.id, old.id]
+    s.release(hold.id, T0 + 2100)
+    s.tick(T0 + 2100)
+    assert s.get(new.id).state is LeaseState.ACTIVE
