@@ -68,12 +68,21 @@ def test_long_job_extends_its_lease_when_nobody_waits_and_expires_when_someone_d
     r = replay(wl(long), uniform_pool(1, 1), P.gpulease())
     rec = r.records[0]
     assert rec.extensions >= 1 and rec.expired == 0 and rec.work_done_s == pytest.approx(5 * 3600)
-    r2 = replay(wl(long, Job("next", 60, 1000, "Burstable", 60)), uniform_pool(1, 1), P.gpulease())
+    w2 = wl(long, Job("next", 60, 1000, "Burstable", 60))
+    r2 = replay(w2, uniform_pool(1, 1), P.gpulease(), requeue_expired=False)
     rec = r2.records[0]
     assert rec.expired == 1 and rec.extensions_refused >= 1
     assert rec.work_done_s == pytest.approx(2 * 3600)
     assert summarize(r2)["work_lost_gpu_hours"] == pytest.approx(3.0)
     assert waits(r2)["next"] == pytest.approx(2 * 3600 - 60)
+    # by default its user asks again for the rest of the work: nothing is lost
+    r3 = replay(w2, uniform_pool(1, 1), P.gpulease())
+    rec = r3.records[0]
+    assert rec.expired == 1 and r3.counters["requeued"] == 1
+    assert rec.work_done_s == pytest.approx(5 * 3600)
+    s3 = summarize(r3)
+    assert s3["work_lost_gpu_hours"] == pytest.approx(0.0) and s3["requeued_after_expiry"] == 1
+    assert rec.return_waits == [pytest.approx(60)]  # it waited for "next" to finish
 
 
 def test_best_effort_job_is_preempted_after_the_grace_and_resumes_its_work():

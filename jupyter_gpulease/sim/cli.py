@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--culler-timeout-min", type=float, default=30.0, help="static+culler: idle minutes before a server is culled (default 30)")
     p.add_argument("--idle-sweep", type=_floats, default=None, help="notebook: also run gpulease with these fixed idle timeouts (minutes) and plot the price curves")
     p.add_argument("--horizon-days", type=float, default=None, help="stop this many simulated days after the last arrival (default: run until all work is done)")
+    p.add_argument(
+        "--no-requeue-expired",
+        dest="requeue_expired",
+        action="store_false",
+        default=True,
+        help="batch pods cut by a time limit lose the rest of their work (default: their user resubmits the rest, as after a preemption)",
+    )
     p.add_argument("--json", default=None, help="write all results as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots with this path prefix (PREFIX_timeline.png, PREFIX_wait_cdf.png, …)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
@@ -124,6 +131,11 @@ def run(args) -> dict[str, Any]:
         wl.assumptions.notes.append(f"ASSUMPTION: a session keeps its GPU {args.linger_min:g} min after its last burst unless an idle rule takes it earlier.")
         wl.assumptions.knobs["linger_s"] = linger_s
     if fmt == ALIBABA_PODS:
+        wl.assumptions.notes.append(
+            "ASSUMPTION: a pod cut by its time limit is resubmitted by its user for the rest of its work (a new request, it queues again)."
+            if args.requeue_expired
+            else "ASSUMPTION: a pod cut by its time limit loses the rest of its work."
+        )
         wl.assumptions.notes.append("Idle culler: the Alibaba trace records no idleness, so the culler never fires there (same as static+backfill).")
     if not wl.jobs:
         raise ValueError("no jobs left after filtering (check --window-days and --limit)")
@@ -131,7 +143,7 @@ def run(args) -> dict[str, Any]:
     sps = _policies(args)
     results, summaries = [], []
     for sp in sps:
-        r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress)
+        r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
         results.append(r)
         summaries.append(summarize(r))
     doc: dict[str, Any] = {
@@ -149,7 +161,7 @@ def run(args) -> dict[str, Any]:
         base = P.gpulease()
         for minutes in args.idle_sweep:
             sp = replace(base, name=f"gpulease-idle{minutes:g}m", idle=P.IdleRule(timeout_s=minutes * 60))
-            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress)
+            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
             s = summarize(r)
             sweep_results.append(s)
             points.append({"kind": "fixed", "label": sp.name, "timeout_s": minutes * 60, **s["notebook"]})

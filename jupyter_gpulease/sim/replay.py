@@ -136,6 +136,7 @@ class Replay:
         horizon_s: float | None = None,
         progress: bool | None = False,
         on_event: Callable[[ev.Event], None] | None = None,
+        requeue_expired: bool = True,
     ):
         self.workload = workload
         self.pool = pool
@@ -144,6 +145,9 @@ class Replay:
         self.horizon_s = horizon_s
         self.progress = Progress(len(workload.jobs), sim_policy.name, enabled=progress)
         self.on_event = on_event
+        # ASSUMPTION (default): a pod cut by its time limit is resubmitted by its user for the
+        # rest of its work (as a preempted one is); False: the rest of its work is lost
+        self.requeue_expired = requeue_expired
         # the broker's scheduler, looked up now (tests may wrap it)
         self.sched = core_scheduler.Scheduler(pool, sim_policy.policy)
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -154,7 +158,7 @@ class Replay:
         self.allocated = StepSeries(t0)
         self.busy = StepSeries(t0)
         self.queue = StepSeries(t0)
-        self.counters = {k: 0 for k in ("granted", "released", "expired", "preempted", "reclaimed", "withdrawn", "revoked", "refused", "extended", "extension_refused", "failed")}
+        self.counters = {k: 0 for k in ("granted", "released", "expired", "preempted", "reclaimed", "withdrawn", "revoked", "refused", "extended", "extension_refused", "failed", "requeued")}
         self.n_events = 0
         self.n_sched_events = 0
         self.n_ticks = 0
@@ -305,8 +309,12 @@ class Replay:
                 rec.preempted += 1
                 self._request(rec, now)
             elif state == LeaseState.EXPIRED.value:
-                rec.expired += 1  # refused an extension: the rest of its work is lost
-                rec.finished = True
+                rec.expired += 1  # refused an extension
+                if self.requeue_expired and rec.work_done_s < job.work_s:
+                    self.counters["requeued"] += 1
+                    self._request(rec, now)  # its user asks again for the rest of the work
+                else:
+                    rec.finished = True  # the rest of its work is lost
             else:
                 rec.finished = True
         else:

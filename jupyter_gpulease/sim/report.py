@@ -71,6 +71,11 @@ def summarize(r: ReplayResult) -> dict[str, Any]:
     if batch:
         lost = sum(max(0.0, x.job.work_s - x.work_done_s) * x.job.gpus for x in batch if x.expired)
         out["work_lost_gpu_hours"] = lost / 3600
+        out["requeued_after_expiry"] = r.counters.get("requeued", 0)
+        # completion time (arrival to last work done) counts every re-queue's wait
+        rw = [w for x in batch for w in x.return_waits]
+        out["resubmit_waits"] = len(rw)
+        out["resubmit_wait_mean_s"] = mean(rw) if rw else 0.0
     sessions = [x for x in recs if x.job.kind == "session"]
     if sessions:
         per = [x.busy_s / x.held_s for x in sessions if x.held_s > 0]
@@ -139,6 +144,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
         ("never served", lambda s: _fmt(s["never_served"])),
         ("preemptions", lambda s: _fmt(s["preemptions"])),
         ("expired before done", lambda s: _fmt(s["expired_before_done"])),
+        ("  of them re-queued", lambda s: _fmt(s.get("requeued_after_expiry", 0))),
+        ("work lost (GPU-h)", lambda s: _fmt(s.get("work_lost_gpu_hours"))),
         ("Jain fairness", lambda s: _fmt(s["jain_fairness"])),
     ]
     qos = sorted({q for s in summaries for q in s["wait_by_qos"]})
