@@ -127,8 +127,16 @@ class BrokerClient:
         return BrokerError(e.code, message, d.get("field"), d.get("error", ""))
 
     # ------------------------------------------------------------------ the API
-    async def pool(self) -> dict:
-        return await self._call("GET", "api/pool")
+    async def pool(self, user: str | None = None, groups: list[str] | tuple[str, ...] | None = None) -> dict:
+        """The pool, with the tiers and quota/usage of the caller, or (admins) of ``user``.
+
+        ``groups``: ``user``'s groups, when the caller knows them (the spawner does); without
+        them the broker asks the hub for them.
+        """
+        if user is None:
+            return await self._call("GET", "api/pool")
+        query = [("user", user)] + [("group", g) for g in (groups or ())]
+        return await self._call("GET", "api/pool?" + urlencode(query))
 
     async def request_lease(self, body: dict) -> dict:
         return await self._call("POST", "api/leases", body)
@@ -147,8 +155,14 @@ class BrokerClient:
             body["until"] = until
         return await self._call("POST", f"api/leases/{lease_id}/extend", body)
 
-    async def release(self, lease_id: str, reason: str = "") -> dict:
-        return await self._call("POST", f"api/leases/{lease_id}/release", {"reason": reason})
+    async def release(self, lease_id: str, reason: str = "", state: str | None = None) -> dict:
+        """End a lease: queued -> withdrawn, active -> ``state`` (default 'released'; the holder's
+        own release, also when an admin such as the spawner acts for the holder), or 'revoked' /
+        'reclaimed' (admins)."""
+        body: dict[str, Any] = {"reason": reason}
+        if state is not None:
+            body["state"] = state
+        return await self._call("POST", f"api/leases/{lease_id}/release", body)
 
     async def confirm(self, lease_id: str) -> dict:
         return await self._call("POST", f"api/leases/{lease_id}/confirm", {})

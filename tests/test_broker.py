@@ -373,3 +373,168 @@ def test_an_expired_lease_stops_its_server_through_the_hub_api_when_configured(t
             fake.stop()
 
     asyncio.run(scenario())
+
+
+class _FakeHub:
+    """A recording stand-in for the Hub API: GET users/{name} answers from ``users`` (404 if absent)."""
+
+    def __init__(self):
+        from tornado import web
+
+        from hubharness import free_port
+
+        self.users: dict[str, dict] = {}
+        self.calls: list[tuple[str, str, str]] = []
+        self.port = free_port()
+        fake = self
+
+        class UserAPI(web.RequestHandler):
+            def get(self, name):
+                fake.calls.append(("GET", name, self.request.headers.get("Authorization", "")))
+                if name not in fake.users:
+                    raise web.HTTPError(404)
+                self.finish(fake.users[name])
+
+        self.app = web.Application([(r"/hub/api/users/([^/]+)", UserAPI)])
+        self.server = None
+
+    def start(self):
+        self.server = self.app.listen(self.port, "127.0.0.1")
+
+    def stop(self):
+        self.server.stop()
+
+    def configure(self, app):
+        from traitlets.config import Config
+
+        app.update_config(Config({"HubAuth": {"api_url": f"http://127.0.0.1:{self.port}/hub/api", "api_token": "broker-token"}}))
+
+
+def test_admins_see_another_users_tiers_and_quota_others_get_403(tmp_path):
+    tiers = {
+        "open": {"priority": 10, "max_duration_s": 3600, "default_duration_s": 600},
+        "physics": {"priority": 20, "max_duration_s": 3600, "default_duration_s": 600, "groups": ["physics"]},
+    }
+    hub = _FakeHub()
+    hub.users["bob"] = {"name": "bob", "groups": ["physics"], "servers": {}}
+
+    async def scenario():
+        hub.start()
+        app = make_broker(tmp_path, ManualClock(), tiers=tiers, default_tier="open", default_user_quota={"max_gpus": 3})
+        hub.configure(app)
+        await app.start_async()
+        try:
+            admin, alice, bob = (BrokerClient(broker_url(app), n) for n in ("admin-spawner", "alice", "bob"))
+            await alice.request_lease({"gpus": 1, "model": "L4"})
+            # the caller names the groups: no hub call
+            pool = await admin.pool(user="alice", groups=["physics"])
+            assert pool["user"] == "alice"
+            assert {t["name"] for t in pool["tiers"]} == {"open", "physics"}
+            assert pool["usage"]["gpus_held"] == 1
+            assert not hub.calls
+            # no groups given: the broker asks the hub (bob is in physics there)
+            pool = await admin.pool(user="bob")
+            assert {t["name"] for t in pool["tiers"]} == {"open", "physics"}
+            assert pool["usage"]["gpus_held"] == 0
+            assert hub.calls == [("GET", "bob", "token broker-token")]
+            # a user the hub does not know: no groups
+            pool = await admin.pool(user="zoe")
+            assert {t["name"] for t in pool["tiers"]} == {"open"}
+            # an admin's own pool lists every tier; a user's own, theirs
+            assert {t["name"] for t in (await admin.pool())["tiers"]} == {"open", "physics"}
+            assert {t["name"] for t in (await bob.pool(user="bob"))["tiers"]} == {"open"}  # token groups: chemistry
+            await expect_error(bob.pool(user="alice"), 403, "user")
+            await expect_error(admin.pool(user=" "), 400, "user")
+        finally:
+            await app.stop_async()
+            hub.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_check_with_the_hub_revokes_leases_whose_server_is_gone_after_the_grace(tmp_path):
+    import logging
+
+    from jupyter_gpulease.broker.app import GPULeaseBroker
+
+    hub = _FakeHub()
+    hub.users["alice"] = {"name": "alice", "servers": {"": {"name": "", "ready": True}}}
+    hub.users["bob"] = {"name": "bob", "servers": {"other": {"name": "other", "pending": "spawn"}}}
+    clock = ManualClock()
+    messages: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    async def scenario():
+        hub.start()
+        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout=0)
+        hub.configure(app)
+        app.log.addHandler(Record())
+        await app.start_async()
+        try:
+            admin = BrokerClient(broker_url(app), "admin-spawner")
+            spawned = {"spawner": "jupyter-gpulease"}
+            a = await admin.request_lease({"gpus": 1, "user": "alice", "meta": spawned})
+            b = await admin.request_lease({"gpus": 1, "user": "bob", "server": "gpu", "meta": spawned})
+            c = await admin.request_lease({"gpus": 1, "user": "carol", "meta": spawned})  # unknown to the hub
+            d = await admin.request_lease({"gpus": 1, "user": "bob", "server": "gpu"})  # not a spawner's: never checked
+            assert all(x["state"] == "active" for x in (a, b, c, d))
+            assert await app.reconcile() == []  # gone, but granted just now
+            clock.advance(60)
+            assert await app.reconcile() == []  # gone for 60 s only
+            clock.advance(61)
+            assert sorted(await app.reconcile()) == sorted([b["id"], c["id"]])
+            for x in (b, c):
+                ended = await admin.get_lease(x["id"])
+                assert ended["state"] == "revoked"
+                assert ended["end_reason"] == GPULeaseBroker.RECONCILE_REASON
+            assert (await admin.get_lease(a["id"]))["state"] == "active"
+            assert (await admin.get_lease(d["id"]))["state"] == "active"
+            assert {name for _, name, _ in hub.calls} == {"alice", "bob", "carol"}
+            assert all(auth == "token broker-token" for _, _, auth in hub.calls)
+
+            # a server that comes back within the grace resets it
+            del hub.users["alice"]["servers"][""]
+            clock.advance(10)
+            assert await app.reconcile() == []
+            hub.users["alice"]["servers"][""] = {"name": ""}
+            clock.advance(200)
+            assert await app.reconcile() == []
+            # a hub that does not answer changes nothing, and says so once
+            hub.stop()
+            del hub.users["alice"]["servers"][""]
+            for _ in range(3):
+                clock.advance(300)
+                assert await app.reconcile() == []
+            assert (await admin.get_lease(a["id"]))["state"] == "active"
+            assert sum("Lease check with the hub skipped" in m for m in messages) == 1
+        finally:
+            await app.stop_async()
+
+    asyncio.run(scenario())
+
+
+def test_the_check_with_the_hub_runs_at_start_and_periodically(tmp_path):
+    hub = _FakeHub()
+    hub.users["alice"] = {"name": "alice", "servers": {}}
+
+    async def scenario():
+        hub.start()
+        app = make_broker(tmp_path, ManualClock(), reconcile_interval=0.05, reconcile_grace=0, confirm_timeout=0)
+        hub.configure(app)
+        await app.start_async()
+        try:
+            admin = BrokerClient(broker_url(app), "admin-spawner")
+            a = await admin.request_lease({"gpus": 1, "user": "alice", "meta": {"spawner": "jupyter-gpulease"}})
+            for _ in range(200):
+                if (await admin.get_lease(a["id"]))["state"] != "active":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await admin.get_lease(a["id"]))["state"] == "revoked"
+        finally:
+            await app.stop_async()
+            hub.stop()
+
+    asyncio.run(scenario())

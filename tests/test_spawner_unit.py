@@ -179,7 +179,8 @@ class FakeBroker:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def pool(self):
+    async def pool(self, user=None, groups=None):
+        self.calls.append(("pool", user, tuple(groups or ())))
         return POOL
 
     async def queue(self):
@@ -357,7 +358,7 @@ def test_refused_request_fails_the_spawn_with_the_brokers_words():
         s.user_options = {"gpus": 1, "model": "H100"}
         with pytest.raises(Exception) as e1:
             await s.start()
-        s._client.pool = lambda: _pool_with_production()
+        s._client.pool = lambda **kw: _pool_with_production()
         s.user_options = {"gpus": 1, "tier": "production"}
         with pytest.raises(Exception) as e2:
             await s.start()
@@ -417,3 +418,17 @@ def test_hub_start_timeout_is_stretched_by_the_wait_limit_and_restored():
     s.user_options = {"gpus": 1}
     asyncio.run(s.start())
     assert s.start_timeout == 60
+
+
+def test_the_pool_is_fetched_for_the_spawning_user_and_leases_end_through_client_release():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        pool = await s.fetch_pool()
+        assert pool is POOL
+        await s._end_lease("nope", "server stopped")  # 404: fine, nothing raised
+        return broker.calls, s
+    calls, s = asyncio.run(main())
+    assert ("pool", s.user.name, ()) in calls, "the form and the options check see the user's own tiers and quota"
+    assert ("release", "nope", "server stopped") in calls

@@ -28,6 +28,7 @@ from traitlets.config import Application, catch_config_error
 from .. import __version__
 from ..core.events import ENDED
 from ..core.policy import DEFAULT_TIERS, Policy, Quota, Tier
+from ..core.model import LeaseState
 from .manager import LeaseManager, SystemClock
 
 SERVICE_NAME = "gpulease"
@@ -170,6 +171,23 @@ class GPULeaseBroker(Application):
         help="Final states whose leases stop their servers when ``stop_servers_on_end`` is on.",
     ).tag(config=True)
 
+    reconcile_interval = Float(
+        300.0,
+        help="""Seconds between checks with the Hub that every lease a JupyterHub spawner holds
+        still has its server (running or starting); also checked once at start. A lease whose
+        server has been gone for ``reconcile_grace`` seconds is revoked: this ends the leases of
+        servers the hub stopped while the broker could not hear of it (the hub stops its
+        services before its servers on shutdown). 0: never check. Needs the broker's service to
+        hold the scopes ``read:users`` and ``read:servers`` (a role in jupyterhub_config.py).
+        Example: 300.""",
+    ).tag(config=True)
+    reconcile_grace = Float(
+        120.0,
+        help="""How long, in seconds, a lease's server may be missing from the hub before the
+        check revokes the lease; a lease granted less than this long ago is never revoked by
+        the check. Example: 120.""",
+    ).tag(config=True)
+
     admin_scope = Unicode(
         "custom:gpulease:admin",
         help="""The scope that lets a caller see and change every lease and act for users (the
@@ -310,6 +328,95 @@ class GPULeaseBroker(Application):
         except OSError as e:
             self.log.error("Could not reach the hub to stop %s's server %r: %s", user, server, e)
 
+    # ------------------------------------------------------------------ the Hub API
+    async def hub_api(self, method: str, path: str) -> tuple[int, dict | None]:
+        """Call the Hub API with the broker's own token: (status, JSON), or (0, None) when the hub
+        does not answer."""
+        url = self.hub_auth.api_url.rstrip("/") + "/" + path.lstrip("/")
+        req = HTTPRequest(url, method=method, headers={"Authorization": f"token {self.hub_auth.api_token}"}, request_timeout=30, connect_timeout=10)
+        try:
+            resp = await AsyncHTTPClient().fetch(req)
+        except HTTPClientError as e:
+            if e.code == 599:
+                return 0, None
+            return e.code, None
+        except OSError:
+            return 0, None
+        try:
+            return resp.code, json.loads(resp.body) if resp.body else None
+        except ValueError:
+            return resp.code, None
+
+    async def user_groups(self, user: str) -> tuple[str, ...]:
+        """``user``'s groups from the hub (needs ``read:users:groups``); none if the hub will not say."""
+        status, model = await self.hub_api("GET", f"users/{quote(user, safe='')}")
+        if status == 200 and isinstance(model, dict) and isinstance(model.get("groups"), list):
+            return tuple(str(g) for g in model["groups"])
+        if status != 404:
+            self.log.warning("Could not read the groups of %s from the hub (%s); counting none", user, status or "no answer")
+        return ()
+
+    # ------------------------------------------------------------------ reconciliation with the hub
+    RECONCILE_REASON = "its server is not running (found by the broker's check with the hub)"
+
+    async def reconcile(self) -> list[str]:
+        """Revoke active leases held by a JupyterHub spawner whose server has been gone from the hub
+        for ``reconcile_grace`` seconds. Returns the ids revoked. A hub that does not answer, or
+        answers without server models, changes nothing (logged once until it answers again)."""
+        from ..core.model import LeaseError
+
+        if not hasattr(self, "_gone_since"):
+            self._gone_since: dict[str, float] = {}
+            self._hub_trouble = ""
+        held = [lease for lease in self.manager.live() if lease.state.value == "active" and (lease.meta or {}).get("spawner") == "jupyter-gpulease"]
+        ids = {lease.id for lease in held}
+        for lid in list(self._gone_since):
+            if lid not in ids:
+                del self._gone_since[lid]
+        servers_of: dict[str, dict | None] = {}
+        revoked = []
+        for lease in held:
+            if lease.user not in servers_of:
+                status, model = await self.hub_api("GET", f"users/{quote(lease.user, safe='')}")
+                if status == 404:
+                    servers_of[lease.user] = {}  # the user is gone, and their servers with them
+                elif status == 200 and isinstance(model, dict) and isinstance(model.get("servers"), dict):
+                    servers_of[lease.user] = model["servers"]
+                else:
+                    trouble = ("did not answer" if status == 0 else
+                               f"answered {status}" + (" without server models" if status == 200 else "") +
+                               " (the broker's service needs the scopes read:users and read:servers)")
+                    if trouble != self._hub_trouble:
+                        self.log.warning("Lease check with the hub skipped: the hub %s; checking again in %g s", trouble, self.reconcile_interval)
+                        self._hub_trouble = trouble
+                    return revoked
+            if self._hub_trouble:
+                self.log.info("Lease check with the hub: the hub answers again")
+                self._hub_trouble = ""
+            now = self.manager.now()
+            if (lease.server or "") in servers_of[lease.user]:
+                self._gone_since.pop(lease.id, None)
+                continue
+            gone = self._gone_since.setdefault(lease.id, now)
+            granted = lease.granted_at if lease.granted_at is not None else lease.created_at
+            if now - gone < self.reconcile_grace or now - granted < self.reconcile_grace:
+                continue
+            try:
+                await self.manager.release(lease.id, state=LeaseState.REVOKED, reason=self.RECONCILE_REASON, actor="broker:reconcile")
+            except LeaseError:  # it ended meanwhile
+                continue
+            finally:
+                self._gone_since.pop(lease.id, None)
+            self.log.warning("Revoked lease %s of %s (server %r): %s", lease.id, lease.user, lease.server, self.RECONCILE_REASON)
+            revoked.append(lease.id)
+        return revoked
+
+    async def _reconcile(self) -> None:
+        try:
+            await self.reconcile()
+        except Exception:
+            self.log.exception("lease check with the hub failed")
+
     # ------------------------------------------------------------------ running
     async def start_async(self) -> None:
         """Restore, listen, tick. Returns once serving."""
@@ -320,6 +427,11 @@ class GPULeaseBroker(Application):
         self.http_server.listen(url.port or 80, url.hostname or "127.0.0.1")
         self.ticker = PeriodicCallback(self._tick, self.tick_interval * 1000)
         self.ticker.start()
+        self.reconciler = None
+        if self.reconcile_interval > 0:
+            self.reconciler = PeriodicCallback(self._reconcile, self.reconcile_interval * 1000)
+            self.reconciler.start()
+            asyncio.ensure_future(self._reconcile())  # once at start
         self.log.info("GPU lease broker %s listening on %s%s", __version__, self.bind_url.rstrip("/"), self.base_url)
 
     async def _tick(self) -> None:
@@ -331,6 +443,8 @@ class GPULeaseBroker(Application):
     async def stop_async(self) -> None:
         if getattr(self, "ticker", None):
             self.ticker.stop()
+        if getattr(self, "reconciler", None):
+            self.reconciler.stop()
         if getattr(self, "http_server", None):
             self.http_server.stop()
         await self.manager.close()

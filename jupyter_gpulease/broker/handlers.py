@@ -162,18 +162,36 @@ class APIHandler(BaseHandler):
 
 
 class PoolHandler(APIHandler):
+    """The pool; tiers and quota/usage of the caller, or (admins, ``?user=U``) of user U.
+
+    U's groups: the ``group`` arguments (``&group=a&group=b``) when the caller passes any (the
+    spawner does: it knows them), else the hub's user model (the broker's token needs
+    ``read:users:groups``), else none.
+    """
+
     async def get(self):
         sched = self.manager.scheduler
-        model = self.caller
-        groups = tuple(model.get("groups") or ())
-        tiers = [t.to_dict() for t in sched.policy.tiers.values() if self.is_admin or t.allows(self.caller_name, groups)]
+        user = self.get_argument("user", None)
+        if user is not None and user != self.caller_name:
+            if not user.strip():
+                raise BadRequest("'user' must be a user name", field="user")
+            if not self.is_admin:
+                raise Forbidden(f"only callers with the {self.admin_scope} scope may see another user's tiers and quota", field="user")
+            groups = tuple(self.get_arguments("group"))
+            if not groups:
+                groups = await self.broker.user_groups(user)
+            name, for_admin = user, False
+        else:
+            name, groups, for_admin = self.caller_name, tuple(self.caller.get("groups") or ()), self.is_admin
+        tiers = [t.to_dict() for t in sched.policy.tiers.values() if for_admin or t.allows(name, groups)]
         self.write_json(
             {
                 "devices": [g.to_dict() for g in sched.inventory.values()],
                 "capacity": sched.capacity(),
                 "tiers": tiers,
                 "default_tier": sched.policy.default_tier,
-                "usage": sched.user_usage(self.caller_name, groups, self.manager.now()),
+                "user": name,
+                "usage": sched.user_usage(name, groups, self.manager.now()),
                 "queue_length": len(sched.queue()),
             }
         )

@@ -20,7 +20,6 @@ requests and node selectors.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import time
 from typing import Any
@@ -204,12 +203,7 @@ class GPULeaseSpawner(Spawner):
 
     async def fetch_pool(self) -> dict:
         """The broker's pool as this user sees it (tiers they may use, their quota)."""
-        pool = self.broker.pool
-        if "user" in inspect.signature(pool).parameters:
-            return await pool(user=self.user.name)
-        answer = dict(await pool())
-        answer.pop("usage", None)  # the hub's own, not this user's
-        return answer
+        return await self.broker.pool(user=self.user.name, groups=self._user_groups())
 
     # ------------------------------------------------------------------ form and options
     @default("options_form")
@@ -565,10 +559,7 @@ class GPULeaseSpawner(Spawner):
     async def _release_as_holder(self, lease_id: str, reason: str) -> dict:
         # The spawner acts for the user: the lease ends as 'released' (or 'withdrawn' while
         # queued), not 'revoked' as when an admin ends someone else's lease.
-        client = self.broker
-        if "state" in inspect.signature(client.release).parameters:
-            return await client.release(lease_id, reason=reason, state="released")
-        return await client._call("POST", f"api/leases/{lease_id}/release", {"reason": reason, "state": "released"})
+        return await self.broker.release(lease_id, reason=reason, state="released")
 
     def get_state(self):
         state = super().get_state()
