@@ -683,6 +683,8 @@ class Scheduler:
         # Σ (now - granted_i) · milli_i = now · Σ milli_i - Σ granted_i · milli_i
         return self._fair.value(user, now) + (now * self._held_user.get(user, 0) - self._held_user_t.get(user, 0.0)) / MILLI
 
+    AGED_SCAN = 1000  # oldest aged leases moved to the front per pass (bounds a pass's cost)
+
     def _iter_order(self, now: float) -> Iterator[Lease]:
         """Queued leases in scheduling order: aged leases first (oldest first), then by tier."""
         aging = self.policy.aging_s
@@ -698,7 +700,7 @@ class Scheduler:
             return
         aged = []
         for l in arr:
-            if l.created_at > cutoff:
+            if l.created_at > cutoff or len(aged) >= self.AGED_SCAN:
                 break
             if self._is_queued(l):
                 aged.append(l)
