@@ -83,6 +83,15 @@ c.GPULeaseBroker.heartbeat_timeout = 0  # 0: never (set it when the server exten
 c.GPULeaseBroker.stop_servers_on_end = False
 c.GPULeaseBroker.stop_server_states = ["expired", "preempted", "revoked", "failed"]
 
+# Check with the hub, at start and every reconcile_interval seconds, that each lease held by
+# the lease spawner still has its server (running or starting). A lease whose server has
+# been gone for reconcile_grace seconds is revoked: the hub stops its services before its
+# servers on shutdown, so the spawner's own release cannot reach the broker then. Needs the
+# 'read:users' and 'read:servers' scopes for the gpulease service (a role in
+# jupyterhub_config.py). A hub that does not answer changes nothing.
+c.GPULeaseBroker.reconcile_interval = 300  # 0: never check
+c.GPULeaseBroker.reconcile_grace = 120
+
 # The scope that lets a caller see all leases and act for users (the spawner needs it).
 c.GPULeaseBroker.admin_scope = "custom:gpulease:admin"
 

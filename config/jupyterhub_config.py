@@ -91,9 +91,12 @@ c.JupyterHub.load_roles = [
     {"name": "user", "scopes": ["self", "access:services!service=gpulease"]},
     # The spawner asks for leases for users; only the hub process holds this token.
     {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
-    # The broker reads users' groups (group tiers and quotas) and may stop a server whose
-    # lease ended (GPULeaseBroker.stop_servers_on_end).
-    {"name": "gpulease-broker", "scopes": ["read:users", "read:groups", "admin:servers"], "services": ["gpulease"]},
+    # The broker reads users' groups (group tiers and quotas; read:users), checks every
+    # GPULeaseBroker.reconcile_interval seconds that each leased server still exists
+    # (read:users + read:servers: a lease whose server is gone is revoked, e.g. after the hub
+    # stopped its servers while the broker was down), and may stop a server whose lease ended
+    # (admin:servers, for GPULeaseBroker.stop_servers_on_end).
+    {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
     # Hub admins manage every lease on the broker's admin page.
     {"name": "gpulease-admins", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["admin"]},
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hubharness import HubHarness, free_port, wait_for
+from hubharness import HubHarness, free_port, pid_alive, wait_for
 from jupyter_gpulease.client import BrokerClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,7 +29,7 @@ GPU_MODEL = "L4"
 SPAWNER_SERVICE = "gpulease-spawner"
 
 
-def broker_config(path: Path, *, tick: float = 0.5) -> Path:
+def broker_config(path: Path, *, tick: float = 0.5, extra: tuple[str, ...] = ()) -> Path:
     """gpulease_config.py for the tests: one L4, a 'short' tier for expiry, a tier only carol may use."""
     path.write_text(
         "c = get_config()  # noqa\n"
@@ -43,6 +43,7 @@ def broker_config(path: Path, *, tick: float = 0.5) -> Path:
         "    'staff': {'priority': 30, 'max_duration_s': 3600, 'default_duration_s': 1800, 'users': ['carol']},\n"
         "}\n"
         "c.GPULeaseBroker.default_tier = 'experiment'\n"
+        + "".join(line + "\n" for line in extra)
     )
     return path
 
@@ -60,11 +61,11 @@ class RestartableHub(HubHarness):
         return found
 
 
-def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol")) -> tuple[RestartableHub, str, str]:
+def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol"), broker_lines=()) -> tuple[RestartableHub, str, str]:
     """A hub whose spawner is gpulease-simple; returns (hub, broker URL as the hub reaches it, spawner token)."""
     bport = free_port()
     token = secrets.token_hex(16)
-    conf = broker_config(tmp_path / "gpulease_config.py")
+    conf = broker_config(tmp_path / "gpulease_config.py", extra=tuple(broker_lines))
     broker = {
         "name": "gpulease",
         "url": f"http://127.0.0.1:{bport}",
@@ -80,7 +81,7 @@ def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol")
         custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
         roles=[
             {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:groups", "admin:servers"], "services": ["gpulease"]},
+            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
             {"name": "state-reader", "scopes": ["admin:server_state"], "services": ["test-admin"]},
         ],
         user_scopes=["access:services!service=gpulease"],
@@ -333,5 +334,73 @@ def test_hub_restart_keeps_the_lease_bound_to_the_running_server(tmp_path):
         if server_pid:
             try:
                 os.kill(server_pid, 9)
+            except ProcessLookupError:
+                pass
+
+
+def server_pid(hub: HubHarness, user: str) -> int:
+    for pid, cmd in hub.descendants():
+        if "jupyterhub-singleuser" in cmd:
+            try:
+                raw = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if f"JUPYTERHUB_USER={user}\0".encode() in raw + b"\0":
+                return pid
+    raise AssertionError(f"no single-user server process of {user} found below the hub")
+
+
+def test_a_lease_whose_server_died_while_the_broker_was_down_is_revoked_by_the_check_with_the_hub(tmp_path):
+    """The hub and its broker are down; alice's server dies meanwhile (bob's keeps running).
+    When they come back, the hub finds alice's server gone but cannot tell the broker in time
+    (it checks its servers before it starts its services); the broker's own check with the
+    Hub API revokes alice's lease after the grace, and leaves bob's alone."""
+    hub, url, token = make_hub(
+        tmp_path,
+        users=("alice", "bob"),
+        config_lines=["c.JupyterHub.cleanup_servers = False"],
+        broker_lines=("c.GPULeaseBroker.reconcile_interval = 0.5", "c.GPULeaseBroker.reconcile_grace = 3"),
+    )
+    pids = []
+    try:
+        for user in ("alice", "bob"):
+            status, body = spawn(hub, user, {"share": 0.5})
+            assert status in (201, 202), body
+            wait_ready(hub, user)
+        (a,) = leases_of(url, token, "alice", "active")
+        (b,) = leases_of(url, token, "bob", "active")
+        pids = [server_pid(hub, "alice"), server_pid(hub, "bob")]
+
+        hub.keep_servers = True
+        hub.stop()
+        hub.keep_servers = False
+        os.kill(pids[0], 9)
+        wait_for(lambda: not pid_alive(pids[0]), 30, "alice's server did not die")
+        hub.start()
+        wait_for(lambda: broker_call(url, token, "pool"), 60, "the broker did not come back")
+        wait_for(lambda: server_model(hub, "alice") is None, 60, "the hub did not notice alice's server is gone")
+
+        def revoked():
+            lease = broker_call(url, token, "get_lease", a["id"])
+            return lease if lease["state"] != "active" else None
+        ended = wait_for(revoked, 60, "alice's lease was not ended by the broker's check")
+        assert ended["state"] == "revoked", ended
+        assert ended["end_reason"] == "its server is not running (found by the broker's check with the hub)"
+        assert wait_ready(hub, "bob")
+        # several more checks (every 0.5 s) and the grace go by: bob's running server keeps its lease
+        assert broker_call(url, token, "get_lease", b["id"])["state"] == "active"
+        time.sleep(5)
+        assert broker_call(url, token, "get_lease", b["id"])["state"] == "active"
+        assert pid_alive(pids[1])
+        stop(hub, "bob")
+        assert broker_call(url, token, "get_lease", b["id"])["state"] == "released"
+    finally:
+        for user in ("alice", "bob"):
+            if server_model(hub, user) is not None:
+                hub.api("DELETE", f"users/{user}/server")
+        hub.stop()
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
             except ProcessLookupError:
                 pass
