@@ -177,3 +177,75 @@ def test_demo_without_the_proxy_says_what_to_install(tmp_path):
         pytest.fail(f"expected the missing-proxy message, got rc={r.returncode}: {r.stderr}")
     assert r.returncode == 2
     assert "npm install --prefix" in r.stderr
+
+
+def _fake_exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_the_demo_finds_the_proxy_in_gpulease_chp_path_or_a_project_node_modules(tmp_path, monkeypatch):
+    from jupyter_gpulease.hub import demo
+
+    state = tmp_path / "state"
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(demo, "_checkout", lambda: None)  # not the checkout's own .ci/node_modules
+    monkeypatch.delenv("GPULEASE_CHP", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert demo.find_chp(state) is None
+    assert demo.chp_install_command(state) == f"npm install --prefix {state} configurable-http-proxy"
+    # a project-local .ci/node_modules (npm install --prefix .ci), then one in the state folder
+    local = _fake_exe(work / ".ci" / "node_modules" / ".bin" / "configurable-http-proxy")
+    assert demo.find_chp(state) == str(local)
+    local.unlink()
+    in_state = _fake_exe(state / "node_modules" / ".bin" / "configurable-http-proxy")
+    assert demo.find_chp(state) == str(in_state)
+    # PATH wins over those
+    on_path = _fake_exe(tmp_path / "bin" / "configurable-http-proxy")
+    assert demo.find_chp(state) == str(on_path)
+    # GPULEASE_CHP wins over everything, and is the only place looked at when set
+    explicit = _fake_exe(tmp_path / "chp")
+    monkeypatch.setenv("GPULEASE_CHP", str(explicit))
+    assert demo.find_chp(state) == str(explicit)
+    monkeypatch.setenv("GPULEASE_CHP", str(tmp_path / "nowhere"))
+    assert demo.find_chp(state) is None
+
+
+def test_the_checkout_suggests_installing_the_pinned_proxy_into_ci():
+    from jupyter_gpulease.hub import demo
+
+    root = Path(__file__).resolve().parent.parent
+    assert demo._checkout() == root
+    assert demo.chp_install_command(Path("x")) == f"npm install --prefix {root / '.ci'}"
+    assert root / ".ci" / "node_modules" / ".bin" / "configurable-http-proxy" in demo.chp_candidates(Path("x"))
+    assert "configurable-http-proxy" in json.loads((root / ".ci" / "package.json").read_text())["dependencies"]
+
+
+def test_the_wheel_ships_the_example_configs_where_the_demo_finds_them(tmp_path):
+    """Build the wheel, unpack it, and let the demo look for its configs from there."""
+    import importlib.util
+    import zipfile
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(root)]
+    if importlib.util.find_spec("hatchling") is not None:
+        cmd.insert(4, "--no-build-isolation")  # no network needed
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = (tmp_path / "dist").glob("jupyter_gpulease-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for name in ("jupyterhub_config.py", "gpulease_config.py"):
+        assert f"jupyter_gpulease/config_examples/{name}" in names, names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import jupyter_gpulease.hub.demo as d; "
+             "print(d.__file__); print(d.find_config_dir())")
+    r = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    module, found = r.stdout.split()
+    assert module.startswith(str(site)), "the unpacked wheel's package was imported"
+    assert found == str(site / "jupyter_gpulease" / "config_examples")

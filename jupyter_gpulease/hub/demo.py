@@ -35,16 +35,55 @@ def find_config_dir() -> Path | None:
     return None
 
 
+def _checkout() -> Path | None:
+    """The source checkout this package runs from (an editable install), if any."""
+    root = Path(__file__).resolve().parent.parent.parent
+    return root if (root / "pyproject.toml").exists() and (root / ".ci" / "package.json").exists() else None
+
+
+def chp_candidates(state_dir: Path) -> list[Path]:
+    """Where the demo looks for configurable-http-proxy after $GPULEASE_CHP and PATH: the
+    node_modules of the checkout (``.ci/``, where ``npm install --prefix .ci`` puts it, or its
+    root), of the current folder and of the state folder."""
+    bases = []
+    root = _checkout()
+    if root is not None:
+        bases += [root / ".ci", root]
+    bases += [Path.cwd() / ".ci", Path.cwd(), state_dir]
+    out = []
+    for base in bases:
+        p = base / "node_modules" / ".bin" / "configurable-http-proxy"
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _executable(path: str | Path) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def find_chp(state_dir: Path) -> str | None:
-    """configurable-http-proxy: $GPULEASE_CHP, PATH, or a node_modules of the checkout or state folder."""
-    cands = [os.environ.get("GPULEASE_CHP"), shutil.which("configurable-http-proxy")]
-    pkg = Path(__file__).resolve().parent.parent
-    for base in (pkg.parent, pkg.parent / ".ci", state_dir, Path.cwd()):
-        cands.append(str(base / "node_modules" / ".bin" / "configurable-http-proxy"))
-    for c in cands:
-        if c and os.path.exists(c) and os.access(c, os.X_OK):
-            return c
+    """configurable-http-proxy: $GPULEASE_CHP when set (and only it), else PATH, else a
+    project-local node_modules (see :func:`chp_candidates`)."""
+    explicit = os.environ.get("GPULEASE_CHP")
+    if explicit:
+        return explicit if _executable(explicit) else None
+    on_path = shutil.which("configurable-http-proxy")
+    if on_path:
+        return on_path
+    for c in chp_candidates(state_dir):
+        if _executable(c):
+            return str(c)
     return None
+
+
+def chp_install_command(state_dir: Path) -> str:
+    """The one command that installs configurable-http-proxy where :func:`find_chp` finds it."""
+    root = _checkout()
+    if root is not None:
+        # the version the project pins in .ci/package.json
+        return f"npm install --prefix {root / '.ci'}"
+    return f"npm install --prefix {state_dir} configurable-http-proxy"
 
 
 def free_port() -> int:
@@ -175,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     chp = find_chp(state)
     if chp is None:
+        bad = os.environ.get("GPULEASE_CHP")
+        why = f" (GPULEASE_CHP={bad} is not an executable file)" if bad else ""
         print(
-            "jupyter gpulease demo: configurable-http-proxy is missing. Install it with npm (Node.js 18 or newer):\n\n"
-            f"    npm install --prefix {state} configurable-http-proxy\n\n"
-            "or put it on PATH (npm install -g configurable-http-proxy), or set GPULEASE_CHP to its path.",
+            f"jupyter gpulease demo: configurable-http-proxy is missing{why}. Install it (npm, Node.js 18 or newer) with:\n\n"
+            f"    {chp_install_command(state)}\n\n"
+            "and run the demo again. (Or put it on PATH, or set GPULEASE_CHP to its path.)",
             file=sys.stderr,
         )
         return 2
