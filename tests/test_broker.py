@@ -445,6 +445,11 @@ def test_admins_see_another_users_tiers_and_quota_others_get_403(tmp_path):
             assert {t["name"] for t in (await bob.pool(user="bob"))["tiers"]} == {"open"}  # token groups: chemistry
             await expect_error(bob.pool(user="alice"), 403, "user")
             await expect_error(admin.pool(user=" "), 400, "user")
+            # client.release(state=): the spawner ends a lease as its holder would ('released', not 'revoked')
+            lease = (await admin.list_leases(user="alice"))[0]
+            await expect_error(bob.release(lease["id"], state="revoked"), 403)
+            ended = await admin.release(lease["id"], reason="server stopped", state="released")
+            assert ended["state"] == "released" and ended["end_reason"] == "server stopped"
         finally:
             await app.stop_async()
             hub.stop()
