@@ -6,6 +6,10 @@
    client POSTs a lease that is granted at once, then releases it; p50/p99 of the POST
    (request to grant, including the commit) and of the release. The hub's token check is
    left out (the broker caches it per token; with a hub it adds one lookup per new token).
+   Baselines, interleaved in the same loop so both see the same machine: a read of the same
+   lease (``GET api/leases/{id}``: HTTP, auth and JSON without a commit), and the same grant
+   on a broker whose SQLite commits skip the fsync (``synchronous=OFF``), which shows what
+   durability costs.
 2. Memory: the broker's process RSS before and after holding ``--leases`` live leases
    (1 000 active on 1 000 GPUs, the rest queued), and the time of one scheduling pass over them.
 
@@ -51,31 +55,48 @@ def pct(xs: list[float], p: float) -> float:
 
 async def latency(tmp: Path, n: int) -> dict:
     handlers.APIHandler.authenticate = _fake_authenticate  # no hub in this benchmark
-    app = make_broker(tmp, SystemClock(), pool=[{"node": "n1", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920}], db_name="latency.sqlite")
+    pool = [{"node": "n1", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920}]
+    app = make_broker(tmp, SystemClock(), pool=pool, db_name="latency.sqlite")
+    fast = make_broker(tmp, SystemClock(), pool=pool, db_name="latency-nosync.sqlite", sqlite_synchronous="OFF")
     await app.start_async()
+    await fast.start_async()
     c = BrokerClient(broker_url(app), "alice")
-    grant, release = [], []
+    cf = BrokerClient(broker_url(fast), "alice")
+    grant, release, read, grant_nosync = [], [], [], []
     try:
         for _ in range(50):  # warm up
-            lease = await c.request_lease({"gpus": 1})
-            await c.release(lease["id"])
+            for cl in (c, cf):
+                lease = await cl.request_lease({"gpus": 1})
+                await cl.release(lease["id"])
         for _ in range(n):
             t0 = time.perf_counter()
             lease = await c.request_lease({"gpus": 1})
             t1 = time.perf_counter()
             assert lease["state"] == "active"
-            await c.release(lease["id"])
+            await c.get_lease(lease["id"])
             t2 = time.perf_counter()
+            await c.release(lease["id"])
+            t3 = time.perf_counter()
+            lf = await cf.request_lease({"gpus": 1})
+            t4 = time.perf_counter()
+            await cf.release(lf["id"])
             grant.append((t1 - t0) * 1000)
-            release.append((t2 - t1) * 1000)
+            read.append((t2 - t1) * 1000)
+            release.append((t3 - t2) * 1000)
+            grant_nosync.append((t4 - t3) * 1000)
     finally:
         await app.stop_async()
+        await fast.stop_async()
     return {
         "requests": n,
         "grant_ms_p50": round(statistics.median(grant), 3),
         "grant_ms_p99": round(pct(grant, 99), 3),
         "release_ms_p50": round(statistics.median(release), 3),
         "release_ms_p99": round(pct(release, 99), 3),
+        "baseline_read_ms_p50": round(statistics.median(read), 3),
+        "baseline_read_ms_p99": round(pct(read, 99), 3),
+        "baseline_grant_without_fsync_ms_p50": round(statistics.median(grant_nosync), 3),
+        "baseline_grant_without_fsync_ms_p99": round(pct(grant_nosync, 99), 3),
     }
 
 
@@ -128,7 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "broker.json"))
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
-    result = {"python": sys.version.split()[0], "cpus": os.cpu_count()}
+    cmd = "python benchmarks/bench_broker.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    result = {"command": cmd, "python": sys.version.split()[0], "cpus": os.cpu_count()}
     result["latency"] = asyncio.run(latency(tmp, args.requests))
     print(json.dumps(result["latency"], indent=2))
     result["memory"] = asyncio.run(memory(tmp, args.leases))
