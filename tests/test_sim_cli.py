@@ -26,6 +26,9 @@ def test_alibaba_slice_compares_all_policies_and_writes_json_and_plots(tmp_path,
     doc = json.loads(out.read_text())
     assert [r["policy"] for r in doc["results"]] == ["static", "static+backfill", "static+culler", "gpulease"]
     assert doc["pool"]["gpus"] == 16 and doc["assumptions"]["compress"] == 4
+    # batch pods: gpulease's preemption grace is Kubernetes-like, and says so
+    assert doc["policies"][-1]["tiers"]["learning"]["grace_s"] == 30
+    assert "terminationGracePeriodSeconds" in text
     for r in doc["results"]:
         assert r["jobs"] == 300 and r["replay"]["events_per_s"] > 0
     for p in doc["plots"]:
@@ -39,6 +42,7 @@ def test_notebook_slice_with_idle_sweep(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(out.read_text())
     assert "busy_held_per_session_median" in doc["results"][0]["notebook"]
+    assert doc["policies"][-1]["tiers"]["learning"]["grace_s"] == 600  # people keep 10 min to save work
     kinds = [p["kind"] for p in doc["idle_sweep"]["points"]]
     assert kinds.count("fixed") == 2 and "learnt" in kinds
     assert any(p.endswith("_idle_tradeoff.png") for p in doc["plots"])

@@ -96,6 +96,21 @@ def test_best_effort_job_is_preempted_after_the_grace_and_resumes_its_work():
     assert summarize(r)["preemptions"] == 1
 
 
+def test_batch_variant_preempts_a_pod_after_a_kubernetes_like_grace():
+    w = wl(Job("be", 0, 1000, "BE", 3000), Job("ls", 100, 1000, "LS", 100))
+    sp = P.gpulease_batch()
+    assert sp.policy.tiers["learning"].grace_s == P.BATCH_GRACE_S == 30
+    assert sp.policy.tiers["production"] == P.gpulease().policy.tiers["production"]  # only the grace differs
+    assert "ASSUMPTION" in sp.description and "30 s" in sp.description
+    r = replay(w, uniform_pool(1, 1), sp)
+    be, ls = r.records
+    assert ls.first_wait == pytest.approx(30)
+    assert be.preempted == 1 and be.work_done_s == pytest.approx(3000)
+    assert P.for_trace("gpulease", batch=True).policy.tiers["learning"].grace_s == 30
+    assert P.for_trace("gpulease", batch=False).policy.tiers["learning"].grace_s == 600
+    assert P.for_trace("static", batch=True).name == "static"
+
+
 def session(bursts, gpus=1, arrival=0.0, name="s"):
     return Job(name, arrival, 1000 * gpus, "notebook", kind="session", bursts=bursts)
 

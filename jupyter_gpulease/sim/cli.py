@@ -93,7 +93,7 @@ def _trace_path(args) -> tuple[str, str]:
     return args.trace, fmt
 
 
-def _policies(args) -> list[P.SimPolicy]:
+def _policies(args, batch: bool = False) -> list[P.SimPolicy]:
     out = []
     for name in [n.strip() for n in args.policies.split(",") if n.strip()]:
         if name not in P.BUILTIN:
@@ -101,7 +101,7 @@ def _policies(args) -> list[P.SimPolicy]:
         if name == "static+culler":
             out.append(P.static_culler(args.culler_timeout_min * 60))
         else:
-            out.append(P.BUILTIN[name]())
+            out.append(P.for_trace(name, batch))
     for f in args.policy_file:
         out.extend(P.load_policy_file(f))
     names = [sp.name for sp in out]
@@ -137,10 +137,14 @@ def run(args) -> dict[str, Any]:
             else "ASSUMPTION: a pod cut by its time limit loses the rest of its work."
         )
         wl.assumptions.notes.append("Idle culler: the Alibaba trace records no idleness, so the culler never fires there (same as static+backfill).")
+        wl.assumptions.notes.append(
+            f"ASSUMPTION: gpulease gives a preempted pod (learning tier, QoS BE) {P.BATCH_GRACE_S:g} s to stop, as Kubernetes does by default "
+            "(terminationGracePeriodSeconds); the notebook trace keeps the core's 10 min, time for a person to save work."
+        )
     if not wl.jobs:
         raise ValueError("no jobs left after filtering (check --window-days and --limit)")
     horizon = args.horizon_days * 86400 if args.horizon_days is not None else None
-    sps = _policies(args)
+    sps = _policies(args, batch=fmt == ALIBABA_PODS)
     results, summaries = [], []
     for sp in sps:
         r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
