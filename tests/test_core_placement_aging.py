@@ -82,3 +82,39 @@ def test_no_aging_keeps_strict_tier_order():
     s.release(hold.id, T0 + 2100)
     s.tick(T0 + 2100)
     assert s.get(new.id).state is LeaseState.ACTIVE
+
+
+_TIE_SCRIPT = """
+from jupyter_gpulease.core.model import GPU, parse_request
+from jupyter_gpulease.core.policy import HOUR, Policy
+from jupyter_gpulease.core.scheduler import Scheduler
+gpus = [GPU(f"GPU-{m}{n}-{i}", f"{m}-node{n}", i, m, 81920) for m in ("A100", "H100") for n in range(12) for i in range(4)]
+s = Scheduler(gpus, Policy(confirm_timeout_s=None))
+out = []
+for k in range(30):
+    model = ("A100", "H100", "A100|H100")[k % 3]
+    l = s.new_lease(user=f"u{k}", request=parse_request({"gpus": 4, "model": model}), now=0.0, duration_s=HOUR * (1 + k % 4), lease_id=f"L{k}")
+    s.submit(l, 0.0)
+s.tick(0.0)
+for l in s.queue():
+    out.append((l.id, s.eta(l.id)))
+print(sorted((l.user, l.placement.slices[0].node) for l in s.active()), out)
+"""
+
+
+def test_ties_between_equal_nodes_break_the_same_way_whatever_the_hash_seed():
+    # placement and reservations walk nodes in inventory order, not a set's (hash-seeded) order,
+    # so a replay gives the same result in every process
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        runs.append(subprocess.run([sys.executable, "-c", _TIE_SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+    assert runs[0] == runs[1] == runs[2]
+    s = Scheduler(pool(3, 4), Policy(confirm_timeout_s=None))
+    a = lease(s, "a", gpus=4)
+    s.tick(T0)
+    assert node_of(s, a) == "n0"  # first of equal nodes in inventory order

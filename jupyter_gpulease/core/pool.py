@@ -60,7 +60,10 @@ class Pool:
         self.by_node: dict[str, list[GPUState]] = defaultdict(list)
         self.by_model: dict[str, list[GPUState]] = defaultdict(list)
         self.mig_owner: dict[str, GPUState] = {}  # MIG uuid -> its GPU
-        self.nodes_by_model: dict[str, set[str]] = defaultdict(set)
+        # model -> its nodes in inventory order (a dict used as an ordered set: placement and
+        # reservations walk nodes in this order, so ties break the same way in every process;
+        # a set's order of strings changes with PYTHONHASHSEED)
+        self.nodes_by_model: dict[str, dict[str, None]] = defaultdict(dict)
         for g in gpus:
             if g.uuid in self.gpus:
                 raise ValueError(f"duplicate GPU uuid {g.uuid!r} in the inventory")
@@ -68,7 +71,7 @@ class Pool:
             self.gpus[g.uuid] = st
             self.by_node[g.node].append(st)
             self.by_model[g.model].append(st)
-            self.nodes_by_model[g.model].add(g.node)
+            self.nodes_by_model[g.model][g.node] = None
             for m in g.mig:
                 self.mig_owner[m.uuid] = st
         for lst in self.by_node.values():
@@ -191,6 +194,12 @@ class Pool:
             return 1
         return 0 if self.pre_by_node.get(node, 0) else 2
 
+    def nodes_of(self, models) -> dict[str, None]:
+        """Nodes holding any of ``models``, in inventory order (deterministic)."""
+        if len(models) == 1:
+            return self.nodes_by_model[models[0]]
+        return dict.fromkeys(n for m in models for n in self.nodes_by_model[m])
+
     def place(self, req: Request, blocked=None, preemptible: bool | None = None) -> Placement | None:
         """Find room for ``req`` now, or None.
 
@@ -214,7 +223,7 @@ class Pool:
             return None
         best: list[GPUState] | None = None
         best_idle = (1 << 30, 1 << 30)
-        nodes = set().union(*(self.nodes_by_model[m] for m in models)) if len(models) < len(self.by_model) else self.by_node.keys()
+        nodes = self.nodes_of(models) if len(models) < len(self.by_model) else self.by_node.keys()
         for node in nodes:
             idle0 = self.idle_by_node.get(node, 0)
             if idle0 < n:

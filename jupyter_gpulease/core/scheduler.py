@@ -232,7 +232,7 @@ class _Reservations:
                     best = top
             return (best[0], [best[1]]) if best else None
         best_t, best_u = INF, None
-        nodes = set().union(*(self.pool.nodes_by_model[m] for m in models))
+        nodes = self.pool.nodes_of(models)
         for node in nodes:
             times = sorted(
                 (self.avail[st.gpu.uuid], st.gpu.uuid)
