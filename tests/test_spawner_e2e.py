@@ -13,14 +13,15 @@ import asyncio
 import json
 import os
 import secrets
+import sqlite3
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-
 from hubharness import HubHarness, free_port, pid_alive, wait_for
+
 from jupyter_gpulease.client import BrokerClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,6 +60,23 @@ class RestartableHub(HubHarness):
         if self.keep_servers:
             found = [(pid, cmd) for pid, cmd in found if "jupyterhub-singleuser" not in cmd]
         return found
+
+
+def forget_lease_in_hub_state(hub, user: str) -> None:
+    """Drop the lease id from ``user``'s saved spawner state in the (stopped) hub's database."""
+    db = sqlite3.connect(hub.dir / "jupyterhub.sqlite")
+    try:
+        rows = db.execute(
+            "SELECT spawners.id, spawners.state FROM spawners JOIN users ON spawners.user_id = users.id WHERE users.name = ?", (user,)
+        ).fetchall()
+        assert rows, f"no spawner row for {user} in the hub's database"
+        for sid, state in rows:
+            st = json.loads(state or "{}")
+            st.pop("gpulease", None)
+            db.execute("UPDATE spawners SET state = ? WHERE id = ?", (json.dumps(st), sid))
+        db.commit()
+    finally:
+        db.close()
 
 
 def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol"), broker_lines=()) -> tuple[RestartableHub, str, str]:
@@ -376,6 +394,10 @@ def test_a_lease_whose_server_died_while_the_broker_was_down_is_revoked_by_the_c
         hub.keep_servers = False
         os.kill(pids[0], 9)
         wait_for(lambda: not pid_alive(pids[0]), 30, "alice's server did not die")
+        # Whether the restarting hub's own cleanup of alice's server reaches the broker depends
+        # on start-up order; make sure it cannot (as when the hub lost the lease id, e.g. a
+        # database restored from a backup), so that only the broker's check can end the lease.
+        forget_lease_in_hub_state(hub, "alice")
         hub.start()
         wait_for(lambda: broker_call(url, token, "pool"), 60, "the broker did not come back")
         wait_for(lambda: server_model(hub, "alice") is None, 60, "the hub did not notice alice's server is gone")
