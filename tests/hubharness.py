@@ -35,6 +35,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from jupyter_gpulease.hub.demo import pid_alive  # re-exported: tests import it from here
+
 ADMIN_SERVICE = "test-admin"
 ADMIN_SCOPES = ["admin:users", "admin:servers", "admin:groups", "tokens", "access:servers", "access:services", "read:hub", "list:users", "read:users"]
 
@@ -77,21 +79,6 @@ def wait_for(predicate, timeout: float, message: str, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"{message} (waited {timeout:g} s; last error: {last_exc!r})")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie counts as gone
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _children(pid: int) -> list[int]:

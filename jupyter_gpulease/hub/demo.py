@@ -169,7 +169,8 @@ def _procs_in(state_dir: Path) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -397,16 +398,16 @@ def _shutdown(hub: subprocess.Popen, state: Path) -> None:
     # single-user servers run in sessions of their own, with their home under the state folder
     pids += _procs_in(state)
     for pid in pids:
-        if _alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.2)
     for pid in pids:
-        if _alive(pid):
+        if pid_alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
