@@ -64,8 +64,14 @@ def check_invariants(s: Scheduler, all_leases):
             assert st_.free_milli == MILLI - use_milli[g.uuid]  # the pool agrees with the leases
             assert st_.free_mem == g.memory_mib - use_mem[g.uuid]
     assert all(v == 1 for v in mig_holders.values())
+    # positions asked one by one (the order is built lazily) agree with the full order
+    queued = sorted(l.id for l in s.leases.values() if l.state is LeaseState.QUEUED)
+    s._order = None
+    positions = {lid: s.queue_position(lid) for lid in reversed(queued[: len(queued) // 2 + 1])} if queued else {}
     # queue order respected: tiers by priority, never a lower tier before a higher one
     q = s.queue()
+    for lid, (pos, length) in positions.items():
+        assert q[pos - 1].id == lid and length == len(q)
     prios = [s.policy.tiers[l.tier].priority for l in q]
     assert prios == sorted(prios, reverse=True)
     assert all(l.state is LeaseState.QUEUED for l in q)

@@ -192,7 +192,7 @@ class PoolHandler(APIHandler):
                 "default_tier": sched.policy.default_tier,
                 "user": name,
                 "usage": sched.user_usage(name, groups, self.manager.now()),
-                "queue_length": len(sched.queue()),
+                "queue_length": sched.queue_length(),
             }
         )
 

@@ -49,7 +49,7 @@ class _SchedulerCollector:
         yield allocated
 
         q = GaugeMetricFamily("gpulease_queue_length", "Leases waiting in the queue")
-        q.add_metric([], len(sched.queue()))
+        q.add_metric([], sched.queue_length())
         yield q
 
 

@@ -87,6 +87,8 @@ class Pool:
         for st in self.gpus.values():
             self._index(st)
         self._match_cache: dict[tuple[tuple[str, ...], int], tuple[str, ...]] = {}
+        self._never_cache: dict[tuple, tuple[str, str] | None] = {}  # request shape -> why_never
+        self._milli_cache: dict[tuple, int] = {}  # request shape -> gpu_milli_of
         # preemptibility of what each node holds (slices), for preemption-aware placement:
         # keeping non-preemptible leases together leaves whole nodes that preemption can free
         self.preemptible_of: dict[str, bool] = {}  # lease id -> preemptible (as given to take())
@@ -125,7 +127,16 @@ class Pool:
 
     # ----------------------------------------------------------------- feasibility
     def why_never(self, req: Request) -> tuple[str, str] | None:
-        """Why ``req`` can never be placed here, even on an empty pool, as (field at fault, reason); None if it can."""
+        """Why ``req`` can never be placed here, even on an empty pool, as (field at fault, reason); None if it can.
+
+        Depends only on the inventory, so it is cached per request shape.
+        """
+        key = req.shape()
+        if key not in self._never_cache:
+            self._never_cache[key] = self._why_never(req)
+        return self._never_cache[key]
+
+    def _why_never(self, req: Request) -> tuple[str, str] | None:
         models = self.models(req.models)
         all_models = ", ".join(sorted(self.by_model)) or "none"
         if req.models and not models:
@@ -159,6 +170,13 @@ class Pool:
         return None
 
     def gpu_milli_of(self, req: Request) -> int:
+        key = req.shape()
+        m = self._milli_cache.get(key)
+        if m is None:
+            m = self._milli_cache[key] = self._gpu_milli_of(req)
+        return m
+
+    def _gpu_milli_of(self, req: Request) -> int:
         """Milli-GPUs a request will count as (MIG: its instance's share of memory; shares by memory: smallest GPU)."""
         if req.kind is SliceKind.GPU:
             return req.gpus * MILLI
