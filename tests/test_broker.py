@@ -543,3 +543,29 @@ def test_the_check_with_the_hub_runs_at_start_and_periodically(tmp_path):
             hub.stop()
 
     asyncio.run(scenario())
+
+
+def test_out_of_range_numbers_long_names_and_non_json_constants_get_400_and_change_nothing(tmp_path):
+    async def scenario(app, client):
+        alice, admin = client("alice"), client("admin-carol")
+        lease = await alice.request_lease({"gpus": 1})
+        huge = 10**400  # a JSON integer too large for a float
+        for body, field in [
+            ({"gpus": 1, "duration_s": huge}, "duration_s"),
+            ({"gpus": 1, "max_wait_s": huge}, "max_wait_s"),
+            ({"gpus": 1, "server": "x" * 256}, "server"),
+        ]:
+            await expect_error(alice.request_lease(body), 400, field)
+        await expect_error(admin.request_lease({"gpus": 1, "user": "u" * 256}), 400, "user")
+        await expect_error(alice.extend(lease["id"], by_s=huge), 400, "by_s")
+        await expect_error(alice.extend(lease["id"], until=huge), 400, "until")
+        await expect_error(alice._call("POST", f"api/leases/{lease['id']}/release", {"state": ["released"]}), 400, "state")
+        await expect_error(alice._call("GET", "api/events", query={"since": 10**30, "timeout": 0}), 400, "since")
+        # NaN is not JSON: a browser could not read the lease back, PostgreSQL would not store it
+        err = await expect_error(_raw_post(alice, b'{"gpus": 1, "meta": {"x": NaN}}'), 400, "body")
+        assert "NaN" in err.message
+        assert [x["id"] for x in await alice.list_leases(state="all")] == [lease["id"]]
+        assert (await alice.get_lease(lease["id"]))["state"] == "active"
+        assert app.store.count_leases() == 1
+
+    run_with_broker(tmp_path, scenario)

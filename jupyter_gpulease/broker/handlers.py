@@ -24,17 +24,29 @@ REQUEST_FIELDS = {"kind", "gpus", "share", "memory_mib", "mig_profile", "mig", "
 LEASE_FIELDS = REQUEST_FIELDS | {"tier", "duration_s", "max_wait_s", "server", "meta", "user", "groups"}
 STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in LeaseState}
 MAX_POLL_S = 300.0
+MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit, and the store's column width
+MAX_EVENT_ID = 2**63 - 1  # the largest id a SQL integer column holds
 
 
 def _number(body: dict, name: str, *, minimum: float | None = None, strict_min: bool = False) -> float | None:
     if name not in body or body[name] is None:
         return None
     v = body[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{name}' must be a number of seconds, got {v!r}", field=name)
+    try:
+        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "…"
+        raise BadRequest(f"'{name}' must be a number of seconds, got {shown}", field=name)
     if minimum is not None and (v <= minimum if strict_min else v < minimum):
         raise BadRequest(f"'{name}' must be {'greater than' if strict_min else 'at least'} {minimum:g}, got {v!r}", field=name)
     return float(v)
+
+
+def _reject_constant(name: str):
+    # NaN and Infinity are not JSON: stored, they would break browsers' JSON.parse and PostgreSQL
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class BaseHandler(web.RequestHandler):
@@ -145,7 +157,7 @@ class APIHandler(BaseHandler):
         if not raw or not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}", field="body") from None
         if not isinstance(body, dict):
@@ -221,8 +233,8 @@ class LeasesHandler(APIHandler):
             if not self.is_admin:
                 raise Forbidden(f"only callers with the {self.admin_scope} scope may request leases for another user", field="user" if "user" in body else "groups")
             if "user" in body:
-                if not isinstance(body["user"], str) or not body["user"].strip():
-                    raise BadRequest("'user' must be a user name", field="user")
+                if not isinstance(body["user"], str) or not body["user"].strip() or len(body["user"].strip()) > MAX_NAME_LEN:
+                    raise BadRequest(f"'user' must be a user name (at most {MAX_NAME_LEN} characters)", field="user")
                 user = body["user"].strip()
                 groups = ()
             if "groups" in body:
@@ -242,8 +254,8 @@ class LeasesHandler(APIHandler):
                 raise BadRequest(f"'duration_s' {duration:g} is over the {t.name!r} tier's maximum of {t.max_duration_s:g} s", field="duration_s")
         max_wait = _number(body, "max_wait_s", minimum=0)
         server = body.get("server", "") or ""
-        if not isinstance(server, str):
-            raise BadRequest("'server' must be a server name (\"\" for the default server)", field="server")
+        if not isinstance(server, str) or len(server) > MAX_NAME_LEN:
+            raise BadRequest(f"'server' must be a server name of at most {MAX_NAME_LEN} characters (\"\" for the default server)", field="server")
         meta = body.get("meta") or {}
         if not isinstance(meta, dict):
             raise BadRequest("'meta' must be a JSON object", field="meta")
@@ -282,7 +294,7 @@ class LeaseHandler(APIHandler):
         if "state" in body:
             # admins end leases as 'revoked' (or 'reclaimed' for the idle reclaimer)
             allowed = {"released", "reclaimed", "revoked"}
-            if body["state"] not in allowed:
+            if not isinstance(body["state"], str) or body["state"] not in allowed:
                 raise BadRequest(f"'state' must be one of {', '.join(sorted(allowed))}, got {body['state']!r}", field="state")
             if body["state"] == "revoked" and not self.is_admin:
                 raise Forbidden("only admins may revoke a lease", field="state")
@@ -354,8 +366,8 @@ class EventsHandler(APIHandler):
             since = int(raw)
         except ValueError:
             raise BadRequest(f"'since' must be an event id (a whole number), got {raw!r}", field="since") from None
-        if since < 0:
-            raise BadRequest("'since' must be at least 0", field="since")
+        if not 0 <= since <= MAX_EVENT_ID:
+            raise BadRequest(f"'since' must be an event id between 0 and {MAX_EVENT_ID}", field="since")
         return since
 
     async def get(self):
