@@ -85,7 +85,8 @@ c.GPULeaseBroker.stop_server_states = ["expired", "preempted", "revoked", "faile
 
 # Check with the hub, at start and every reconcile_interval seconds, that each lease held by
 # the lease spawner still has its server (running or starting). A lease whose server has
-# been gone for reconcile_grace seconds is revoked: the hub stops its services before its
+# been gone for reconcile_grace seconds is revoked (withdrawn while still queued, e.g. a
+# spawn the hub forgot when it died): the hub stops its services before its
 # servers on shutdown, so the spawner's own release cannot reach the broker then. Needs the
 # 'read:users' and 'read:servers' scopes for the gpulease service (a role in
 # jupyterhub_config.py). A hub that does not answer changes nothing.

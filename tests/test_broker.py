@@ -569,3 +569,37 @@ def test_out_of_range_numbers_long_names_and_non_json_constants_get_400_and_chan
         assert app.store.count_leases() == 1
 
     run_with_broker(tmp_path, scenario)
+
+
+def test_the_check_with_the_hub_withdraws_a_queued_lease_whose_spawn_the_hub_forgot(tmp_path):
+    hub = _FakeHub()
+    # alice's spawn is still pending on the hub; bob's hub died mid-spawn and forgot it
+    hub.users["alice"] = {"name": "alice", "servers": {"": {"name": "", "pending": "spawn"}}}
+    hub.users["bob"] = {"name": "bob", "servers": {}}
+    clock = ManualClock()
+
+    async def scenario():
+        hub.start()
+        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout=0)
+        hub.configure(app)
+        await app.start_async()
+        try:
+            admin = BrokerClient(broker_url(app), "admin-spawner")
+            spawned = {"spawner": "jupyter-gpulease"}
+            held = await admin.request_lease({"gpus": 2, "model": "A100*", "user": "carol"})  # not a spawner's
+            a = await admin.request_lease({"gpus": 1, "model": "A100*", "user": "alice", "meta": spawned})
+            b = await admin.request_lease({"gpus": 1, "model": "A100*", "user": "bob", "meta": spawned})
+            assert (held["state"], a["state"], b["state"]) == ("active", "queued", "queued")
+            assert await app.reconcile() == []  # asked for just now
+            clock.advance(121)
+            assert await app.reconcile() == [b["id"]]
+            assert (await admin.get_lease(b["id"]))["state"] == "withdrawn"
+            assert (await admin.get_lease(a["id"]))["state"] == "queued"
+            # the GPU that frees up goes to the spawn that is still waiting, not to the forgotten one
+            await admin.release(held["id"])
+            assert (await admin.get_lease(a["id"]))["state"] == "active"
+        finally:
+            await app.stop_async()
+            hub.stop()
+
+    asyncio.run(scenario())

@@ -186,8 +186,9 @@ class GPULeaseBroker(Application):
         300.0,
         help="""Seconds between checks with the Hub that every lease a JupyterHub spawner holds
         still has its server (running or starting); also checked once at start. A lease whose
-        server has been gone for ``reconcile_grace`` seconds is revoked: this ends the leases of
-        servers the hub stopped while the broker could not hear of it (the hub stops its
+        server has been gone for ``reconcile_grace`` seconds is revoked (withdrawn if still
+        queued): this ends the leases of servers the hub stopped, or spawns it forgot, while the
+        broker could not hear of it (the hub stops its
         services before its servers on shutdown). 0: never check. Needs the broker's service to
         hold the scopes ``read:users`` and ``read:servers`` (a role in jupyterhub_config.py).
         Example: 300.""",
@@ -371,15 +372,17 @@ class GPULeaseBroker(Application):
     RECONCILE_REASON = "its server is not running (found by the broker's check with the hub)"
 
     async def reconcile(self) -> list[str]:
-        """Revoke active leases held by a JupyterHub spawner whose server has been gone from the hub
-        for ``reconcile_grace`` seconds. Returns the ids revoked. A hub that does not answer, or
-        answers without server models, changes nothing (logged once until it answers again)."""
+        """End leases of a JupyterHub spawner whose server has been gone from the hub for
+        ``reconcile_grace`` seconds: active ones are revoked, queued ones withdrawn (a hub that
+        died mid-spawn leaves one behind; granted, it would hold GPUs nobody uses). Returns the
+        ids ended. A hub that does not answer, or answers without server models, changes
+        nothing (logged once until it answers again)."""
         from ..core.model import LeaseError
 
         if not hasattr(self, "_gone_since"):
             self._gone_since: dict[str, float] = {}
             self._hub_trouble = ""
-        held = [lease for lease in self.manager.live() if lease.state.value == "active" and (lease.meta or {}).get("spawner") == "jupyter-gpulease"]
+        held = [lease for lease in self.manager.live() if (lease.meta or {}).get("spawner") == "jupyter-gpulease"]
         ids = {lease.id for lease in held}
         for lid in list(self._gone_since):
             if lid not in ids:
@@ -418,7 +421,7 @@ class GPULeaseBroker(Application):
                 continue
             finally:
                 self._gone_since.pop(lease.id, None)
-            self.log.warning("Revoked lease %s of %s (server %r): %s", lease.id, lease.user, lease.server, self.RECONCILE_REASON)
+            self.log.warning("Ended lease %s of %s (server %r): %s", lease.id, lease.user, lease.server, self.RECONCILE_REASON)
             revoked.append(lease.id)
         return revoked
 
