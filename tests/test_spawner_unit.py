@@ -432,3 +432,33 @@ def test_the_pool_is_fetched_for_the_spawning_user_and_leases_end_through_client
     calls, s = asyncio.run(main())
     assert ("pool", s.user.name, ()) in calls, "the form and the options check see the user's own tiers and quota"
     assert ("release", "nope", "server stopped") in calls
+
+
+def test_a_server_that_died_ends_its_lease_and_its_watcher_and_poll_retries_a_lost_confirm():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+
+        async def confirm_fails(lid):
+            broker.calls.append(("confirm-failed", lid))
+            raise BrokerError(0, "cannot reach the lease broker")
+        real_confirm, broker.confirm = broker.confirm, confirm_fails
+        await s.start()
+        await s._confirm_task
+        # the broker was away for the confirm: the next poll, with the server up, confirms
+        broker.confirm = real_confirm
+        broker.leases["L1"]["confirmed_at"] = None
+        assert await s.poll() is None
+        await s._confirm_task
+        assert ("confirm", "L1") in broker.calls
+        watcher = s._watcher
+        assert watcher is not None and not watcher.done()
+        # the server dies: poll ends the lease and stops following it
+        s.running = False
+        assert await s.poll() == 0
+        await asyncio.sleep(0)
+        return broker, s, watcher
+    broker, s, watcher = asyncio.run(main())
+    assert broker.leases["L1"]["state"] == "released"
+    assert s.lease_id == "" and s._watcher is None and watcher.cancelled()

@@ -501,6 +501,7 @@ class GPULeaseSpawner(Spawner):
         lease_id = self.lease_id
         status = await super().poll()
         if status is not None:
+            self._stop_watcher()  # or it would outlive the lease, and keep a new spawn's lease unwatched
             if lease_id and not self._stopping:
                 await self._end_lease(lease_id, "server is gone")
             return status
@@ -512,6 +513,11 @@ class GPULeaseSpawner(Spawner):
         if lease.get("state") in ACTIVE_STATES:
             if self._watcher is None:  # a restarted hub: follow the lease again
                 self._start_watcher()
+            if (lease.get("state") == "active" and "confirmed_at" in lease and lease["confirmed_at"] is None
+                    and (self._confirm_task is None or self._confirm_task.done())):
+                # the confirm after start did not reach the broker: the server is up, say so now,
+                # or the broker revokes the lease after its confirm_timeout and the server stops
+                self._confirm_task = asyncio.ensure_future(self._confirm(lease_id))
             return None
         self.log.warning("Lease %s of %s ended (%s: %s)", lease_id, self._log_name, lease.get("state"), lease.get("end_reason"))
         self._stop_watcher()
