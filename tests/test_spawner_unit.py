@@ -462,3 +462,29 @@ def test_a_server_that_died_ends_its_lease_and_its_watcher_and_poll_retries_a_lo
     broker, s, watcher = asyncio.run(main())
     assert broker.leases["L1"]["state"] == "released"
     assert s.lease_id == "" and s._watcher is None and watcher.cancelled()
+
+
+def test_a_cpu_only_spawn_ends_a_gpu_lease_that_an_earlier_stop_could_not_release():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        # the broker is away when the server stops: the release fails, the hub clears the state
+        real_release = broker.release
+
+        async def unreachable(lid, reason="", state="released"):
+            raise BrokerError(0, "cannot reach the lease broker")
+        broker.release = unreachable
+        await s.stop()
+        s.clear_state()
+        assert broker.leases["L1"]["state"] == "active"
+        # the broker is back; the user starts the same server without a GPU
+        broker.release = real_release
+        s.user_options = {"kind": "cpu"}
+        await s.start()
+        await s._orphan_task
+        return broker, s
+    broker, s = asyncio.run(main())
+    assert broker.leases["L1"]["state"] == "released"
+    assert s.started_env["CUDA_VISIBLE_DEVICES"] == ""

@@ -179,6 +179,7 @@ class GPULeaseSpawner(Spawner):
         self._client: BrokerClient | None = None
         self._checked_pool: dict | None = None
         self._confirm_task: asyncio.Future | None = None
+        self._orphan_task: asyncio.Future | None = None
         self.last_warning: dict | None = None
 
     # ------------------------------------------------------------------ the broker
@@ -336,6 +337,10 @@ class GPULeaseSpawner(Spawner):
         choice = self.lease_choice(self.user_options)
         if choice.cpu_only:
             self._lease_env = cpu_only_environment(broker_url=server_broker_url)
+            if self.broker_url:
+                # a GPU lease an earlier stop could not release would otherwise stay with this
+                # server (the hub's check sees the server running): end it, without delaying the spawn
+                self._orphan_task = asyncio.ensure_future(self._withdraw_orphans(self.broker))
             self.emit_progress("No GPU for this server (CPU only)", 40)
             self._finish_lease_progress()
             self._restore_start_timeout()
