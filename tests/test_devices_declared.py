@@ -192,3 +192,28 @@ def test_static_backend_reports_the_declared_pool_without_figures():
 def test_static_backend_needs_a_declared_pool():
     with pytest.raises(ValueError, match="static device backend: config needs 'gpus'"):
         get_backend("static", {})
+
+
+@pytest.mark.parametrize("content", [
+    '{"utilization": [50], "processes": {}}',
+    '{"utilization": {}, "processes": "none"}',
+])
+def test_a_state_file_of_the_wrong_shape_is_ignored_not_raised(tmp_path, caplog, content):
+    state = tmp_path / "gpus.json"
+    b = SimulatedBackend({"state_file": str(state)})
+    uuid = b.inventory()[3].uuid
+    b.set_utilization(uuid, 50)
+    state.write_text(content)
+    with caplog.at_level("WARNING"):
+        assert b.sample()[uuid].utilization_pct == 50.0
+    assert "ignoring state file" in caplog.text
+
+
+def test_non_finite_figures_in_a_state_file_are_dropped(tmp_path):
+    state = tmp_path / "gpus.json"
+    b = SimulatedBackend({"state_file": str(state)})
+    uuid = b.inventory()[3].uuid
+    state.write_text('{"utilization": {"%s": NaN}, "processes": {"%s": [{"pid": 7, "used_memory_mib": Infinity}]}}' % (uuid, uuid))
+    s = b.sample()[uuid]
+    assert s.utilization_pct == 0.0
+    assert [(p.pid, p.used_memory_mib) for p in s.processes] == [(7, None)]

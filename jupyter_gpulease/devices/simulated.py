@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -178,18 +179,22 @@ class SimulatedBackend(DeviceBackend):
     def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, int | None]]]:
         if not isinstance(data, dict):
             raise ValueError("it must hold a JSON object with 'utilization' and 'processes'")
+        for key in ("utilization", "processes"):
+            if not isinstance(data.get(key) or {}, dict):
+                raise ValueError(f"its {key!r} must be a JSON object keyed by device UUID")
         util: dict[str, float] = {}
         for uuid, pct in (data.get("utilization") or {}).items():
-            if uuid in self._total and isinstance(pct, (int, float)) and not isinstance(pct, bool):
+            if uuid in self._total and isinstance(pct, (int, float)) and not isinstance(pct, bool) and math.isfinite(pct):
                 util[uuid] = float(min(100.0, max(0.0, pct)))
         procs: dict[str, dict[int, int | None]] = {}
         for uuid, plist in (data.get("processes") or {}).items():
             if uuid not in self._total or not isinstance(plist, list):
                 continue
             for p in plist:
-                if isinstance(p, dict) and isinstance(p.get("pid"), int):
+                if isinstance(p, dict) and isinstance(p.get("pid"), int) and not isinstance(p["pid"], bool):
                     mib = p.get("used_memory_mib")
-                    procs.setdefault(uuid, {})[p["pid"]] = int(mib) if isinstance(mib, (int, float)) else None
+                    ok = isinstance(mib, (int, float)) and not isinstance(mib, bool) and math.isfinite(mib)
+                    procs.setdefault(uuid, {})[p["pid"]] = int(mib) if ok else None
         return util, procs
 
     def _save(self) -> None:
