@@ -82,6 +82,9 @@ def test_good_options_become_a_broker_body():
         ({"kind": "cpu", "gpus": 1}, "gpus", "drop 'gpus'"),
         ({"share": 1.5}, "share", "between 0 and 1"),
         ({"gpus": "two"}, "gpus", "whole number"),
+        ({"preset": ["a100"]}, "preset", "choose one of: cpu, l4-half, a100"),
+        ({"gpus": 1, "duration_h": 10**400}, "duration_h", "must be a number"),
+        ({"gpus": 1, "max_wait_min": 10**400}, "max_wait_min", "must be a number"),
     ],
 )
 def test_bad_options_say_what_to_change(opts, field, words):

@@ -160,8 +160,13 @@ def _number(opts: dict, key: str, *, positive: bool = True) -> float | None:
             v = float(v.strip())
         except ValueError:
             raise OptionsError(f"'{key}' must be a number, got {opts[key]!r}", key) from None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise OptionsError(f"'{key}' must be a number, got {opts[key]!r}", key)
+    try:
+        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        shown = repr(opts[key]) if len(repr(opts[key])) <= 40 else repr(opts[key])[:40] + "…"
+        raise OptionsError(f"'{key}' must be a number, got {shown}", key)
     if positive and v <= 0:
         raise OptionsError(f"'{key}' must be more than 0, got {v:g}", key)
     return float(v)
@@ -312,7 +317,7 @@ def parse_user_options(
     if "preset" in opts:
         slug = opts["preset"]
         by_slug = {p.slug: p for p in presets}
-        if slug not in by_slug:
+        if not isinstance(slug, str) or slug not in by_slug:
             choices = ", ".join(by_slug) or "none are configured"
             raise OptionsError(f"unknown preset {slug!r}; choose one of: {choices}", "preset")
         extra = sorted(set(opts) & set(REQUEST_KEYS + ("tier",)))
