@@ -249,3 +249,22 @@ def test_the_wheel_ships_the_example_configs_where_the_demo_finds_them(tmp_path)
     module, found = r.stdout.split()
     assert module.startswith(str(site)), "the unpacked wheel's package was imported"
     assert found == str(site / "jupyter_gpulease" / "config_examples")
+
+
+def test_the_demo_writes_its_tokens_readable_by_their_owner_only_from_the_start(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from jupyter_gpulease.hub import demo
+
+    modes = []
+    real_chmod = Path.chmod
+    # the mode the file has before any chmod: nobody else may read it even for a moment
+    monkeypatch.setattr(Path, "chmod", lambda self, mode: (modes.append(self.stat().st_mode & 0o777), real_chmod(self, mode)))
+    old = os.umask(0)
+    try:
+        tok = demo._token(tmp_path / "demo-token")
+    finally:
+        os.umask(old)
+    assert modes == [0o600]
+    assert (tmp_path / "demo-token").read_text().strip() == tok
+    assert demo._token(tmp_path / "demo-token") == tok  # kept across restarts

@@ -107,8 +107,11 @@ def _token(path: Path) -> str:
         if tok:
             return tok
     tok = secrets.token_hex(32)
-    path.write_text(tok + "\n")
-    path.chmod(0o600)
+    # created private: write-then-chmod would leave the token readable by everyone for a moment
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok + "\n")
+    path.chmod(0o600)  # an empty file that existed keeps its mode through os.open
     return tok
 
 
