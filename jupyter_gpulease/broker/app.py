@@ -179,7 +179,7 @@ class GPULeaseBroker(Application):
     stop_server_states = List(
         Unicode(),
         ["expired", "preempted", "revoked", "failed"],
-        help="Final states whose leases stop their servers when ``stop_servers_on_end`` is on.",
+        help="Final states whose leases stop their servers when ``stop_servers_on_end`` is on. Example: ``['expired', 'revoked']``.",
     ).tag(config=True)
 
     reconcile_interval = Float(

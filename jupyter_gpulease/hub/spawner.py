@@ -74,7 +74,8 @@ class GPULeaseSpawner(Spawner):
     server_broker_url = Unicode(
         help="""The broker's URL as single-user servers reach it (``GPULEASE_BROKER_URL`` in their
         environment). Default: ``broker_url``. Set it when servers run where the hub's address
-        for the broker does not work (containers, other hosts).
+        for the broker does not work (containers, other hosts). Example:
+        ``http://hub.example.org/services/gpulease/`` (through the proxy).
         """,
     ).tag(config=True)
 
@@ -160,7 +161,7 @@ class GPULeaseSpawner(Spawner):
             raise TraitError(f"on_lease_end must be 'stop' or 'keep', got {proposal.value!r}")
         return proposal.value
 
-    lease_meta = Dict(help="Extra labels stored with every lease this spawner requests (shown in the broker's admin page).").tag(config=True)
+    lease_meta = Dict(help="Extra labels stored with every lease this spawner requests. Example: ``{'hub': 'teaching'}``.").tag(config=True)
 
     # ------------------------------------------------------------------ state
     lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
