@@ -68,6 +68,8 @@ c.GPULeaseBroker.backfill = True  # small requests may start ahead of a blocked 
 c.GPULeaseBroker.preemption = True
 c.GPULeaseBroker.reservation_depth = 100  # queued leases that get a reservation and an ETA each pass
 c.GPULeaseBroker.extend_when_contended = False  # refuse extensions while others wait for these GPUs
+c.GPULeaseBroker.aging = 1800  # s: a lease waiting this long goes before newer higher-tier ones; 0: never
+c.GPULeaseBroker.placement_by_preemptibility = True  # keep preemptible work together so whole nodes can be freed
 c.GPULeaseBroker.warn_before = 600  # seconds before expiry the holder is warned
 c.GPULeaseBroker.tick_interval = 5  # seconds between scheduling passes
 

@@ -144,8 +144,9 @@ class BrokerClient:
     async def get_lease(self, lease_id: str) -> dict:
         return await self._call("GET", f"api/leases/{lease_id}")
 
-    async def list_leases(self, state: str | None = None, user: str | None = None) -> list[dict]:
-        return (await self._call("GET", "api/leases", query={"state": state, "user": user}))["leases"]
+    async def list_leases(self, state: str | None = None, user: str | None = None, limit: int | None = None) -> list[dict]:
+        """Leases by state ('live' by default; 'ended' and 'all' list at most ``limit`` ended ones, newest first)."""
+        return (await self._call("GET", "api/leases", query={"state": state, "user": user, "limit": limit}))["leases"]
 
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None) -> dict:
         body: dict[str, Any] = {}

@@ -603,3 +603,19 @@ def test_the_check_with_the_hub_withdraws_a_queued_lease_whose_spawn_the_hub_for
             hub.stop()
 
     asyncio.run(scenario())
+
+
+def test_ended_leases_are_listed_newest_first_up_to_a_limit(tmp_path):
+    async def scenario(app, client):
+        alice = client("alice")
+        ids = []
+        for _ in range(3):
+            lease = await alice.request_lease({"gpus": 1, "model": "A100*"})
+            await alice.release(lease["id"])
+            ids.append(lease["id"])
+        assert [x["id"] for x in await alice.list_leases(state="ended", limit=2)] == ids[::-1][:2]
+        assert len(await alice.list_leases(state="all")) == 3
+        await expect_error(alice.list_leases(state="ended", limit=0), 400, "limit")
+        await expect_error(alice._call("GET", "api/leases", query={"state": "ended", "limit": "many"}), 400, "limit")
+
+    run_with_broker(tmp_path, scenario)

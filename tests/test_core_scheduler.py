@@ -460,3 +460,9 @@ def test_restored_lease_on_a_vanished_gpu_fails_with_a_reason():
     evs = s2.tick(T0 + 1)
     assert kinds(evs, ev.ENDED)[0].to_state == "failed"
     assert not s2.leases and s2.pool.idle_by_model["A100"] == 1
+
+
+def test_a_number_too_large_for_a_float_is_a_bad_request_naming_the_field():
+    with pytest.raises(BadRequest) as e:
+        parse_request({"share": 10**400})
+    assert e.value.field == "share"

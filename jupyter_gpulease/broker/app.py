@@ -156,6 +156,17 @@ class GPULeaseBroker(Application):
     preemption = Bool(True, help="Let higher tiers preempt preemptible tiers (after the tier's grace_s).").tag(config=True)
     reservation_depth = Integer(100, help="How many queued leases get a reservation and an ETA each scheduling pass. Example: 100.").tag(config=True)
     extend_when_contended = Bool(False, help="Allow extensions even while other leases wait for the same GPUs.").tag(config=True)
+    aging = Float(
+        1800.0,
+        help="""Seconds after which a waiting lease is considered before newer leases of higher tiers
+        (oldest first), so a stream of small high-tier requests cannot starve a large request; 0: never.
+        Example: 1800.""",
+    ).tag(config=True)
+    placement_by_preemptibility = Bool(
+        True,
+        help="""Keep non-preemptible leases on the nodes that already hold such work, and preemptible
+        ones together elsewhere, so that preempting a tier can free whole nodes for multi-GPU requests.""",
+    ).tag(config=True)
     confirm_timeout = Float(
         900.0,
         help="Revoke an active lease whose holder never confirms (its server never came up) after this many seconds; 0: never. Example: 900.",
@@ -236,6 +247,7 @@ class GPULeaseBroker(Application):
     # ------------------------------------------------------------------ building
     @catch_config_error
     def initialize(self, argv=None):
+        self._tasks: set[asyncio.Task] = set()  # background tasks, referenced until done
         super().initialize(argv)
         if self.generate_config:
             return
@@ -270,6 +282,8 @@ class GPULeaseBroker(Application):
             extend_when_contended=self.extend_when_contended,
             confirm_timeout_s=self.confirm_timeout or None,
             heartbeat_timeout_s=self.heartbeat_timeout or None,
+            aging_s=self.aging or None,
+            placement_by_preemptibility=self.placement_by_preemptibility,
         )
 
     def init_manager(self) -> None:
@@ -322,7 +336,13 @@ class GPULeaseBroker(Application):
             return
         for e in events:
             if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and getattr(e, "lease", None):
-                asyncio.ensure_future(self.stop_server(e.lease.user, e.lease.server, e.to_state))
+                self._background(self.stop_server(e.lease.user, e.lease.server, e.to_state))
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` as a task that is kept referenced until done (the loop holds tasks weakly)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stop_server(self, user: str, server: str, why: str) -> None:
         """Ask the Hub API to stop ``user``'s ``server`` (its lease ended: ``why``)."""
@@ -445,7 +465,7 @@ class GPULeaseBroker(Application):
         if self.reconcile_interval > 0:
             self.reconciler = PeriodicCallback(self._reconcile, self.reconcile_interval * 1000)
             self.reconciler.start()
-            asyncio.ensure_future(self._reconcile())  # once at start
+            self._background(self._reconcile())  # once at start
         self.log.info("GPU lease broker %s listening on %s%s", __version__, self.bind_url.rstrip("/"), self.base_url)
 
     async def _tick(self) -> None:

@@ -209,6 +209,9 @@ class PoolHandler(APIHandler):
         )
 
 
+ENDED_LIMIT = 1000  # ended leases listed at most, newest first, unless ?limit= says otherwise
+
+
 class LeasesHandler(APIHandler):
     async def get(self):
         state = self.get_argument("state", "live")
@@ -219,7 +222,10 @@ class LeasesHandler(APIHandler):
             raise Forbidden("only admins may list other users' leases", field="user")
         if user is None and not self.is_admin:
             user = self.caller_name
-        leases = await self.manager.list(user=user, state=state)
+        limit_arg = self.get_argument("limit", str(ENDED_LIMIT))
+        if not limit_arg.isdigit() or not 1 <= int(limit_arg) <= 100_000:
+            raise BadRequest(f"'limit' must be a whole number from 1 to 100000, got {limit_arg!r}", field="limit")
+        leases = await self.manager.list(user=user, state=state, limit=int(limit_arg))
         self.write_json({"leases": [self.manager.lease_json(lease) for lease in leases]})
 
     async def post(self):

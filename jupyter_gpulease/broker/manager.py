@@ -217,18 +217,21 @@ class LeaseManager:
             leases = [lease for lease in leases if lease.user == user]
         return sorted(leases, key=lambda lease: (lease.created_at, lease.seq))
 
-    async def list(self, *, user: str | None = None, state: str = "live") -> list[Lease]:
-        """Leases by ``state``: 'live' (queued+active), a state name, 'ended', or 'all'."""
+    async def list(self, *, user: str | None = None, state: str = "live", limit: int | None = None) -> list[Lease]:
+        """Leases by ``state``: 'live' (queued+active), a state name, 'ended', or 'all'.
+
+        Ended leases come from the store, newest first, at most ``limit`` of them.
+        """
         if state in ("live", LeaseState.QUEUED.value, LeaseState.ACTIVE.value):
             leases = self.live(user)
             if state != "live":
                 leases = [lease for lease in leases if lease.state.value == state]
             return leases
         if state == "all":
-            ended = await self.run_store(self.store.list_leases, user, [s.value for s in LeaseState if s.terminal])
+            ended = await self.run_store(self.store.list_leases, user, [s.value for s in LeaseState if s.terminal], limit=limit)
             return self.live(user) + ended
         states = [s.value for s in LeaseState if s.terminal] if state == "ended" else [state]
-        return await self.run_store(self.store.list_leases, user, states)
+        return await self.run_store(self.store.list_leases, user, states, limit=limit)
 
     async def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> list[dict]:
         return await self.run_store(self.store.events_since, since, lease_id, limit, user=user)

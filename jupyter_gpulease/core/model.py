@@ -228,7 +228,10 @@ def _num_field(d: dict, name: str) -> float | None:
             raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name) from None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
         raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name)
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise BadRequest(f"'{name}' is far out of range", field=name) from None
 
 
 def parse_request(d: Any) -> Request:
