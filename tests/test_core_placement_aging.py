@@ -118,3 +118,78 @@ def test_ties_between_equal_nodes_break_the_same_way_whatever_the_hash_seed():
     a = lease(s, "a", gpus=4)
     s.tick(T0)
     assert node_of(s, a) == "n0"  # first of equal nodes in inventory order
+
+
+# ------------------------------------------------------------------ fragmentation-aware shares
+def share(s, user, frac, now=T0):
+    l = s.new_lease(user=user, request=parse_request({"share": frac}), now=now, duration_s=HOUR)
+    s.submit(l, now)
+    s.tick(now)
+    return l
+
+
+def gpu_of(s, l):
+    return s.get(l.id).placement.slices[0].index
+
+
+def stranding_case(share_placement):
+    """Two GPUs; 0.8 shares seen before; GPU 0 holds 0.15, GPU 1 holds 0.1; then a 0.1 share and two 0.8 shares."""
+    s = Scheduler(pool(1, 2), Policy(confirm_timeout_s=None, share_placement=share_placement))
+    for u in ("h1", "h2"):  # history: two 0.8 shares, done
+        share(s, u, 0.8)
+    for u in ("h1", "h2"):
+        s.release(next(l.id for l in s.leases.values() if l.user == u), T0)
+    a = share(s, "a", 0.15)
+    b = share(s, "b", 0.9)
+    c = share(s, "c", 0.1)
+    assert (gpu_of(s, a), gpu_of(s, b), gpu_of(s, c)) == (0, 1, 1)
+    s.release(b.id, T0)
+    e = share(s, "e", 0.1)
+    f = share(s, "f", 0.8)
+    g = share(s, "g", 0.8)
+    return s, e, f, g
+
+
+def test_best_fit_strands_room_for_a_large_share():
+    s, e, f, g = stranding_case("best_fit")
+    assert gpu_of(s, e) == 0  # the fullest GPU: 0.75 free there, 0.9 on the other
+    assert s.get(f.id).state is LeaseState.ACTIVE
+    assert s.get(g.id).state is LeaseState.QUEUED  # 0.85 free in all, but no GPU has 0.8
+
+
+def test_fragmentation_aware_placement_keeps_room_for_a_large_share():
+    s, e, f, g = stranding_case("fragmentation")
+    assert gpu_of(s, e) == 1  # leaves 0.85 and 0.8 free: both 0.8 shares fit
+    assert s.get(f.id).state is LeaseState.ACTIVE
+    assert s.get(g.id).state is LeaseState.ACTIVE
+    assert {gpu_of(s, f), gpu_of(s, g)} == {0, 1}
+
+
+def test_fragmentation_ties_fall_back_to_best_fit_and_idle_gpus_stay_whole():
+    s = Scheduler(pool(2, 2), Policy(confirm_timeout_s=None, share_placement="fragmentation", placement_by_preemptibility=False))
+    a = share(s, "a", 0.3)
+    b = share(s, "b", 0.3)
+    assert gpu_of(s, a) == gpu_of(s, b)  # packed onto one GPU, not spread over idle ones
+    assert s.capacity()["A100"]["idle_gpus"] == 3
+
+
+def test_share_sizes_fragmentation_table():
+    from jupyter_gpulease.core.pool import ShareSizes
+
+    sz = ShareSizes(prior=0.0)
+    for _ in range(3):
+        sz.add(800)
+    sz.add(1000)
+    t = sz.frag_table()
+    assert t[1000] == 0  # an idle GPU takes any request
+    assert t[900] == 900 * 0.25  # only the whole-GPU requests cannot use 0.9
+    assert t[799] == 799 * 1.0
+    sz.add(200)
+    assert sz.frag_table()[799] == 799 * 4 / 5  # rebuilt after a new sample
+
+
+def test_share_placement_is_validated():
+    import pytest
+
+    with pytest.raises(ValueError, match="share_placement"):
+        Policy(share_placement="worst_fit")

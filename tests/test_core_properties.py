@@ -79,9 +79,11 @@ def check_invariants(s: Scheduler, all_leases):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops, st.booleans(), st.booleans())
-def test_invariants_hold_under_random_operations(seq, fair, quota):
-    pol = Policy(fair_share=fair, confirm_timeout_s=1800, default_user_quota=Quota(max_gpus=2) if quota else Quota(), reservation_depth=5)
+@given(ops, st.booleans(), st.booleans(), st.sampled_from(("best_fit", "fragmentation")))
+def test_invariants_hold_under_random_operations(seq, fair, quota, share_placement):
+    pol = Policy(
+        fair_share=fair, confirm_timeout_s=1800, default_user_quota=Quota(max_gpus=2) if quota else Quota(), reservation_depth=5, share_placement=share_placement
+    )
     s = Scheduler(POOL, pol)
     now = T0
     all_leases = []

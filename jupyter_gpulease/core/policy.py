@@ -117,6 +117,12 @@ class Policy:
     # hold non-preemptible work, preemptible ones onto other nodes, so that preemption can free
     # whole nodes for multi-GPU requests (False: plain best fit, blind to tiers)
     placement_by_preemptibility: bool = True
+    # where a share goes among the GPUs that fit (within the preemption-aware node rank):
+    # "best_fit": the fullest partly used GPU, so that idle GPUs stay whole;
+    # "fragmentation": the GPU whose fragmentation grows least, fragmentation of a GPU being
+    # the free compute that a request drawn from the sizes submitted so far could not use
+    # there (FGD, USENIX ATC'23); best fit breaks ties
+    share_placement: str = "best_fit"
     # aging: a queued lease that has waited this long (seconds) is considered before every
     # tier's newer leases, oldest first, so its reservation holds against higher tiers too and
     # a large request cannot be passed forever by a stream of small higher-tier ones
@@ -127,6 +133,8 @@ class Policy:
     heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this
 
     def __post_init__(self):
+        if self.share_placement not in ("best_fit", "fragmentation"):
+            raise ValueError(f"share_placement must be 'best_fit' or 'fragmentation', got {self.share_placement!r}")
         if self.default_tier not in self.tiers:
             raise ValueError(f"default_tier {self.default_tier!r} is not one of the tiers {sorted(self.tiers)}")
 

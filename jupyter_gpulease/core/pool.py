@@ -52,10 +52,59 @@ def share_need(req: Request, gpu: GPU) -> tuple[int, int]:
     return milli, mem
 
 
-class Pool:
-    """Live occupancy of the whole inventory, with placement."""
+class ShareSizes:
+    """Online distribution of the compute (milli-GPUs per GPU) that requests ask for.
 
-    def __init__(self, gpus: Iterable[GPU]):
+    Fed with every request submitted (a share: its milli; a whole-GPU request: one GPU's 1000),
+    on top of a small uniform prior, so that the first placements are not driven by a handful
+    of samples. :meth:`frag_table` gives, per free milli ``f`` of a GPU, its fragmentation
+    ``f * P(size > f)``: the free capacity that a random future request could not use there
+    (FGD, "Beware of Fragmentation", USENIX ATC'23). The table is rebuilt lazily, at most
+    once per scheduling pass that follows new requests.
+    """
+
+    __slots__ = ("_frag", "counts", "total")
+
+    def __init__(self, prior: float = 1.0):
+        self.counts = [0.0] + [prior / MILLI] * MILLI  # size (milli) -> weight
+        self.total = float(prior)
+        self._frag: list[float] | None = None
+
+    def add(self, milli: int, weight: float = 1.0) -> None:
+        if 0 < milli <= MILLI:
+            self.counts[milli] += weight
+            self.total += weight
+            self._frag = None
+
+    def frag_table(self) -> list[float]:
+        """``t[f] = f * P(size > f)`` for f in 0..1000."""
+        t = self._frag
+        if t is None:
+            t = [0.0] * (MILLI + 1)
+            tail, counts, total = 0.0, self.counts, self.total
+            for f in range(MILLI, -1, -1):
+                t[f] = f * tail / total
+                tail += counts[f]
+            self._frag = t
+        return t
+
+
+SHARE_PLACEMENTS = ("best_fit", "fragmentation")
+
+
+class Pool:
+    """Live occupancy of the whole inventory, with placement.
+
+    ``share_placement`` picks the GPU of a share among those that fit (after the
+    preemption-aware node rank): ``"best_fit"`` the fullest partly used GPU, ``"fragmentation"``
+    the GPU whose total fragmentation (see :class:`ShareSizes`) grows least, best fit on ties.
+    """
+
+    def __init__(self, gpus: Iterable[GPU], share_placement: str = "best_fit", sizes: ShareSizes | None = None):
+        if share_placement not in SHARE_PLACEMENTS:
+            raise ValueError(f"share_placement must be one of {', '.join(SHARE_PLACEMENTS)}, got {share_placement!r}")
+        self.share_placement = share_placement
+        self.sizes = sizes if sizes is not None else ShareSizes()  # requested sizes seen so far
         self.gpus: dict[str, GPUState] = {}
         self.by_node: dict[str, list[GPUState]] = defaultdict(list)
         self.by_model: dict[str, list[GPUState]] = defaultdict(list)
@@ -169,6 +218,13 @@ class Pool:
             return "mig_profile", f"no GPU offers MIG profile {req.mig_profile!r}; profiles in the pool: {have}"
         return None
 
+    def note_request(self, req: Request) -> None:
+        """Count a submitted request in the size distribution (fragmentation-aware placement)."""
+        if req.kind is SliceKind.SHARE:
+            self.sizes.add(self.gpu_milli_of(req))
+        elif req.kind is SliceKind.GPU:
+            self.sizes.add(MILLI)
+
     def gpu_milli_of(self, req: Request) -> int:
         key = req.shape()
         m = self._milli_cache.get(key)
@@ -266,6 +322,9 @@ class Pool:
         best = None
         best_key = None
         rank = self.node_rank
+        # fragmentation-aware: the second key is how much the GPU's fragmentation grows (0 for
+        # plain best fit, so the key then orders exactly as best fit)
+        frag = self.sizes.frag_table() if self.share_placement == "fragmentation" else None
         for m in models:
             if self.free_milli_by_model.get(m, 0) <= 0:
                 continue
@@ -277,10 +336,16 @@ class Pool:
                 milli, mem = share_need(req, g)
                 if s.free_milli < milli or s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
                     continue
-                key = (rank(g.node, preemptible), 0, s.free_milli - milli, g.node, g.index)
+                f = s.free_milli
+                key = (rank(g.node, preemptible), frag[f - milli] - frag[f] if frag else 0, 0, f - milli, g.node, g.index)
                 if best_key is None or key < best_key:
                     best, best_key = (s, milli, mem), key
-        if best is None or best_key[0] > 0:
+        idle_too = best is None or best_key[0] > 0
+        if not idle_too and frag:
+            # an idle GPU may grow fragmentation less than the best partly used one
+            milli0 = req.share_milli
+            idle_too = not milli0 or frag[MILLI - milli0] - frag[MILLI] < best_key[1]
+        if idle_too:
             # an idle GPU on a better-ranked node beats a partly used one on a worse node
             for m in models:
                 for s in self.idle_set_by_model.get(m, ()):
@@ -291,7 +356,7 @@ class Pool:
                     if s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
                         continue
                     # an idle GPU on the node with the fewest idle GPUs keeps big nodes whole
-                    key = (rank(g.node, preemptible), 1, self.idle_by_node[g.node], g.node, g.index)
+                    key = (rank(g.node, preemptible), frag[MILLI - milli] - frag[MILLI] if frag else 0, 1, self.idle_by_node[g.node], g.node, g.index)
                     if best_key is None or key < best_key:
                         best, best_key = (s, milli, mem), key
         if best is None:

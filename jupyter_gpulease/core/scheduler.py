@@ -315,7 +315,7 @@ class Scheduler:
         self.policy = policy or Policy()
         gpus = list(inventory)
         self.inventory: dict[str, GPU] = {g.uuid: g for g in gpus}
-        self.pool = Pool(gpus)
+        self.pool = Pool(gpus, self.policy.share_placement)
         self.leases: dict[str, Lease] = {}
         self._queued: dict[str, dict[str, list[Lease]]] = defaultdict(dict)  # tier -> user -> leases by seq
         self._n_queued = 0
@@ -440,6 +440,7 @@ class Scheduler:
         lease.state = LeaseState.QUEUED
         self.leases[lease.id] = lease
         self._enqueue(lease)
+        self.pool.note_request(lease.request)
         if lease.max_wait_s is not None:
             self._deadline(lease.created_at + lease.max_wait_s, "maxwait", lease.id)
         self._dirty = True
@@ -1078,7 +1079,7 @@ class Scheduler:
         """Replace the inventory; leases on GPUs that left the pool fail."""
         gpus = list(gpus)
         self.inventory = {g.uuid: g for g in gpus}
-        self.pool = Pool(gpus)
+        self.pool = Pool(gpus, self.policy.share_placement, self.pool.sizes)
         self._gpu_free_at.clear()
         out: list[Event] = []
         for l in list(self.leases.values()):
