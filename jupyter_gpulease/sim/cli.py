@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-days", type=_window, default=(None, None), help="keep arrivals in START:END trace days")
     p.add_argument("--limit", type=int, default=None, help="keep only the first N jobs/sessions (quick runs)")
     p.add_argument("--policies", default=",".join(P.DEFAULT_POLICIES), help=f"built-in policies to compare (default: {','.join(P.DEFAULT_POLICIES)})")
+    p.add_argument(
+        "--share-placement",
+        choices=("best_fit", "fragmentation"),
+        default=None,
+        help="gpulease: where shares go among the GPUs that fit (Policy.share_placement; default: the core default, best_fit)",
+    )
     p.add_argument("--policy-file", action="append", default=[], help="TOML/JSON file of more policies ([[policy]] tables); repeatable")
     p.add_argument("--linger-min", type=float, default=60.0, help="notebook: minutes a session keeps its GPU after its last burst (ASSUMPTION; default 60)")
     p.add_argument("--session-gap-min", type=float, default=None, help="notebook: a gap longer than this ends a session (ASSUMPTION; default: the linger)")
@@ -101,7 +107,10 @@ def _policies(args, batch: bool = False) -> list[P.SimPolicy]:
         if name == "static+culler":
             out.append(P.static_culler(args.culler_timeout_min * 60))
         else:
-            out.append(P.for_trace(name, batch))
+            sp = P.for_trace(name, batch)
+            if args.share_placement and not sp.whole_gpus:
+                sp = replace(sp, policy=replace(sp.policy, share_placement=args.share_placement), description=sp.description + f"; share placement {args.share_placement}")
+            out.append(sp)
     for f in args.policy_file:
         out.extend(P.load_policy_file(f))
     names = [sp.name for sp in out]

@@ -225,6 +225,7 @@ _POLICY_KEYS = {
     "extend_when_contended",
     "warn_before_s",
     "default_tier",
+    "share_placement",
 }
 
 
