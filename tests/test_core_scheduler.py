@@ -466,3 +466,14 @@ def test_a_number_too_large_for_a_float_is_a_bad_request_naming_the_field():
     with pytest.raises(BadRequest) as e:
         parse_request({"share": 10**400})
     assert e.value.field == "share"
+
+
+def test_extension_is_refused_when_it_would_go_over_the_gpu_hour_quota():
+    s = Scheduler(gpus(1), P(default_user_quota=Quota(gpu_hours=3, period_s=24 * HOUR)))
+    a = ask(s, "u", duration_s=2 * HOUR)
+    s.tick(T0)
+    with pytest.raises(Refused, match="1.0 GPU-hours left, enough for 60 min more") as e:
+        s.extend(a.id, T0 + 60, by_s=2 * HOUR)
+    assert e.value.field == "by_s"
+    s.extend(a.id, T0 + 60, by_s=HOUR)
+    assert a.expires_at == T0 + 3 * HOUR

@@ -162,6 +162,13 @@ class GPULeaseBroker(Application):
         (oldest first), so a stream of small high-tier requests cannot starve a large request; 0: never.
         Example: 1800.""",
     ).tag(config=True)
+    share_placement = CaselessStrEnum(
+        ["best_fit", "fragmentation"],
+        "best_fit",
+        help="""Where a share of one GPU goes. best_fit: the fullest GPU it fits on. fragmentation:
+        the GPU where it strands the least capacity for the share sizes requested so far (after
+        FGD, USENIX ATC'23). Example: "fragmentation".""",
+    ).tag(config=True)
     placement_by_preemptibility = Bool(
         True,
         help="""Keep non-preemptible leases on the nodes that already hold such work, and preemptible
@@ -284,6 +291,7 @@ class GPULeaseBroker(Application):
             heartbeat_timeout_s=self.heartbeat_timeout or None,
             aging_s=self.aging or None,
             placement_by_preemptibility=self.placement_by_preemptibility,
+            share_placement=self.share_placement.lower(),
         )
 
     def init_manager(self) -> None:

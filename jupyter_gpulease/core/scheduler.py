@@ -543,12 +543,18 @@ class Scheduler:
                         f"(queued {fmt_duration(now - w.created_at)} ago, tier {w.tier}); release it when you are done",
                         field="by_s" if by_s is not None else "until",
                     )
-        self._check_hard_quota(l.user, l.groups, 0, 0, now)  # over the window already: refuse below
-        for who, key, q in [("you", l.user, self.policy.quota_for_user(l.user))]:
-            if q.gpu_hours is not None:
-                used_h = self._window.used_s("u:" + key, now, q.period_s) / 3600 + (l.expires_at - (l.granted_at or now)) * l.gpu_milli / MILLI / 3600
-                if used_h + (new - l.expires_at) * l.gpu_milli / MILLI / 3600 > q.gpu_hours + 1e-9:
-                    raise Refused(f"extending would go over the GPU-hour quota for {who} ({q.gpu_hours:g} GPU-hours per {fmt_duration(q.period_s)})", field="by_s")
+        q = self.policy.quota_for_user(l.user)
+        if q.gpu_hours is not None:
+            # past use in the window, this lease's current grant in full, and the extension
+            gpus = l.gpu_milli / MILLI
+            used_h = self._window.used_s("u:" + l.user, now, q.period_s) / 3600 + (l.expires_at - l.granted_at) * gpus / 3600
+            if used_h + (new - l.expires_at) * gpus / 3600 > q.gpu_hours + 1e-9:
+                left = max(0.0, q.gpu_hours - used_h)
+                raise Refused(
+                    f"extending would go over your GPU-hour quota ({q.gpu_hours:g} GPU-hours per {fmt_duration(q.period_s)}); "
+                    f"{left:.1f} GPU-hours left, enough for {fmt_duration(left * 3600 / gpus)} more",
+                    field="by_s" if by_s is not None else "until",
+                )
         old = l.expires_at
         l.expires_at = new
         l.warned_at = None
