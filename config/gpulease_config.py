@@ -70,6 +70,7 @@ c.GPULeaseBroker.reservation_depth = 100  # queued leases that get a reservation
 c.GPULeaseBroker.extend_when_contended = False  # refuse extensions while others wait for these GPUs
 c.GPULeaseBroker.aging = 1800  # s: a lease waiting this long goes before newer higher-tier ones; 0: never
 c.GPULeaseBroker.placement_by_preemptibility = True  # keep preemptible work together so whole nodes can be freed
+c.GPULeaseBroker.share_placement = "best_fit"  # or "fragmentation": leave room for the share sizes people ask for
 c.GPULeaseBroker.warn_before = 600  # seconds before expiry the holder is warned
 c.GPULeaseBroker.tick_interval = 5  # seconds between scheduling passes
 
