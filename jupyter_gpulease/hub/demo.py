@@ -358,20 +358,23 @@ def _hub_api(url: str, token: str, method: str, path: str):
 
 def _stop_servers(url: str, token: str, timeout: float = 60) -> None:
     """Stop every server (and cancel pending spawns) through the Hub API while the broker still
-    runs, so that their leases are released; the hub stops its services before its servers."""
+    runs, so that their leases are released; the hub stops its services before its servers.
+
+    Stopping one server can grant a waiting spawn its GPU, which then starts: keep asking until
+    no server is left (or ``timeout``), not just once per server.
+    """
+    deadline = time.monotonic() + timeout
     try:
-        status, users = _hub_api(url, token, "GET", "users?state=active")
-        if status != 200:
-            return
-        for u in users or []:
-            for name in (u.get("servers") or {}):
-                path = f"users/{quote(u['name'], safe='')}/servers/{quote(name, safe='')}" if name else f"users/{quote(u['name'], safe='')}/server"
-                _hub_api(url, token, "DELETE", path)
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status, users = _hub_api(url, token, "GET", "users?state=active")
             if status != 200 or not users:
                 return
+            for u in users:
+                for name, server in (u.get("servers") or {}).items():
+                    if (server or {}).get("pending") == "stop":
+                        continue
+                    path = f"users/{quote(u['name'], safe='')}/servers/{quote(name, safe='')}" if name else f"users/{quote(u['name'], safe='')}/server"
+                    _hub_api(url, token, "DELETE", path)
             time.sleep(0.5)
     except (urllib.error.URLError, OSError, ValueError):
         return
