@@ -265,12 +265,7 @@ class LeasesHandler(APIHandler):
         meta = body.get("meta") or {}
         if not isinstance(meta, dict):
             raise BadRequest("'meta' must be a JSON object", field="meta")
-        lease = await self._request(body, request, user, groups, tier, duration, server, max_wait, meta)
-        self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
-        self.write_json(self.manager.lease_json(lease), 201)
-
-    async def _request(self, body, request, user, groups, tier, duration, server, max_wait, meta):
-        return await self.manager.request(
+        lease = await self.manager.request(
             user=user,
             request=request,
             tier=tier,
@@ -281,6 +276,8 @@ class LeasesHandler(APIHandler):
             meta=meta,
             actor=self.actor if user == self.caller_name else f"admin:{self.caller_name}",
         )
+        self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
+        self.write_json(self.manager.lease_json(lease), 201)
 
 
 class LeaseHandler(APIHandler):
