@@ -321,6 +321,35 @@ def test_extension_refused_when_someone_waits_for_the_gpu_unless_configured():
                 s.extend(a.id, T0 + 10, by_s=600)
 
 
+def test_a_lower_tier_waiter_cannot_cut_a_higher_tier_lease_short_until_it_has_aged():
+    s = Scheduler(gpus(1), P(aging_s=1800))
+    a = ask(s, "a", tier="production")
+    s.tick(T0)
+    b = ask(s, "b", tier="learning", now=T0 + 60)
+    s.tick(T0 + 60)
+    assert s.eta(b.id) == a.expires_at  # the GPU is promised to b ...
+    s.extend(a.id, T0 + 120, by_s=600)  # ... yet a learning waiter does not stop production work
+    s.tick(T0 + 60 + 1800)
+    with pytest.raises(Refused, match="someone is waiting for this GPU"):
+        s.extend(a.id, T0 + 60 + 1800, by_s=600)  # after waiting aging_s it does
+    # a waiter of the same tier blocks at once
+    s2 = Scheduler(gpus(1), P(aging_s=1800))
+    c = ask(s2, "c", tier="learning")
+    s2.tick(T0)
+    ask(s2, "d", tier="learning", now=T0 + 60)
+    s2.tick(T0 + 60)
+    with pytest.raises(Refused, match="waiting for this GPU"):
+        s2.extend(c.id, T0 + 120, by_s=600)
+    # without aging, a lower tier never blocks a higher tier's extension, however long it waits
+    s3 = Scheduler(gpus(1), P(aging_s=None))
+    e = ask(s3, "e", tier="experiment")
+    s3.tick(T0)
+    f = ask(s3, "f", tier="learning", now=T0 + 60)
+    s3.tick(T0 + 50 * 60)
+    s3.extend(e.id, T0 + 50 * 60, by_s=HOUR)
+    assert e.state is LeaseState.ACTIVE and f.state is LeaseState.QUEUED
+
+
 def test_extending_a_queued_lease_is_a_conflict():
     s = Scheduler(gpus(1), P())
     ask(s, "a")

@@ -536,7 +536,7 @@ class Scheduler:
         if not self.policy.extend_when_contended:
             for sl in l.placement.slices:
                 waiter = self._reserved_by.get(sl.mig_uuid or sl.gpu_uuid)
-                if waiter and waiter in self.leases:
+                if waiter and waiter in self.leases and self._outranks(self.leases[waiter], t, now):
                     w = self.leases[waiter]
                     raise Refused(
                         f"cannot extend: {'someone' if w.user != l.user else 'your other lease'} is waiting for this GPU "
@@ -562,6 +562,19 @@ class Scheduler:
         self._push_expiry_deadlines(l, now)
         self._dirty = True  # ETAs move
         return [Event(l.id, ev.EXTENDED, now, l.state.value, l.state.value, actor=actor or l.user, data={"from": old, "to": new}, lease=l)]
+
+    def _outranks(self, waiter: Lease, holder_tier: Tier, now: float) -> bool:
+        """May ``waiter`` stand in the way of extending a lease of ``holder_tier``?
+
+        A waiter of the same or a higher tier may; one of a lower tier only once it has aged
+        (waited ``aging_s``), so that a stream of best-effort requests cannot cut production
+        work short, yet nothing waits forever behind leases that keep extending.
+        """
+        wt = self.policy.tiers.get(waiter.tier)
+        if wt is None or wt.priority >= holder_tier.priority:
+            return True
+        aging = self.policy.aging_s
+        return aging is not None and now - waiter.created_at >= aging
 
     def confirm(self, lease_id: str, now: float, actor: str = "") -> list[Event]:
         """The holder says the server using this lease is up."""
