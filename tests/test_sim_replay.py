@@ -83,6 +83,11 @@ def test_long_job_extends_its_lease_when_nobody_waits_and_expires_when_someone_d
     s3 = summarize(r3)
     assert s3["work_lost_gpu_hours"] == pytest.approx(0.0) and s3["requeued_after_expiry"] == 1
     assert rec.return_waits == [pytest.approx(60)]  # it waited for "next" to finish
+    # the first wait hides that wait; the per-pod total counts it
+    assert s3["wait"]["max_s"] == pytest.approx(2 * 3600 - 60)
+    assert s3["wait_total"]["n"] == 2 and s3["wait_total"]["mean_s"] == pytest.approx((60 + 2 * 3600 - 60) / 2)
+    assert s3["resubmit_waits"] == 1 and s3["total_wait_within_10min"] == pytest.approx(0.5)
+    assert "all waits within 10 min" in table([s3])
 
 
 def test_best_effort_job_is_preempted_after_the_grace_and_resumes_its_work():

@@ -76,6 +76,14 @@ def summarize(r: ReplayResult) -> dict[str, Any]:
         rw = [w for x in batch for w in x.return_waits]
         out["resubmit_waits"] = len(rw)
         out["resubmit_wait_mean_s"] = mean(rw) if rw else 0.0
+        # every wait of a pod added up (its first wait and each wait after a preemption or a
+        # time-limit cut): what it lost in all to queueing, the honest counterpart of the first
+        # wait when a policy cuts running work
+        served_batch = [x for x in batch if x.first_wait is not None]
+        total = [sum(x.waits) for x in served_batch]
+        out["wait_total"] = wait_summary(total)
+        out["total_wait_within_10min"] = share_within(total + [float("inf")] * (len(batch) - len(served_batch)), TEN_MIN)
+        out["wait_total_multi_gpu"] = wait_summary([sum(x.waits) for x in served_batch if x.job.multi_gpu])
     sessions = [x for x in recs if x.job.kind == "session"]
     if sessions:
         per = [x.busy_s / x.held_s for x in sessions if x.held_s > 0]
@@ -145,6 +153,18 @@ def table(summaries: list[dict[str, Any]]) -> str:
         ("preemptions", lambda s: _fmt(s["preemptions"])),
         ("expired before done", lambda s: _fmt(s["expired_before_done"])),
         ("  of them re-queued", lambda s: _fmt(s.get("requeued_after_expiry", 0))),
+    ]
+    if any("wait_total" in s for s in summaries):
+        tot = lambda k: (lambda s: _fmt_s(s.get("wait_total", {}).get(k)))  # noqa: E731
+        rows += [
+            ("waits after a cut (n)", lambda s: _fmt(s.get("resubmit_waits"))),
+            ("  their mean", lambda s: _fmt_s(s.get("resubmit_wait_mean_s"))),
+            ("all waits of a pod: mean", tot("mean_s")),
+            ("all waits of a pod: p95", tot("p95_s")),
+            ("all waits within 10 min", lambda s: _fmt(s.get("total_wait_within_10min"), pct=True)),
+            ("multi-GPU all waits p95", lambda s: _fmt_s(s.get("wait_total_multi_gpu", {}).get("p95_s"))),
+        ]
+    rows += [
         ("work lost (GPU-h)", lambda s: _fmt(s.get("work_lost_gpu_hours"))),
         ("Jain fairness", lambda s: _fmt(s["jain_fairness"])),
     ]
