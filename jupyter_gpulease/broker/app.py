@@ -155,7 +155,11 @@ class GPULeaseBroker(Application):
     backfill = Bool(True, help="Let small requests start ahead of a blocked big one when they cannot delay it.").tag(config=True)
     preemption = Bool(True, help="Let higher tiers preempt preemptible tiers (after the tier's grace_s).").tag(config=True)
     reservation_depth = Integer(100, help="How many queued leases get a reservation and an ETA each scheduling pass. Example: 100.").tag(config=True)
-    extend_when_contended = Bool(False, help="Allow extensions even while other leases wait for the same GPUs.").tag(config=True)
+    extend_when_contended = Bool(
+        False,
+        help="Allow extensions even while other leases wait for the same GPUs. When False, an extension is refused "
+        "while a lease of the same or a higher tier waits for one of its GPUs, or one of a lower tier that has waited `aging`.",
+    ).tag(config=True)
     aging = Float(
         1800.0,
         help="""Seconds after which a waiting lease is considered before newer leases of higher tiers
