@@ -23,14 +23,15 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-from jupyter_gpulease.core import scheduler as core_scheduler  # noqa: E402
-from jupyter_gpulease.core.model import LeaseState, SliceKind  # noqa: E402
-from jupyter_gpulease.sim import policies as P  # noqa: E402
-from jupyter_gpulease.sim.replay import replay  # noqa: E402
-from jupyter_gpulease.sim.report import summarize  # noqa: E402
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir, load_alibaba_nodes, load_alibaba_pods  # noqa: E402
-from jupyter_gpulease.sim.workload import alibaba_workload, pool_from_inventory  # noqa: E402
+from setting import alibaba_contended
+
+from jupyter_gpulease.core import scheduler as core_scheduler
+from jupyter_gpulease.core.model import LeaseState, SliceKind
+from jupyter_gpulease.sim import policies as P
+from jupyter_gpulease.sim.replay import replay
+from jupyter_gpulease.sim.report import summarize
 
 TEN_MIN = 600.0
 
@@ -91,11 +92,7 @@ class Probe:
 
 
 def main() -> int:
-    d = default_traces_dir()
-    pods = load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"]))
-    wl = alibaba_workload(pods, compress=4, window_days=(115.0, None))
-    nodes = load_alibaba_nodes(os.path.join(d, SHARED_FILES["alibaba-nodes"]))
-    pool = pool_from_inventory(nodes, n_nodes=8, gpus_per_node=8, seed=0)
+    wl, pool = alibaba_contended()
     batch = P.gpulease_batch()
     variants = [
         ("gpulease, 10-min grace (core default)", P.gpulease()),

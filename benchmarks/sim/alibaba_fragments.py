@@ -14,18 +14,19 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from collections import Counter
 from dataclasses import replace
+
+from setting import alibaba_contended
+
 from jupyter_gpulease.core import scheduler as cs
 from jupyter_gpulease.core.model import LeaseState, SliceKind
 from jupyter_gpulease.sim import policies as P
 from jupyter_gpulease.sim.replay import replay
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir, load_alibaba_nodes, load_alibaba_pods
-from jupyter_gpulease.sim.workload import alibaba_workload, pool_from_inventory
-d = default_traces_dir()
-wl = alibaba_workload(load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"])), compress=4, window_days=(115.0, None))
-pool = pool_from_inventory(load_alibaba_nodes(os.path.join(d, SHARED_FILES["alibaba-nodes"])), n_nodes=8, gpus_per_node=8, seed=0)
+
+wl, pool = alibaba_contended()
 for mode in ("best_fit", "fragmentation"):
     samples = []
     class S(cs.Scheduler):

@@ -23,13 +23,14 @@ import sys
 from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
-from jupyter_gpulease.core.policy import HOUR  # noqa: E402
-from jupyter_gpulease.sim import policies as P  # noqa: E402
-from jupyter_gpulease.sim.replay import replay  # noqa: E402
-from jupyter_gpulease.sim.report import summarize  # noqa: E402
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir, load_alibaba_nodes, load_alibaba_pods  # noqa: E402
-from jupyter_gpulease.sim.workload import alibaba_workload, pool_from_inventory  # noqa: E402
+from setting import alibaba_contended
+
+from jupyter_gpulease.core.policy import HOUR
+from jupyter_gpulease.sim import policies as P
+from jupyter_gpulease.sim.replay import replay
+from jupyter_gpulease.sim.report import summarize
 
 STEPS_H = (1, 2, 4, 8, None)  # None: the default steps
 AGING_MIN = (None, 30, 60, 90)  # None: aging off; 30: the default
@@ -48,11 +49,7 @@ def stepped(step_h: float | None, aging_min: float | None) -> P.SimPolicy:
 
 
 def main() -> None:
-    d = default_traces_dir()
-    pods = load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"]))
-    wl = alibaba_workload(pods, compress=4, window_days=(115.0, None))
-    nodes = load_alibaba_nodes(os.path.join(d, SHARED_FILES["alibaba-nodes"]))
-    pool = pool_from_inventory(nodes, n_nodes=8, gpus_per_node=8, seed=0)
+    wl, pool = alibaba_contended()
     print(f"trace: Alibaba v2023 shared sample, {len(wl.jobs)} pods; pool 8 nodes x 8 GPUs (seed 0); arrivals 4x; a cut or preempted pod is resubmitted")
     print("default steps: production 24 h, experiment 8 h, learning 4 h (preemptible, 30 s grace); the sweep sets production and experiment")
     print("aging: a lease queued this long is considered before newer leases of higher tiers, and may then refuse their extensions")
