@@ -1,7 +1,9 @@
 """Preemption-aware placement and aging in the core scheduler."""
 
+import pytest
+
 from jupyter_gpulease.core import events as ev
-from jupyter_gpulease.core.model import GPU, LeaseState, parse_request
+from jupyter_gpulease.core.model import GPU, LeaseState, Refused, parse_request
 from jupyter_gpulease.core.policy import HOUR, Policy
 from jupyter_gpulease.core.scheduler import Scheduler
 
@@ -193,3 +195,74 @@ def test_share_placement_is_validated():
 
     with pytest.raises(ValueError, match="share_placement"):
         Policy(share_placement="worst_fit")
+
+
+def test_a_multi_gpu_request_ages_sooner_and_older_leases_age_with_it():
+    for by_size in (True, False):
+        s = Scheduler(pool(1, 4), Policy(confirm_timeout_s=None, aging_s=1800, multi_gpu_aging=0.25 if by_size else 1.0, preemption=False))
+        lease(s, "h", gpus=4, tier="production", duration_s=HOUR)
+        s.tick(T0)
+        small = lease(s, "small", gpus=1, tier="experiment", now=T0 + 10)
+        big = lease(s, "big", gpus=4, tier="experiment", now=T0 + 20)
+        p = lease(s, "p", gpus=1, tier="production", now=T0 + 600)
+        s.tick(T0 + 600)
+        order = [l.id for l in s.queue()]
+        if by_size:
+            # 4 GPUs age after 1800 x 0.25 = 450 s; the older small request ages with it, in arrival order
+            assert order == [small.id, big.id, p.id]
+        else:
+            assert order[0] == p.id
+        # nothing is aged before its time: at T0 + 400 the big request is still in tier order
+        s2 = Scheduler(pool(1, 4), Policy(confirm_timeout_s=None, aging_s=1800, multi_gpu_aging=0.25 if by_size else 1.0, preemption=False))
+        lease(s2, "h", gpus=4, tier="production", duration_s=HOUR)
+        b2 = lease(s2, "big", gpus=4, tier="experiment", now=T0 + 20)
+        p2 = lease(s2, "p", gpus=1, tier="production", now=T0 + 300)
+        s2.tick(T0 + 400)
+        assert [l.id for l in s2.queue()] == [p2.id, b2.id]
+
+
+def test_a_preemptible_lease_starts_on_promised_gpus_until_the_promise_begins():
+    def setup(**kw):
+        s = Scheduler(pool(1, 2), Policy(confirm_timeout_s=None, preemption=False, **kw))
+        h = lease(s, "h", gpus=1, tier="production", duration_s=HOUR)
+        s.tick(T0)
+        w = lease(s, "w", gpus=2, tier="production", now=T0 + 60)
+        s.tick(T0 + 60)
+        assert s.eta(w.id) == T0 + HOUR  # both GPUs promised to w from then on
+        return s, h, w
+
+    s, h, w = setup()
+    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
+    e = lease(s, "e", gpus=1, tier="experiment", now=T0 + 120, duration_s=2 * HOUR)
+    evs = s.tick(T0 + 120)
+    assert l.state is LeaseState.ACTIVE and l.expires_at == T0 + HOUR  # cut to when w's promise begins
+    assert [x.lease_id for x in evs if x.kind == ev.GRANTED] == [l.id]
+    assert e.state is LeaseState.QUEUED  # a non-preemptible lease gets no short grant
+    assert s.eta(w.id) == T0 + HOUR  # the promise holds
+    with pytest.raises(Refused, match="waiting for this GPU"):
+        s.extend(l.id, T0 + HOUR - 600, by_s=HOUR)
+    s.tick(T0 + HOUR)
+    assert l.state is LeaseState.EXPIRED and h.state is LeaseState.EXPIRED
+    assert w.state is LeaseState.ACTIVE
+
+    # off: it waits
+    s, h, w = setup(short_grants=False)
+    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
+    s.tick(T0 + 120)
+    assert l.state is LeaseState.QUEUED
+    # a promise that begins in under 10 minutes is not worth a grant
+    s, h, w = setup()
+    l = lease(s, "l", gpus=1, tier="learning", now=T0 + HOUR - 300, duration_s=2 * HOUR)
+    s.tick(T0 + HOUR - 300)
+    assert l.state is LeaseState.QUEUED
+    # a lease short enough to end before the promise is an ordinary backfill, with its own limit
+    s, h, w = setup()
+    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=1200)
+    s.tick(T0 + 120)
+    assert l.state is LeaseState.ACTIVE and l.expires_at == T0 + 120 + 1200
+
+
+def test_multi_gpu_aging_is_validated():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="multi_gpu_aging"):
+            Policy(multi_gpu_aging=bad)

@@ -140,3 +140,30 @@ def test_backfill_never_delays_the_head_of_the_queue(jobs):
     for l in leases:
         if l.id in promised:
             assert l.granted_at <= promised[l.id] + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600), st.sampled_from(["experiment", "learning"])), min_size=2, max_size=25))
+def test_short_grants_never_delay_the_head_of_the_queue(jobs):
+    """Preemptible leases that start on promised GPUs (short grants) end before the promise begins."""
+    pol = Policy(confirm_timeout_s=None, preemption=False, fair_share=False, aging_s=None)
+    s = Scheduler([GPU(f"G{i}", "n", i, "A100", 81920) for i in range(2)], pol)
+    now = T0
+    leases = []
+    for n, d, tier in jobs:
+        l = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d, tier=tier)
+        s.submit(l, now)
+        leases.append(l)
+    s.tick(now)
+    promised = {}
+    while s.leases:
+        q = s.queue()
+        if q:
+            promised.setdefault(q[0].id, s.eta(q[0].id))
+        for l in s.active():
+            assert l.expires_at - l.granted_at <= l.duration_s + 1e-6  # never longer than asked
+        now = s.next_deadline()
+        s.tick(now)
+    for l in leases:
+        if l.id in promised:
+            assert l.granted_at <= promised[l.id] + 1e-6

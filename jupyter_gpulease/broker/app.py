@@ -158,13 +158,26 @@ class GPULeaseBroker(Application):
     extend_when_contended = Bool(
         False,
         help="Allow extensions even while other leases wait for the same GPUs. When False, an extension is refused "
-        "while a lease of the same or a higher tier waits for one of its GPUs, or one of a lower tier that has waited `aging`.",
+        "while a lease of the same or a higher tier waits for one of its GPUs, or one of a lower tier that has aged (see `aging`).",
     ).tag(config=True)
     aging = Float(
         1800.0,
         help="""Seconds after which a waiting lease is considered before newer leases of higher tiers
         (oldest first), so a stream of small high-tier requests cannot starve a large request; 0: never.
         Example: 1800.""",
+    ).tag(config=True)
+    multi_gpu_aging = Float(
+        1.0,
+        help="""A request for more than one whole GPU ages after `aging` times this (every lease queued
+        before it ages with it, so nothing passes an older lease of its tier): one GPU frees up often,
+        several on one node only when the scheduler keeps them free for an aged or higher-tier lease.
+        1: they age like any other lease. Example: 0.5 (what the batch-pod trace replay uses).""",
+    ).tag(config=True)
+    short_grants = Bool(
+        True,
+        help="""Let a lease of a preemptible tier that finds no room start on GPUs promised to a waiting
+        lease, with its time limit cut to when that promise begins (at least 10 minutes); its holder
+        gets the usual expiry warning. False: it waits like any other lease.""",
     ).tag(config=True)
     share_placement = CaselessStrEnum(
         ["best_fit", "fragmentation"],
@@ -294,6 +307,8 @@ class GPULeaseBroker(Application):
             confirm_timeout_s=self.confirm_timeout or None,
             heartbeat_timeout_s=self.heartbeat_timeout or None,
             aging_s=self.aging or None,
+            multi_gpu_aging=self.multi_gpu_aging,
+            short_grants=self.short_grants,
             placement_by_preemptibility=self.placement_by_preemptibility,
             share_placement=self.share_placement.lower(),
         )

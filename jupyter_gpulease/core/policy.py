@@ -128,11 +128,21 @@ class Policy:
     # a large request cannot be passed forever by a stream of small higher-tier ones
     # (None: off, strict tier order)
     aging_s: float | None = 30 * 60
+    # a request for more than one whole GPU ages after aging_s x this: k GPUs of one node are free
+    # together only when the scheduler keeps them free, so large requests need that guard sooner
+    # (1: they age like any other lease; the batch-pod replay uses 0.5, the notebook replay is a
+    # little worse with it: more sessions cut at their step's end)
+    multi_gpu_aging: float = 1.0
+    # a lease of a preemptible tier that finds no room may start on slices promised to a waiting
+    # lease, with its time limit cut to when that promise begins (at least 10 min)
+    short_grants: bool = True
     extend_when_contended: bool = False  # allow extension even when someone waits for these GPUs
     confirm_timeout_s: float | None = 15 * 60  # an active lease never confirmed is revoked after this
     heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this
 
     def __post_init__(self):
+        if not 0 < self.multi_gpu_aging <= 1:
+            raise ValueError(f"multi_gpu_aging must be in (0, 1], got {self.multi_gpu_aging!r}")
         if self.share_placement not in ("best_fit", "fragmentation"):
             raise ValueError(f"share_placement must be 'best_fit' or 'fragmentation', got {self.share_placement!r}")
         if self.default_tier not in self.tiers:

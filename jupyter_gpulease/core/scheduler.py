@@ -77,6 +77,8 @@ class _Reservations:
         self.mig_res: dict[str, float] = {}  # MIG uuid -> start promised
         self.mig_avail: dict[str, float] = {}  # MIG uuid -> time it frees (+ promised end)
         self.heaps: dict[str, list[tuple[float, str]]] = {}
+        self.tops: dict[str, list[str]] = {}  # model -> GPUs that free up first (until its heap changes)
+        self.fit: dict[str, dict[tuple[int, int], float]] = {}  # GPU uuid -> (milli, mem) -> earliest fit (until the GPU changes)
         self.promised_end: dict[str, float] = {}  # GPU uuid -> end of the last promise on it
         self.whole: set[str] = set()  # GPUs promised whole to someone
         self.releases: dict[str, list[tuple[float, int, int]]] = {}  # GPU uuid -> (end, milli, mem) of its holders
@@ -113,12 +115,14 @@ class _Reservations:
                     self.mig_avail.pop(sl.mig_uuid, None)  # recomputed on next use
                 continue
             self.releases.pop(u, None)
+            self.fit.pop(u, None)
             if self.avail is None:
                 continue
             self.avail[u] = max(self.gpu_free_at(st), self.promised_end.get(u, self.now))
             h = self.heaps.get(st.gpu.model)
             if h is not None:
                 heapq.heappush(h, (self.avail[u], u))
+                self.tops.pop(st.gpu.model, None)
 
     def _heap(self, model: str) -> list[tuple[float, str]]:
         h = self.heaps.get(model)
@@ -131,6 +135,14 @@ class _Reservations:
 
     def _valid_tops(self, model: str, k: int) -> list[str]:
         """Up to ``k`` GPUs of ``model`` that free up first (current heap entries only)."""
+        got_k = self.tops.get(model)
+        if got_k is not None and len(got_k) == k:
+            return got_k
+        got_k = self._valid_tops_uncached(model, k)
+        self.tops[model] = got_k
+        return got_k
+
+    def _valid_tops_uncached(self, model: str, k: int) -> list[str]:
         h = self._heap(model)
         got: list[tuple[float, str]] = []
         while h and len(got) < k:
@@ -200,7 +212,10 @@ class _Reservations:
                 self.res_from[u] = min(self.res_from.get(u, INF), t)
                 self.avail[u] = self.promised_end[u] = t + d
                 self.whole.add(u)
-                heapq.heappush(self._heap(self.pool.gpus[u].gpu.model), (t + d, u))
+                self.fit.pop(u, None)
+                model = self.pool.gpus[u].gpu.model
+                heapq.heappush(self._heap(model), (t + d, u))
+                self.tops.pop(model, None)
         elif req.kind is SliceKind.SHARE:
             got = self._reserve_share(req, models)
             if got is None:
@@ -211,7 +226,10 @@ class _Reservations:
             self.share_res[u].append((t, milli, mem))
             self.promised_end[u] = max(self.promised_end.get(u, self.now), t + d)
             self.avail[u] = max(self.avail[u], t + d)
-            heapq.heappush(self._heap(self.pool.gpus[u].gpu.model), (self.avail[u], u))
+            self.fit.pop(u, None)
+            model = self.pool.gpus[u].gpu.model
+            heapq.heappush(self._heap(model), (self.avail[u], u))
+            self.tops.pop(model, None)
         else:
             got = self._reserve_mig(req, models)
             if got is None:
@@ -245,6 +263,16 @@ class _Reservations:
 
     def _share_fit_time(self, st: GPUState, milli: int, mem: int) -> float:
         """Earliest time a (milli, mem) share fits on ``st``, given its holders' ends and promises."""
+        u = st.gpu.uuid
+        memo = self.fit.get(u)
+        if memo is None:
+            memo = self.fit[u] = {}
+        t = memo.get((milli, mem))
+        if t is None:
+            t = memo[(milli, mem)] = self._share_fit_time_uncached(st, milli, mem)
+        return t
+
+    def _share_fit_time_uncached(self, st: GPUState, milli: int, mem: int) -> float:
         u = st.gpu.uuid
         if u in self.whole:
             return self.avail[u]
@@ -320,6 +348,7 @@ class Scheduler:
         self._queued: dict[str, dict[str, list[Lease]]] = defaultdict(dict)  # tier -> user -> leases by seq
         self._n_queued = 0
         self._arrivals: deque[Lease] = deque()  # queued leases in submit order (ended ones dropped lazily)
+        self._arrivals_multi: deque[Lease] = deque()  # the same, of requests for more than one whole GPU
         self._shape_of: dict[str, tuple] = {}  # queued lease id -> request shape
         self._weight: dict[str, float] = {}  # queued lease id -> GPU-seconds it asks for
         self._shape_n: dict[tuple, int] = {}  # queued leases per shape
@@ -463,6 +492,10 @@ class Scheduler:
         self._arrivals.append(lease)
         if len(self._arrivals) > 2 * self._n_queued + 1024:
             self._arrivals = deque(l for l in self._arrivals if self._is_queued(l))
+        if self._gpus_asked(lease) > 1:  # (kept whatever multi_gpu_aging is: a policy may change)
+            self._arrivals_multi.append(lease)
+            if len(self._arrivals_multi) > 2 * self._n_queued + 1024:
+                self._arrivals_multi = deque(l for l in self._arrivals_multi if self._is_queued(l))
         self._order = None
 
     def _is_queued(self, l: Lease) -> bool:
@@ -567,14 +600,14 @@ class Scheduler:
         """May ``waiter`` stand in the way of extending a lease of ``holder_tier``?
 
         A waiter of the same or a higher tier may; one of a lower tier only once it has aged
-        (waited ``aging_s``), so that a stream of best-effort requests cannot cut production
+        (see :meth:`_aged_cutoff`), so that a stream of best-effort requests cannot cut production
         work short, yet nothing waits forever behind leases that keep extending.
         """
         wt = self.policy.tiers.get(waiter.tier)
         if wt is None or wt.priority >= holder_tier.priority:
             return True
-        aging = self.policy.aging_s
-        return aging is not None and now - waiter.created_at >= aging
+        cutoff = self._aged_cutoff(now)
+        return cutoff is not None and waiter.created_at <= cutoff
 
     def confirm(self, lease_id: str, now: float, actor: str = "") -> list[Event]:
         """The holder says the server using this lease is up."""
@@ -705,16 +738,45 @@ class Scheduler:
 
     AGED_SCAN = 1000  # oldest aged leases moved to the front per pass (bounds a pass's cost)
 
-    def _iter_order(self, now: float) -> Iterator[Lease]:
-        """Queued leases in scheduling order: aged leases first (oldest first), then by tier."""
+    @staticmethod
+    def _gpus_asked(l: Lease) -> int:
+        return l.request.gpus if l.request.kind is SliceKind.GPU else 1
+
+    def _aged_cutoff(self, now: float) -> float | None:
+        """Leases queued at or before this time count as aged (None: aging is off).
+
+        Normally ``now - aging_s``. A request for more than one whole GPU ages after
+        ``aging_s * multi_gpu_aging`` (one GPU frees up often, but several on one node are free
+        together only when the scheduler keeps them free, which it does for aged and higher-tier
+        leases), and every lease queued before it ages with it, so that aging never lets a newer
+        lease pass an older one of its tier (their positions and ETAs hold).
+        """
         aging = self.policy.aging_s
         if aging is None:
+            return None
+        cutoff = now - aging
+        if self.policy.multi_gpu_aging < 1:
+            arr = self._arrivals_multi
+            while arr and not self._is_queued(arr[0]):
+                arr.popleft()
+            multi_cutoff = now - aging * self.policy.multi_gpu_aging
+            # the newest multi-GPU lease that has aged (the deque is in arrival order)
+            for k, l in enumerate(arr):
+                if l.created_at > multi_cutoff or k >= self.AGED_SCAN:
+                    break
+                if l.created_at > cutoff and self._is_queued(l):
+                    cutoff = l.created_at
+        return cutoff
+
+    def _iter_order(self, now: float) -> Iterator[Lease]:
+        """Queued leases in scheduling order: aged leases first (oldest first), then by tier."""
+        cutoff = self._aged_cutoff(now)
+        if cutoff is None:
             yield from self._iter_tiers(now)
             return
         arr = self._arrivals
         while arr and not self._is_queued(arr[0]):
             arr.popleft()
-        cutoff = now - aging
         if not arr or arr[0].created_at > cutoff:
             yield from self._iter_tiers(now)
             return
@@ -788,6 +850,7 @@ class Scheduler:
         res = _Reservations(self, now)
         depth = pol.reservation_depth
         failed: dict[tuple, float] = {}  # shape -> shortest duration that did not fit now
+        failed_short: set[tuple] = set()  # shapes that did not fit even as a short grant
         no_victims: set[tuple] = set()
         room = self._has_room()
         blocked_head = False  # strict FCFS (no backfill): nothing passes a lease that could not start
@@ -819,8 +882,26 @@ class Scheduler:
                         if f is None or f > min_d.get(key, INF):
                             if failed[key] <= min_d.get(key, INF):
                                 open_shapes -= 1
+            until = None
+            if placement is None and room and not blocked_head and res.any and pol.short_grants and pol.backfill and self._preemptible(l):
+                # a lease that may be preempted anyway may start on slices promised to others,
+                # until the first promise there begins (its time limit is cut to that)
+                skey = shape_of[l.id]
+                if skey not in failed_short:
+                    p2 = self.pool.place(req, res.blocker(now + self.SHORT_GRANT_MIN_S), self._pre_pref(l))
+                    if p2 is None:
+                        failed_short.add(skey)
+                    else:
+                        first = min(
+                            (res.mig_res.get(sl.mig_uuid, INF) if sl.mig_uuid else res.res_from.get(sl.gpu_uuid, INF)) for sl in p2.slices
+                        )
+                        end = max(now + self.SHORT_GRANT_MIN_S, first)
+                        if end < now + l.duration_s:
+                            placement, until = p2, end
             if placement is not None:
-                out += self._grant(l, placement, now)
+                out += self._grant(l, placement, now, until=until)
+                for sl in placement.slices:
+                    res.fit.pop(sl.gpu_uuid, None)  # its free share changed
                 room = self._has_room()
                 continue
             if not pol.backfill:
@@ -861,13 +942,15 @@ class Scheduler:
         """Preemptibility the placement should group this lease by (None: placement ignores it)."""
         return self._preemptible(l) if self.policy.placement_by_preemptibility else None
 
-    def _grant(self, l: Lease, placement: Placement, now: float) -> list[Event]:
+    SHORT_GRANT_MIN_S = 10 * 60  # shortest grant worth giving a preemptible lease on promised slices
+
+    def _grant(self, l: Lease, placement: Placement, now: float, until: float | None = None) -> list[Event]:
         self.pool.take(l.id, placement, self._preemptible(l))
         self._dequeue(l)
         l.state = LeaseState.ACTIVE
         l.placement = placement
         l.granted_at = now
-        l.expires_at = now + l.duration_s
+        l.expires_at = now + l.duration_s if until is None else until
         self._hold(l)
         self._touch_gpus(placement)
         self._push_expiry_deadlines(l, now)
