@@ -506,3 +506,16 @@ def test_extension_is_refused_when_it_would_go_over_the_gpu_hour_quota():
     assert e.value.field == "by_s"
     s.extend(a.id, T0 + 60, by_s=HOUR)
     assert a.expires_at == T0 + 3 * HOUR
+
+
+def test_a_warning_alone_does_not_run_a_scheduling_pass():
+    s = Scheduler(gpus(1), P(warn_before_s=600))
+    a = ask(s, "a", duration_s=HOUR)
+    ask(s, "b", duration_s=HOUR)
+    s.tick(T0)
+    passes = s.passes
+    evs = s.tick(T0 + HOUR - 600)
+    assert [e.kind for e in evs] == [ev.WARNED] and evs[0].lease_id == a.id
+    assert s.passes == passes  # nothing a pass decides on has changed
+    s.tick(T0 + HOUR)  # the expiry does
+    assert s.passes == passes + 1 and a.state is LeaseState.EXPIRED

@@ -692,7 +692,8 @@ class Scheduler:
                     last = l.last_heartbeat or l.confirmed_at or l.granted_at
                     if last + pol.heartbeat_timeout_s <= now:
                         out += self._end(l, LeaseState.REVOKED, now, f"its holder stopped sending heartbeats ({fmt_duration(now - last)} without one)", "broker")
-        if self._dirty or out:
+        # a warning alone changes nothing a pass decides on (an extension that follows it does)
+        if self._dirty or any(e.kind != ev.WARNED for e in out):
             out += self.schedule(now)
         return out
 
