@@ -29,6 +29,11 @@ def test_alibaba_slice_compares_all_policies_and_writes_json_and_plots(tmp_path,
     # batch pods: gpulease's preemption grace is Kubernetes-like, and says so
     assert doc["policies"][-1]["tiers"]["learning"]["grace_s"] == 30
     assert "terminationGracePeriodSeconds" in text
+    # ... its non-preemptible tiers renew hourly and large pods age sooner: both printed as choices
+    gl = doc["policies"][-1]
+    assert gl["tiers"]["production"]["max_duration_s"] == 3600 and gl["multi_gpu_aging"] == 0.5 and gl["short_grants"] is True
+    assert "CHOICE" in text and "1-hour steps" in text
+    assert "all waits within 10 min" in text
     for r in doc["results"]:
         assert r["jobs"] == 300 and r["replay"]["events_per_s"] > 0
     for p in doc["plots"]:

@@ -1,6 +1,7 @@
 """Small replays with known outcomes, through the real core scheduler."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -105,7 +106,11 @@ def test_batch_variant_preempts_a_pod_after_a_kubernetes_like_grace():
     w = wl(Job("be", 0, 1000, "BE", 3000), Job("ls", 100, 1000, "LS", 100))
     sp = P.gpulease_batch()
     assert sp.policy.tiers["learning"].grace_s == P.BATCH_GRACE_S == 30
-    assert sp.policy.tiers["production"] == P.gpulease().policy.tiers["production"]  # only the grace differs
+    # non-preemptible tiers renew hourly; the rest of the policy is gpulease's
+    assert sp.policy.tiers["production"].max_duration_s == P.BATCH_STEP_S == 3600
+    assert sp.policy.tiers["experiment"].default_duration_s == 3600
+    assert sp.policy.multi_gpu_aging == P.BATCH_MULTI_GPU_AGING == 0.5
+    assert replace(sp.policy, tiers=P.gpulease().policy.tiers, multi_gpu_aging=1.0) == P.gpulease().policy
     assert "ASSUMPTION" in sp.description and "30 s" in sp.description
     r = replay(w, uniform_pool(1, 1), sp)
     be, ls = r.records

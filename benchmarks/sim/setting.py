@@ -15,9 +15,9 @@ from jupyter_gpulease.sim.workload import alibaba_workload, pool_from_inventory
 DESCRIPTION = "pool 8 nodes x 8 GPUs (seed 0); arrivals from trace day 115, compressed 4x"
 
 
-def alibaba_contended():
-    """(workload, pool) of the contended Alibaba replay."""
+def alibaba_contended(compress: float = 4.0):
+    """(workload, pool) of the contended Alibaba replay (``compress``: another load on the same pool)."""
     d = default_traces_dir()
-    wl = alibaba_workload(load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"])), compress=4, window_days=(115.0, None))
+    wl = alibaba_workload(load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"])), compress=compress, window_days=(115.0, None))
     pool = pool_from_inventory(load_alibaba_nodes(os.path.join(d, SHARED_FILES["alibaba-nodes"])), n_nodes=8, gpus_per_node=8, seed=0)
     return wl, pool

@@ -150,6 +150,11 @@ def run(args) -> dict[str, Any]:
             f"ASSUMPTION: gpulease gives a preempted pod (learning tier, QoS BE) {P.BATCH_GRACE_S:g} s to stop, as Kubernetes does by default "
             "(terminationGracePeriodSeconds); the notebook trace keeps the core's 10 min, time for a person to save work."
         )
+        wl.assumptions.notes.append(
+            f"CHOICE: gpulease's production and experiment leases of batch pods run in {P.BATCH_STEP_S / 3600:g}-hour steps, renewed while nobody "
+            "entitled to their GPUs waits (the core default is up to 24 h): without preempting non-preemptible work, a node drains for a "
+            "multi-GPU pod only as fast as its leases' steps end. benchmarks/sim/step_sweep.py shows other steps."
+        )
     if not wl.jobs:
         raise ValueError("no jobs left after filtering (check --window-days and --limit)")
     horizon = args.horizon_days * 86400 if args.horizon_days is not None else None
