@@ -236,7 +236,9 @@ def test_a_preemptible_lease_starts_on_promised_gpus_until_the_promise_begins():
     e = lease(s, "e", gpus=1, tier="experiment", now=T0 + 120, duration_s=2 * HOUR)
     evs = s.tick(T0 + 120)
     assert l.state is LeaseState.ACTIVE and l.expires_at == T0 + HOUR  # cut to when w's promise begins
-    assert [x.lease_id for x in evs if x.kind == ev.GRANTED] == [l.id]
+    granted = [x for x in evs if x.kind == ev.GRANTED]
+    assert [x.lease_id for x in granted] == [l.id]
+    assert granted[0].data["short_grant"] is True and "promised to a waiting lease" in granted[0].reason
     assert e.state is LeaseState.QUEUED  # a non-preemptible lease gets no short grant
     assert s.eta(w.id) == T0 + HOUR  # the promise holds
     with pytest.raises(Refused, match="waiting for this GPU"):

@@ -17,7 +17,7 @@ from jupyterhub.spawner import Spawner
 from jupyter_gpulease.client import BrokerError
 from jupyter_gpulease.hub import form as spawn_form
 from jupyter_gpulease.hub.options import OptionsError, parse_presets, parse_user_options
-from jupyter_gpulease.hub.placement import describe_request, lease_environment, queue_message
+from jupyter_gpulease.hub.placement import describe_request, granted_message, lease_environment, queue_message
 from jupyter_gpulease.hub.spawner import GPULeaseSpawner
 
 A100 = "A100-SXM4-80GB"
@@ -491,3 +491,12 @@ def test_a_cpu_only_spawn_ends_a_gpu_lease_that_an_earlier_stop_could_not_releas
     broker, s = asyncio.run(main())
     assert broker.leases["L1"]["state"] == "released"
     assert s.started_env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_granted_message_says_when_a_grant_is_shorter_than_asked():
+    slices = [{"model": "A100", "gpu_uuid": "GPU-1", "share": 1}]
+    full = {"id": "L1", "placement": {"slices": slices}, "granted_at": 1000.0, "expires_at": 1000.0 + 7200, "duration_s": 7200}
+    assert granted_message(full, now=1000.0) == "GPU lease L1 granted: A100 (GPU-1), for 2 h"
+    short = dict(full, expires_at=1000.0 + 2400)
+    msg = granted_message(short, now=1000.0)
+    assert msg.startswith("GPU lease L1 granted: A100 (GPU-1), for 40 min") and "you asked for 2 h" in msg and "promised to a waiting request" in msg

@@ -966,9 +966,14 @@ class Scheduler:
                 now,
                 "queued",
                 "active",
-                f"granted after waiting {fmt_duration(now - l.created_at)}",
+                f"granted after waiting {fmt_duration(now - l.created_at)}"
+                + (
+                    ""
+                    if until is None
+                    else f", for {fmt_duration(until - now)} instead of {fmt_duration(l.duration_s)}: these GPUs are promised to a waiting lease from then"
+                ),
                 "broker",
-                {"placement": placement.to_dict(), "expires_at": l.expires_at, "waited_s": now - l.created_at},
+                {"placement": placement.to_dict(), "expires_at": l.expires_at, "waited_s": now - l.created_at, **({"short_grant": True} if until is not None else {})},
                 lease=l,
             )
         ]

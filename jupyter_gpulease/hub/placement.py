@@ -129,4 +129,8 @@ def granted_message(lease: dict[str, Any], now: float | None = None) -> str:
     until = ""
     if lease.get("expires_at"):
         until = f", for {format_duration(float(lease['expires_at']) - now)}"
+        granted, asked = lease.get("granted_at"), lease.get("duration_s")
+        if granted is not None and asked and float(lease["expires_at"]) - float(granted) < float(asked) - 1:
+            # a short grant: a preemptible lease started on GPUs promised to someone waiting
+            until += f" (you asked for {format_duration(float(asked))}; these GPUs are promised to a waiting request after that)"
     return f"GPU lease {lease.get('id')} granted: {', '.join(parts)}{until}"
