@@ -112,41 +112,9 @@ def test_invariants_hold_under_random_operations(seq, fair, quota, share_placeme
             assert l.granted_at >= l.created_at
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600)), min_size=2, max_size=25))
-def test_backfill_never_delays_the_head_of_the_queue(jobs):
-    """The first waiting lease starts no later than its ETA at the time it became the head."""
-    pol = Policy(confirm_timeout_s=None, preemption=False, fair_share=False)
-    s = Scheduler([GPU(f"G{i}", "n", i, "A100", 81920) for i in range(2)], pol)
-    now = T0
-    leases = []
-    for n, d in jobs:
-        l = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d)
-        s.submit(l, now)
-        leases.append(l)
-    s.tick(now)
-    promised = {}
-    while s.leases:
-        q = s.queue()
-        if q:
-            head = q[0]
-            eta = s.eta(head.id)
-            assert eta is not None
-            promised.setdefault(head.id, eta)
-        nxt = s.next_deadline()
-        assert nxt is not None
-        now = nxt
-        s.tick(now)
-    for l in leases:
-        if l.id in promised:
-            assert l.granted_at <= promised[l.id] + 1e-6
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600), st.sampled_from(["experiment", "learning"])), min_size=2, max_size=25))
-def test_short_grants_never_delay_the_head_of_the_queue(jobs):
-    """Preemptible leases that start on promised GPUs (short grants) end before the promise begins."""
-    pol = Policy(confirm_timeout_s=None, preemption=False, fair_share=False, aging_s=None)
+def _head_is_never_delayed(jobs, pol):
+    """Run ``jobs`` (gpus, duration, tier) to completion; the first waiting lease starts no later
+    than its ETA at the time it became the head, and no grant is longer than asked."""
     s = Scheduler([GPU(f"G{i}", "n", i, "A100", 81920) for i in range(2)], pol)
     now = T0
     leases = []
@@ -159,11 +127,28 @@ def test_short_grants_never_delay_the_head_of_the_queue(jobs):
     while s.leases:
         q = s.queue()
         if q:
-            promised.setdefault(q[0].id, s.eta(q[0].id))
+            eta = s.eta(q[0].id)
+            assert eta is not None
+            promised.setdefault(q[0].id, eta)
         for l in s.active():
-            assert l.expires_at - l.granted_at <= l.duration_s + 1e-6  # never longer than asked
-        now = s.next_deadline()
+            assert l.expires_at - l.granted_at <= l.duration_s + 1e-6
+        nxt = s.next_deadline()
+        assert nxt is not None
+        now = nxt
         s.tick(now)
     for l in leases:
         if l.id in promised:
             assert l.granted_at <= promised[l.id] + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600)), min_size=2, max_size=25))
+def test_backfill_never_delays_the_head_of_the_queue(jobs):
+    _head_is_never_delayed([(n, d, None) for n, d in jobs], Policy(confirm_timeout_s=None, preemption=False, fair_share=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2), st.integers(600, 3 * 3600), st.sampled_from(["experiment", "learning"])), min_size=2, max_size=25))
+def test_short_grants_never_delay_the_head_of_the_queue(jobs):
+    """Preemptible leases that start on promised GPUs (short grants) end before the promise begins."""
+    _head_is_never_delayed(jobs, Policy(confirm_timeout_s=None, preemption=False, fair_share=False, aging_s=None))
