@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jupyter_gpulease.hub.demo import pid_alive  # re-exported: tests import it from here
+from jupyter_gpulease.hub.demo import pid_alive, terminate  # pid_alive re-exported: tests import it from here
 
 ADMIN_SERVICE = "test-admin"
 ADMIN_SCOPES = ["admin:users", "admin:servers", "admin:groups", "tokens", "access:servers", "access:services", "read:hub", "list:users", "read:users"]
@@ -243,13 +243,7 @@ class HubHarness:
         # managed services and the proxy run in their own sessions: remember them, to clean up after;
         # with keep_servers (and c.JupyterHub.cleanup_servers = False) single-user servers live on
         leftovers = [pid for pid, cmd in self.descendants() if not (self.keep_servers and "singleuser" in cmd)]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        terminate(proc, timeout)
         # anything left in its process group (services, the proxy): gone too
         try:
             os.killpg(proc.pid, signal.SIGKILL)

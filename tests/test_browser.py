@@ -59,7 +59,7 @@ def test_log_in_pick_a_gpu_reach_the_server_and_a_second_user_sees_the_queue(tmp
                 alice.screenshot(path=str(ARTIFACTS / "01-spawn-form.png"), full_page=True)
 
                 start_from_form(alice, "gpu:2:L4")  # both L4s
-                alice.wait_for_url(f"**/user/alice/**", timeout=120_000)
+                alice.wait_for_url("**/user/alice/**", timeout=120_000)
                 alice.wait_for_load_state("load")
                 alice.wait_for_timeout(2000)  # let JupyterLab draw
                 alice.screenshot(path=str(ARTIFACTS / "02-alice-server-running.png"))

@@ -177,7 +177,7 @@ def test_higher_tier_goes_first_then_arrival():
 def test_fair_share_puts_the_lighter_user_first_and_interleaves_heavy_queues():
     s = Scheduler(gpus(1), P())
     s.record_usage("heavy", (), T0 - 2 * HOUR, T0 - HOUR, 1000)
-    hold = ask(s, "x")
+    ask(s, "x")
     s.tick(T0)
     h1 = ask(s, "heavy", now=T0 + 1)
     h2 = ask(s, "heavy", now=T0 + 2)
@@ -200,7 +200,7 @@ def test_fair_share_usage_decays_with_the_half_life():
 # ------------------------------------------------------------------ backfill and ETA
 def test_backfill_starts_a_short_job_that_does_not_delay_the_reserved_head():
     s = Scheduler(gpus(2), P(preemption=False))
-    a = ask(s, "a", duration_s=HOUR)  # GPU 0 until T0+1h
+    ask(s, "a", duration_s=HOUR)  # GPU 0 until T0+1h
     s.tick(T0)
     big = ask(s, "b", {"gpus": 2}, duration_s=HOUR)  # must wait for GPU 0: reserved at T0+1h
     short = ask(s, "c", duration_s=HOUR / 2)  # fits on GPU 1 before the reservation

@@ -13,7 +13,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path

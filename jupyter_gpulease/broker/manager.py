@@ -161,36 +161,27 @@ class LeaseManager:
         await self._persist(events, [lease])
         return lease
 
-    async def release(self, lease_id: str, *, state: LeaseState = LeaseState.RELEASED, reason: str = "", actor: str = "") -> Lease:
+    async def _change(self, lease_id: str, apply, *, tick: bool = True) -> Lease:
+        """Apply ``apply(now)`` (a scheduler call on one lease), schedule, persist; the lease after."""
         now = self.now()
         lease = self.scheduler.get(lease_id)
-        events = self.scheduler.release(lease_id, now, state=state, reason=reason, actor=actor)
-        events += self.scheduler.tick(now)
+        events = apply(now)
+        if tick:
+            events += self.scheduler.tick(now)
         await self._persist(events, [lease])
         return lease
+
+    async def release(self, lease_id: str, *, state: LeaseState = LeaseState.RELEASED, reason: str = "", actor: str = "") -> Lease:
+        return await self._change(lease_id, lambda now: self.scheduler.release(lease_id, now, state=state, reason=reason, actor=actor))
 
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> Lease:
-        now = self.now()
-        lease = self.scheduler.get(lease_id)
-        events = self.scheduler.extend(lease_id, now, by_s=by_s, until=until, actor=actor)
-        events += self.scheduler.tick(now)
-        await self._persist(events, [lease])
-        return lease
+        return await self._change(lease_id, lambda now: self.scheduler.extend(lease_id, now, by_s=by_s, until=until, actor=actor))
 
     async def confirm(self, lease_id: str, *, actor: str = "") -> Lease:
-        now = self.now()
-        lease = self.scheduler.get(lease_id)
-        events = self.scheduler.confirm(lease_id, now, actor=actor)
-        events += self.scheduler.tick(now)
-        await self._persist(events, [lease])
-        return lease
+        return await self._change(lease_id, lambda now: self.scheduler.confirm(lease_id, now, actor=actor))
 
     async def heartbeat(self, lease_id: str, usage: dict | None = None) -> Lease:
-        now = self.now()
-        lease = self.scheduler.get(lease_id)
-        events = self.scheduler.heartbeat(lease_id, now, usage)
-        await self._persist(events, [lease])
-        return lease
+        return await self._change(lease_id, lambda now: self.scheduler.heartbeat(lease_id, now, usage), tick=False)
 
     async def set_inventory(self, gpus) -> list[Event]:
         now = self.now()

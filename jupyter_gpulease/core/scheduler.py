@@ -302,7 +302,6 @@ class _Reservations:
     def _reserve_share(self, req: Request, models) -> tuple[float, list[str], int, int] | None:
         best = None
         for m in models:
-            h = self._heap(m)
             # look at the GPUs that free up first wholly, and at the partly used GPUs whose
             # first holder leaves soonest (a share may fit there sooner)
             cands = set(self._valid_tops(m, 8))
@@ -492,7 +491,7 @@ class Scheduler:
         self._arrivals.append(lease)
         if len(self._arrivals) > 2 * self._n_queued + 1024:
             self._arrivals = deque(l for l in self._arrivals if self._is_queued(l))
-        if self._gpus_asked(lease) > 1:  # (kept whatever multi_gpu_aging is: a policy may change)
+        if self.policy.multi_gpu_aging < 1 and self._gpus_asked(lease) > 1:
             self._arrivals_multi.append(lease)
             if len(self._arrivals_multi) > 2 * self._n_queued + 1024:
                 self._arrivals_multi = deque(l for l in self._arrivals_multi if self._is_queued(l))

@@ -380,15 +380,29 @@ def _stop_servers(url: str, token: str, timeout: float = 60) -> None:
         return
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM ``proc`` and wait up to ``timeout`` seconds for it; SIGKILL it if it is still there."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _signal_alive(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        if pid_alive(pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def _shutdown(hub: subprocess.Popen, state: Path) -> None:
     """SIGTERM the hub (it stops the servers, its services and the proxy); then make sure of it."""
-    if hub.poll() is None:
-        hub.send_signal(signal.SIGTERM)
-        try:
-            hub.wait(45)
-        except subprocess.TimeoutExpired:
-            hub.kill()
-            hub.wait(10)
+    terminate(hub, 45)
     # the hub's process group: the broker service and the proxy, should they have outlived it
     try:
         os.killpg(hub.pid, signal.SIGTERM)
@@ -403,21 +417,11 @@ def _shutdown(hub: subprocess.Popen, state: Path) -> None:
             pass
     # single-user servers run in sessions of their own, with their home under the state folder
     pids += _procs_in(state)
-    for pid in pids:
-        if pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    _signal_alive(pids, signal.SIGTERM)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.2)
-    for pid in pids:
-        if pid_alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _signal_alive(pids, signal.SIGKILL)
     try:
         os.killpg(hub.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -225,11 +225,7 @@ def plot(results: list[ReplayResult], path_prefix: str, title: str = "") -> list
     ax2.legend(fontsize=8)
     if title:
         ax1.set_title(title)
-    fig.tight_layout()
-    p = f"{path_prefix}_timeline.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
+    files.append(_save(plt, fig, f"{path_prefix}_timeline.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in results:
@@ -246,12 +242,15 @@ def plot(results: list[ReplayResult], path_prefix: str, title: str = "") -> list
     ax.legend(fontsize=8)
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    p = f"{path_prefix}_wait_cdf.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
+    files.append(_save(plt, fig, f"{path_prefix}_wait_cdf.png"))
     return files
+
+
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_tradeoff(points: list[dict[str, Any]], path: str, title: str = "") -> str:
@@ -276,7 +275,4 @@ def plot_tradeoff(points: list[dict[str, Any]], path: str, title: str = "") -> s
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
