@@ -6,6 +6,9 @@ Every function raises ``NVMLError_Uninitialized`` before ``nvmlInit``, as NVML d
 
 Machines: :func:`two_gpu_machine` (an A100 in MIG mode with two 3g.40gb instances and a
 whole L4, with knobs for unsupported utilization and old drivers) and :func:`no_driver`.
+Figures a test can move on a :class:`FakeGPU`: temperature, power draw and limit, the
+uncorrected ECC count, per-process SM utilization, and critical XID events
+(:meth:`FakeNVML.raise_xid`), each answering NotSupported when set to ``None``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class FakeProcess:
     used_mib: int | None
     gpu_instance_id: int = NO_INSTANCE
     graphics: bool = False
+    sm_util: int | None = None  # None: no utilization sample for this process in the period asked about
 
 
 @dataclass
@@ -49,6 +53,12 @@ class FakeGPU:
     mig: list[FakeMig] = field(default_factory=list)
     mig_slots: int = 0  # max MIG device count (empty slots answer NotFound)
     lost: bool = False
+    temperature: int | None = 40  # °C; None: NotSupported
+    power_mw: int | None = 60_000  # None: NotSupported
+    power_limit_mw: int | None = 300_000
+    ecc_uncorrected: int | None = 0  # None: ECC off / NotSupported
+    process_utilization: bool = True  # False: nvmlDeviceGetProcessUtilization answers NotSupported
+    events: bool = True  # False: XID events cannot be registered (NotSupported)
 
 
 class FakeNVML(types.ModuleType):
@@ -70,6 +80,10 @@ class FakeNVML(types.ModuleType):
             if name.startswith("NVMLError") or name.startswith("NVML_ERROR_") or name.startswith("NVML_DEVICE_MIG"):
                 setattr(self, name, getattr(real, name))
         self.NVMLLibraryMismatchError = real.NVMLLibraryMismatchError
+        for name in ("NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "nvmlEventTypeXidCriticalError"):
+            setattr(self, name, getattr(real, name))
+        self._event_sets: list[dict] = []
+        self.process_utilization_timestamps: list[tuple[str, int]] = []  # (device UUID, lastSeenTimeStamp) of every call
         if binding_has_memory_v2:
             self.nvmlMemory_v2 = real.nvmlMemory_v2
         if binding_has_v3:
@@ -148,6 +162,80 @@ class FakeNVML(types.ModuleType):
         if isinstance(h, FakeMig) or h.utilization is None:
             raise real.NVMLError_NotSupported()
         return SimpleNamespace(gpu=h.utilization, memory=0)
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        self._enter("nvmlDeviceGetTemperature")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.temperature is None or sensor != real.NVML_TEMPERATURE_GPU:
+            raise real.NVMLError_NotSupported()
+        return h.temperature
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self._enter("nvmlDeviceGetPowerUsage")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.power_mw is None:
+            raise real.NVMLError_NotSupported()
+        return h.power_mw
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h):
+        self._enter("nvmlDeviceGetEnforcedPowerLimit")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.power_limit_mw is None:
+            raise real.NVMLError_NotSupported()
+        return h.power_limit_mw
+
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+        self._enter("nvmlDeviceGetTotalEccErrors")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.ecc_uncorrected is None:
+            raise real.NVMLError_NotSupported()
+        if (error_type, counter_type) != (real.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, real.NVML_VOLATILE_ECC):
+            raise real.NVMLError_InvalidArgument()
+        return h.ecc_uncorrected
+
+    def nvmlDeviceGetProcessUtilization(self, h, last_seen_timestamp):
+        self._enter("nvmlDeviceGetProcessUtilization")
+        self._device(h)
+        self.process_utilization_timestamps.append((h.uuid, last_seen_timestamp))
+        if isinstance(h, FakeMig) or not h.process_utilization:
+            raise real.NVMLError_NotSupported()
+        samples = [SimpleNamespace(pid=p.pid, timeStamp=last_seen_timestamp + 1000, smUtil=p.sm_util, memUtil=0, encUtil=0, decUtil=0)
+                   for p in h.processes if p.sm_util is not None]
+        if not samples:  # what the driver answers when no process ran since the time stamp
+            raise real.NVMLError_NotFound()
+        return samples
+
+    # ------------------------------------------------------------------ events (XID)
+    def nvmlEventSetCreate(self):
+        self._enter("nvmlEventSetCreate")
+        es = {"devices": set(), "pending": []}
+        self._event_sets.append(es)
+        return es
+
+    def nvmlDeviceRegisterEvents(self, h, event_types, event_set):
+        self._enter("nvmlDeviceRegisterEvents")
+        self._device(h)
+        if not h.events:
+            raise real.NVMLError_NotSupported()
+        if event_types & real.nvmlEventTypeXidCriticalError:
+            event_set["devices"].add(id(h))
+
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms):
+        self._enter("nvmlEventSetWait_v2")
+        if not event_set["pending"]:
+            raise real.NVMLError_Timeout()
+        return event_set["pending"].pop(0)
+
+    def nvmlEventSetFree(self, event_set):
+        self._enter("nvmlEventSetFree")
+        self._event_sets.remove(event_set)
+
+    def raise_xid(self, gpu: FakeGPU, xid: int) -> None:
+        """The driver reports critical XID error ``xid`` on ``gpu`` to every event set registered for it."""
+        for es in self._event_sets:
+            if id(gpu) in es["devices"]:
+                es["pending"].append(SimpleNamespace(device=gpu, eventType=real.nvmlEventTypeXidCriticalError, eventData=xid,
+                                                     gpuInstanceId=NO_INSTANCE, computeInstanceId=NO_INSTANCE))
 
     # ------------------------------------------------------------------ processes
     def _procs(self, h, graphics: bool):
@@ -244,7 +332,8 @@ def two_gpu_machine(*, l4_utilization: int | None = 37, **kwargs) -> FakeNVML:
     )
     l4 = FakeGPU(
         uuid=L4_UUID, name="NVIDIA L4", memory_mib=23034, used_mib=6144, utilization=l4_utilization,
-        processes=[FakeProcess(pid=6001, used_mib=4096), FakeProcess(pid=6002, used_mib=2048), FakeProcess(pid=700, used_mib=None, graphics=True)],
+        processes=[FakeProcess(pid=6001, used_mib=4096, sm_util=30), FakeProcess(pid=6002, used_mib=2048), FakeProcess(pid=700, used_mib=None, graphics=True)],
+        temperature=61, power_mw=41_500, power_limit_mw=72_000,
     )
     return FakeNVML([a100, l4], **kwargs)
 

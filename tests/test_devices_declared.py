@@ -217,3 +217,30 @@ def test_non_finite_figures_in_a_state_file_are_dropped(tmp_path):
     s = b.sample()[uuid]
     assert s.utilization_pct == 0.0
     assert [(p.pid, p.used_memory_mib) for p in s.processes] == [(7, None)]
+
+
+def test_simulated_process_utilization_temperature_power_and_health_can_be_driven(tmp_path):
+    state = tmp_path / "gpus.json"
+    b = SimulatedBackend({"state_file": str(state)})
+    l4 = b.inventory()[2].uuid
+    idle = b.sample()[l4]
+    assert idle.utilization_pct == 0.0 and idle.power_limit_w == 72.0
+    assert idle.temperature_c < 40 and idle.power_w < 20 and idle.health.ok  # idle: cool, little power
+    b.add_process(l4, 4242, 8000, sm_util_pct=70)
+    b.add_process(l4, 4343, 1000, sm_util_pct=50)
+    busy = b.sample()[l4]
+    assert {p.pid: p.sm_util_pct for p in busy.processes} == {4242: 70.0, 4343: 50.0}
+    assert busy.utilization_pct == 100.0  # not driven: the processes' sum, at most 100
+    assert busy.temperature_c > idle.temperature_c and busy.power_w > idle.power_w
+    b.set_device(l4, temperature_c=88, power_w=70.5, health={"xid": 79, "xid_count": 1})
+    # another process sees the same figures through the state file
+    other = SimulatedBackend({"state_file": str(state)}).sample()[l4]
+    assert (other.temperature_c, other.power_w, other.power_limit_w) == (88.0, 70.5, 72.0)
+    assert not other.health.ok and other.health.xid == 79
+    assert {p.pid: p.sm_util_pct for p in other.processes} == {4242: 70.0, 4343: 50.0}
+    with pytest.raises(ValueError, match="sm_util_pct must be a number from 0 to 100"):
+        b.add_process(l4, 5, 10, sm_util_pct=150)
+    with pytest.raises(ValueError, match="temperature_c must be a number"):
+        b.set_device(l4, temperature_c=-3)
+    b.reset()
+    assert b.sample()[l4].health.ok

@@ -225,3 +225,95 @@ def test_gpu_check_script_passes_on_a_gpu_machine_or_explains_the_missing_driver
     else:
         assert r.returncode == 0, r.stderr
         assert (tmp_path / "gpu.json").exists()
+
+
+# ---------------------------------------------------------------------- temperature, power, health, per-process utilization
+def test_samples_give_temperature_and_power_in_plain_units():
+    s = backend(two_gpu_machine()).sample()
+    l4 = s[L4_UUID]
+    assert (l4.temperature_c, l4.power_w, l4.power_limit_w) == (61.0, 41.5, 72.0)  # milliwatts from NVML, watts here
+    assert s[MIG_A].temperature_c == s[A100_UUID].temperature_c  # an instance shares its GPU's die
+    assert s[MIG_A].power_w is None  # no power figure of its own
+
+
+def test_figures_the_driver_does_not_report_are_none_without_warnings(caplog):
+    fake = two_gpu_machine()
+    l4 = fake.gpus[1]
+    l4.temperature = l4.power_mw = l4.power_limit_mw = l4.ecc_uncorrected = None
+    with caplog.at_level(logging.WARNING):
+        s = backend(fake).sample()[L4_UUID]
+    assert (s.temperature_c, s.power_w, s.power_limit_w, s.health.ecc_uncorrected) == (None, None, None, None)
+    assert s.health.ok
+    assert caplog.text == ""
+
+
+def test_per_process_sm_utilization_comes_from_process_utilization_samples():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    procs = {p.pid: p for p in b.sample()[L4_UUID].processes}
+    assert procs[6001].sm_util_pct == 30.0
+    assert procs[6002].sm_util_pct == 0.0  # no sample in the period: it ran no kernel
+    fake.gpus[1].processes[0].sm_util = None
+    fake.gpus[1].processes[1].sm_util = 85
+    procs = {p.pid: p for p in b.sample()[L4_UUID].processes}
+    assert (procs[6001].sm_util_pct, procs[6002].sm_util_pct) == (0.0, 85.0)
+    # the second call asks only for samples after the newest one the first call returned
+    first, second = [ts for uuid, ts in fake.process_utilization_timestamps if uuid == L4_UUID]
+    assert second == first + 1000
+
+
+def test_no_process_sample_at_all_means_every_process_was_idle():
+    fake = two_gpu_machine()
+    fake.gpus[1].processes[0].sm_util = None  # the driver answers NotFound
+    procs = backend(fake).sample()[L4_UUID].processes
+    assert {p.pid: p.sm_util_pct for p in procs if p.kind == "compute"} == {6001: 0.0, 6002: 0.0}
+
+
+def test_unsupported_process_utilization_leaves_it_unknown():
+    fake = two_gpu_machine()
+    fake.gpus[1].process_utilization = False
+    procs = backend(fake).sample()[L4_UUID].processes
+    assert all(p.sm_util_pct is None for p in procs)
+
+
+def test_critical_xid_errors_and_ecc_errors_mark_the_gpu_unhealthy():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    assert b.sample()[L4_UUID].health.ok
+    fake.raise_xid(fake.gpus[1], 79)
+    fake.raise_xid(fake.gpus[1], 48)
+    fake.gpus[1].ecc_uncorrected = 2
+    s = b.sample()
+    h = s[L4_UUID].health
+    assert (h.ok, h.xid, h.xid_count, h.ecc_uncorrected) == (False, 48, 2, 2)
+    assert "2 critical XID error(s), the last XID 48" in h.message() and "2 uncorrectable ECC" in h.message()
+    assert s[A100_UUID].health.ok  # the other GPU is untouched
+    assert b.sample()[L4_UUID].health.xid_count == 2  # errors stay counted: the GPU stays suspect
+
+
+def test_a_lost_gpu_is_reported_lost_in_its_health():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    b.inventory()
+    fake.gpus[1].lost = True
+    h = b.sample()[L4_UUID].health
+    assert h.lost and not h.ok and "lost" in h.message()
+
+
+def test_gpus_without_event_support_still_sample():
+    fake = two_gpu_machine()
+    for g in fake.gpus:
+        g.events = False
+    b = backend(fake)
+    assert b.sample()[L4_UUID].health.ok
+    assert "nvmlEventSetFree" in fake.calls  # the unused event set is given back
+    b.sample()
+    assert fake.calls.count("nvmlEventSetCreate") == 1  # not retried every sample
+
+
+def test_closing_frees_the_event_set_before_shutting_nvml_down():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    b.sample()
+    b.close()
+    assert fake.calls[-2:] == ["nvmlEventSetFree", "nvmlShutdown"]

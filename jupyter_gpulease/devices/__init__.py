@@ -9,12 +9,13 @@ Build one with :func:`get_backend`. ``inventory()`` and ``sample()`` block: call
 executor from async code. Importing this package never touches the NVIDIA driver.
 """
 
-from .base import BACKEND_NAMES, DeviceBackend, DeviceSample, DeviceUnavailable, ProcessSample, get_backend, processes_by_pid
+from .base import BACKEND_NAMES, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavailable, ProcessSample, get_backend, processes_by_pid
 from .declared import parse_inventory, parse_mig_profile
 
 __all__ = [
     "BACKEND_NAMES",
     "DeviceBackend",
+    "DeviceHealth",
     "DeviceSample",
     "DeviceUnavailable",
     "ProcessSample",

@@ -41,9 +41,57 @@ class ProcessSample:
     used_memory_mib: int | None  # None: the driver does not say (e.g. Windows WDDM, some MIG setups)
     device_uuid: str  # the GPU's UUID, or the MIG instance's UUID where known
     kind: str = "compute"  # "compute" or "graphics"
+    # share of the device's streaming multiprocessors this process kept busy over the driver's
+    # last sample period, 0–100; None: the driver does not say (e.g. MIG, old drivers)
+    sm_util_pct: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "used_memory_mib": self.used_memory_mib, "device_uuid": self.device_uuid, "kind": self.kind}
+        return {"pid": self.pid, "used_memory_mib": self.used_memory_mib, "device_uuid": self.device_uuid, "kind": self.kind,
+                "sm_util_pct": self.sm_util_pct}
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """What the driver says is wrong with a device; the default is a healthy device.
+
+    ``xid`` is the last critical XID error code the driver reported for the device (e.g. 79:
+    fallen off the bus, 48: double-bit ECC error) and ``xid_count`` how many were seen since the
+    backend started; ``ecc_uncorrected`` counts uncorrectable memory errors since the last
+    driver reload (None: ECC is off or not reported); ``lost``: the driver answers "GPU is lost".
+    """
+
+    lost: bool = False
+    xid: int | None = None
+    xid_count: int = 0
+    ecc_uncorrected: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.xid_count and not self.ecc_uncorrected
+
+    def message(self) -> str:
+        """Plain words for a person; "" when healthy."""
+        parts = []
+        if self.lost:
+            parts.append("the driver reports the GPU as lost (it needs a reset or a reboot)")
+        if self.xid_count:
+            parts.append(f"{self.xid_count} critical XID error(s), the last XID {self.xid}")
+        if self.ecc_uncorrected:
+            parts.append(f"{self.ecc_uncorrected} uncorrectable ECC memory error(s)")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "lost": self.lost, "xid": self.xid, "xid_count": self.xid_count,
+                "ecc_uncorrected": self.ecc_uncorrected, "message": self.message()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> DeviceHealth:
+        d = d or {}
+        return cls(lost=bool(d.get("lost", False)), xid=d.get("xid"), xid_count=int(d.get("xid_count") or 0),
+                   ecc_uncorrected=d.get("ecc_uncorrected"))
+
+
+HEALTHY = DeviceHealth()
 
 
 @dataclass(frozen=True)
@@ -63,6 +111,10 @@ class DeviceSample:
     memory_total_mib: int | None = None
     processes: tuple[ProcessSample, ...] = ()
     parent_uuid: str = ""  # for a MIG instance: the UUID of its GPU
+    temperature_c: float | None = None  # GPU core temperature, degrees Celsius
+    power_w: float | None = None  # power draw, watts (a MIG instance reports its GPU's, or None)
+    power_limit_w: float | None = None  # the power limit the driver enforces, watts
+    health: DeviceHealth = HEALTHY
 
     @property
     def is_mig(self) -> bool:
@@ -77,6 +129,10 @@ class DeviceSample:
             "memory_total_mib": self.memory_total_mib,
             "processes": [p.to_dict() for p in self.processes],
             "parent_uuid": self.parent_uuid,
+            "temperature_c": self.temperature_c,
+            "power_w": self.power_w,
+            "power_limit_w": self.power_limit_w,
+            "health": self.health.to_dict(),
         }
 
 

@@ -17,6 +17,11 @@ Habits that keep NVML from hurting a server:
   ("not available") instead of raising; unexpected ones are logged once per function.
 * Process lists try ``_v3``, then ``_v2``, then the unversioned call, so old drivers work.
 * MIG instances are found by index under their GPU and addressed by their ``MIG-…`` UUID.
+* Health: a GPU that answers "GPU is lost" is reported ``lost``; critical XID errors come from
+  an NVML event set drained (without waiting) at each sample; the uncorrected ECC count is the
+  volatile one (since the last driver reload). A MIG instance carries its GPU's health.
+* Per-process SM utilization comes from ``nvmlDeviceGetProcessUtilization`` for the period
+  since the previous sample; a process without a sample in that period was not computing (0).
 
 All calls block on the driver: run :meth:`inventory` and :meth:`sample` in an executor when on
 an event loop. Inside containers NVML reports host PIDs; mapping them to local processes is
@@ -34,7 +39,7 @@ from types import ModuleType
 from typing import Any
 
 from ..core.model import GPU, MigInstance
-from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable, ProcessSample
+from .base import Clock, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavailable, ProcessSample
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,10 @@ class NvmlBackend(DeviceBackend):
         self._gpus: list[GPU] | None = None
         self._gi_ids: dict[str, int] = {}  # MIG uuid -> GPU instance id
         self._warned: set[tuple[str, str]] = set()
+        self._lost_seen = False  # set by _query when the driver answers GpuIsLost
+        self._event_set: Any = None  # XID events; False when the driver cannot give them
+        self._xids: dict[str, tuple[int, int]] = {}  # GPU uuid -> (last XID, count)
+        self._proc_util_seen: dict[str, int] = {}  # uuid -> last process-utilization time stamp (µs)
 
     # ------------------------------------------------------------------ init
     def _lib(self) -> ModuleType:
@@ -100,6 +109,12 @@ class NvmlBackend(DeviceBackend):
 
     def close(self) -> None:
         with self._lock:
+            if self._initialised and self._event_set:
+                try:
+                    self._nvml.nvmlEventSetFree(self._event_set)
+                except (self._nvml.NVMLError, AttributeError) as e:
+                    log.debug("nvmlEventSetFree failed: %s", e)
+            self._event_set = None
             if self._initialised:
                 try:
                     self._nvml.nvmlShutdown()
@@ -136,6 +151,8 @@ class NvmlBackend(DeviceBackend):
         except _Missing:
             return None
         except nv.NVMLError as e:
+            if isinstance(e, getattr(nv, "NVMLError_GpuIsLost", ())):
+                self._lost_seen = True
             quiet = (getattr(nv, "NVMLError_NotSupported", ()), getattr(nv, "NVMLError_NotFound", ()))
             if not isinstance(e, quiet) and (fn_name, type(e).__name__) not in self._warned:
                 self._warned.add((fn_name, type(e).__name__))
@@ -238,13 +255,24 @@ class NvmlBackend(DeviceBackend):
             if self._gpus is None:
                 self._discover()
             now = self._clock()
+            self._drain_xid_events()
             out: dict[str, DeviceSample] = {}
             for g in self._gpus or []:
                 h = self._handles[g.uuid]
+                self._lost_seen = False
                 util = self._query("nvmlDeviceGetUtilizationRates", h)
                 mem = self._memory_info(h)
                 by_gi = {self._gi_ids[m.uuid]: m.uuid for m in g.mig if m.uuid in self._gi_ids}
                 procs = self._processes(h, g.uuid, by_gi)
+                if procs:
+                    procs = self._with_sm_util(h, g.uuid, procs)
+                temperature = self._query("nvmlDeviceGetTemperature", h, getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0))
+                power = self._query("nvmlDeviceGetPowerUsage", h)
+                limit = self._query("nvmlDeviceGetEnforcedPowerLimit", h)
+                ecc = self._query("nvmlDeviceGetTotalEccErrors", h, getattr(self._nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
+                                  getattr(self._nvml, "NVML_VOLATILE_ECC", 0))
+                xid, xid_count = self._xids.get(g.uuid, (None, 0))
+                health = DeviceHealth(lost=self._lost_seen, xid=xid, xid_count=xid_count, ecc_uncorrected=None if ecc is None else int(ecc))
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
@@ -252,6 +280,10 @@ class NvmlBackend(DeviceBackend):
                     memory_used_mib=int(mem.used // MIB) if mem is not None else None,
                     memory_total_mib=int(mem.total // MIB) if mem is not None else (g.memory_mib or None),
                     processes=procs if procs is not None else (),
+                    temperature_c=None if temperature is None else float(temperature),
+                    power_w=None if power is None else power / 1000.0,
+                    power_limit_w=None if limit is None else limit / 1000.0,
+                    health=health,
                 )
                 for m in g.mig:
                     mh = self._handles.get(m.uuid)
@@ -262,7 +294,7 @@ class NvmlBackend(DeviceBackend):
                     if own is None or (not own and procs):  # per-instance lists unsupported: take the GPU's, by instance id
                         own = tuple(p for p in (procs or ()) if p.device_uuid == m.uuid)
                     else:
-                        own = tuple(ProcessSample(p.pid, p.used_memory_mib, m.uuid, p.kind) for p in own)
+                        own = tuple(ProcessSample(p.pid, p.used_memory_mib, m.uuid, p.kind, p.sm_util_pct) for p in own)
                     out[m.uuid] = DeviceSample(
                         uuid=m.uuid,
                         timestamp=now,
@@ -271,8 +303,70 @@ class NvmlBackend(DeviceBackend):
                         memory_total_mib=int(mmem.total // MIB) if mmem is not None else m.memory_mib,
                         processes=own,
                         parent_uuid=g.uuid,
+                        temperature_c=out[g.uuid].temperature_c,  # one die: the GPU's temperature
+                        health=health,
                     )
             return out
+
+    def _with_sm_util(self, h: Any, uuid: str, procs: tuple[ProcessSample, ...]) -> tuple[ProcessSample, ...]:
+        """The processes with their SM utilization since the previous sample, where the driver reports it."""
+        nv = self._nvml
+        # the driver keeps a short buffer of samples stamped in CPU microseconds; ask for those
+        # since the last one seen (first time: the last two seconds)
+        since = self._proc_util_seen.get(uuid) or int(time.time() * 1e6) - 2_000_000
+        try:
+            samples = self._call("nvmlDeviceGetProcessUtilization", h, since)
+        except _Missing:
+            return procs
+        except nv.NVMLError as e:
+            if isinstance(e, getattr(nv, "NVMLError_NotFound", ())):
+                samples = []  # no process ran a kernel since `since`
+            else:
+                self._query("nvmlDeviceGetProcessUtilization", h, since)  # logs once (not for NotSupported)
+                return procs
+        busy: dict[int, float] = {}
+        latest = since
+        for smp in samples:
+            pid = int(smp.pid)
+            busy[pid] = max(busy.get(pid, 0.0), float(smp.smUtil))
+            latest = max(latest, int(smp.timeStamp))
+        self._proc_util_seen[uuid] = latest
+        return tuple(ProcessSample(p.pid, p.used_memory_mib, p.device_uuid, p.kind, min(100.0, busy.get(p.pid, 0.0))) for p in procs)
+
+    def _drain_xid_events(self) -> None:
+        """Count the critical XID errors the driver reported since the last sample (never waits)."""
+        nv = self._nvml
+        if self._event_set is None:
+            self._event_set = False
+            es = self._query("nvmlEventSetCreate")
+            if es is not None:
+                registered = False
+                for g in self._gpus or []:
+                    try:
+                        self._call("nvmlDeviceRegisterEvents", self._handles[g.uuid], getattr(nv, "nvmlEventTypeXidCriticalError", 8), es)
+                        registered = True
+                    except (_Missing, nv.NVMLError) as e:
+                        log.debug("NVML: no XID events for GPU %s: %s", g.uuid, e)
+                if registered:
+                    self._event_set = es
+                else:
+                    self._query("nvmlEventSetFree", es)
+        if not self._event_set:
+            return
+        by_handle = {id(h): u for u, h in self._handles.items()}
+        for _ in range(1000):  # bounded: a storm of events must not keep the sampler here
+            try:
+                ev = self._call("nvmlEventSetWait_v2", self._event_set, 0)
+            except _Missing:
+                self._event_set = False
+                return
+            except nv.NVMLError:  # Timeout: nothing (more) pending
+                return
+            uuid = by_handle.get(id(ev.device)) or _text(self._query("nvmlDeviceGetUUID", ev.device))
+            if uuid:
+                _, count = self._xids.get(uuid, (None, 0))
+                self._xids[uuid] = (int(ev.eventData), count + 1)
+                log.warning("NVML: critical XID error %s on GPU %s", int(ev.eventData), uuid)
 
     def _processes(self, h: Any, uuid: str, by_gi: dict[int, str]) -> tuple[ProcessSample, ...] | None:
         """Compute (and graphics) processes on a device; ``None`` when the driver won't say."""

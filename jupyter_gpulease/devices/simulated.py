@@ -8,13 +8,20 @@ Config (all keys optional)::
     }
 
 Drive it in-process with :meth:`SimulatedBackend.set_utilization`,
-:meth:`~SimulatedBackend.add_process` and :meth:`~SimulatedBackend.remove_process`. With a
-``state_file`` every change is written to that JSON file and every :meth:`sample` re-reads
-it when it changed, so one process (the demo, a test) can drive what another (the broker, a
-server extension) sees. The file looks like::
+:meth:`~SimulatedBackend.add_process`, :meth:`~SimulatedBackend.remove_process` and
+:meth:`~SimulatedBackend.set_device` (temperature, power, health). With a ``state_file`` every
+change is written to that JSON file and every :meth:`sample` re-reads it when it changed, so
+one process (the demo, a test) can drive what another (the broker, a server extension) sees.
+The file looks like::
 
     {"utilization": {"GPU-sim-…": 85.0},
-     "processes": {"GPU-sim-…": [{"pid": 4242, "used_memory_mib": 10240}]}}
+     "processes": {"GPU-sim-…": [{"pid": 4242, "used_memory_mib": 10240, "sm_util_pct": 80}]},
+     "devices": {"GPU-sim-…": {"temperature_c": 71, "power_w": 250, "power_limit_w": 400,
+                               "health": {"xid": 79, "xid_count": 1, "ecc_uncorrected": 0, "lost": false}}}}
+
+A device whose utilization is not set reports the sum of its processes' ``sm_util_pct``
+(at most 100); temperature and power not set follow utilization (an idle GPU is cool and
+draws little), so the demo's figures move with the work it drives.
 
 Writers replace the file atomically; two processes writing at the same moment: the last wins.
 """
@@ -31,7 +38,7 @@ import time
 from typing import Any
 
 from ..core.model import GPU
-from .base import Clock, DeviceBackend, DeviceSample, ProcessSample
+from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample
 from .declared import parse_inventory
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,16 @@ DEFAULT_POOL: list[dict[str, Any]] = [
 ]
 
 _CONFIG_KEYS = {"gpus", "state_file", "node"}
+_DEVICE_FIGURES = ("temperature_c", "power_w", "power_limit_w")
+
+
+def _default_power_limit_w(model: str) -> float:
+    """A plausible board power limit for a simulated model, in watts."""
+    m = model.upper()
+    for prefix, watts in (("H200", 700.0), ("H100", 700.0), ("A100", 400.0), ("L40", 300.0), ("L4", 72.0), ("T4", 70.0)):
+        if m.startswith(prefix):
+            return watts
+    return 300.0
 
 
 class SimulatedBackend(DeviceBackend):
@@ -67,8 +84,10 @@ class SimulatedBackend(DeviceBackend):
             for m in g.mig:
                 self._parent[m.uuid] = g.uuid
                 self._total[m.uuid] = m.memory_mib
+        self._model: dict[str, str] = {g.uuid: g.model for g in self._gpus}
         self._util: dict[str, float] = {}
-        self._procs: dict[str, dict[int, int | None]] = {}  # device uuid -> pid -> MiB
+        self._procs: dict[str, dict[int, tuple[int | None, float | None]]] = {}  # device uuid -> pid -> (MiB, SM %)
+        self._devices: dict[str, dict[str, Any]] = {}  # device uuid -> driven temperature/power/health
         state_file = config.get("state_file")
         if state_file is not None and (not isinstance(state_file, (str, os.PathLike)) or not str(state_file)):
             raise ValueError(f"simulated device backend: 'state_file' must be a file path, got {state_file!r}")
@@ -87,27 +106,52 @@ class SimulatedBackend(DeviceBackend):
             out: dict[str, DeviceSample] = {}
             for g in self._gpus:
                 devices = [g.uuid, *(m.uuid for m in g.mig)]
-                procs = tuple(ProcessSample(pid, mib, dev) for dev in devices for pid, mib in sorted(self._procs.get(dev, {}).items()))
+                procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
+                              for dev in devices for pid, (mib, sm) in sorted(self._procs.get(dev, {}).items()))
+                util = self._utilization(g.uuid, procs)
+                figures = self._figures(g.uuid, util, self._model[g.uuid])
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
-                    utilization_pct=self._util.get(g.uuid, 0.0),
+                    utilization_pct=util,
                     memory_used_mib=sum(p.used_memory_mib or 0 for p in procs),
                     memory_total_mib=g.memory_mib,
                     processes=procs,
+                    **figures,
                 )
                 for m in g.mig:
                     own = tuple(p for p in procs if p.device_uuid == m.uuid)
+                    driven = self._devices.get(m.uuid, {})
                     out[m.uuid] = DeviceSample(
                         uuid=m.uuid,
                         timestamp=now,
-                        utilization_pct=self._util.get(m.uuid, 0.0),
+                        utilization_pct=self._utilization(m.uuid, own),
                         memory_used_mib=sum(p.used_memory_mib or 0 for p in own),
                         memory_total_mib=m.memory_mib,
                         processes=own,
                         parent_uuid=g.uuid,
+                        # like NVML: an instance reports its GPU's temperature, and no power of its own
+                        temperature_c=driven.get("temperature_c", figures["temperature_c"]),
+                        power_w=driven.get("power_w"),
+                        power_limit_w=driven.get("power_limit_w"),
+                        health=driven.get("health", figures["health"]),
                     )
             return out
+
+    def _utilization(self, uuid: str, procs: tuple[ProcessSample, ...]) -> float:
+        if uuid in self._util:
+            return self._util[uuid]
+        return float(min(100.0, sum(p.sm_util_pct or 0.0 for p in procs)))
+
+    def _figures(self, uuid: str, util: float, model: str) -> dict[str, Any]:
+        driven = self._devices.get(uuid, {})
+        limit = driven.get("power_limit_w", _default_power_limit_w(model))
+        return {
+            "temperature_c": driven.get("temperature_c", round(34.0 + 0.45 * util, 1)),
+            "power_w": driven.get("power_w", round(limit * (0.12 + 0.8 * util / 100.0), 1)),
+            "power_limit_w": limit,
+            "health": driven.get("health", HEALTHY),
+        }
 
     # ------------------------------------------------------------------ driving
     def set_utilization(self, uuid: str, pct: float) -> None:
@@ -120,16 +164,19 @@ class SimulatedBackend(DeviceBackend):
             self._util[uuid] = float(pct)
             self._save()
 
-    def add_process(self, uuid: str, pid: int, used_memory_mib: int | None) -> None:
-        """Put process ``pid`` on a GPU or MIG instance, holding ``used_memory_mib`` (replaces an earlier entry)."""
+    def add_process(self, uuid: str, pid: int, used_memory_mib: int | None, sm_util_pct: float | None = None) -> None:
+        """Put process ``pid`` on a GPU or MIG instance, holding ``used_memory_mib`` and keeping
+        ``sm_util_pct`` (0–100) of its compute busy (replaces an earlier entry)."""
         self._check_uuid(uuid)
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise ValueError(f"pid must be a positive whole number, got {pid!r}")
         if used_memory_mib is not None and (isinstance(used_memory_mib, bool) or not isinstance(used_memory_mib, int) or used_memory_mib < 0):
             raise ValueError(f"used_memory_mib must be a whole number of MiB (or None), got {used_memory_mib!r}")
+        if sm_util_pct is not None and not _is_pct(sm_util_pct):
+            raise ValueError(f"sm_util_pct must be a number from 0 to 100 (or None), got {sm_util_pct!r}")
         with self._lock:
             self._reload()
-            self._procs.setdefault(uuid, {})[pid] = used_memory_mib
+            self._procs.setdefault(uuid, {})[pid] = (used_memory_mib, None if sm_util_pct is None else float(sm_util_pct))
             self._save()
 
     def remove_process(self, pid: int, uuid: str | None = None) -> bool:
@@ -144,11 +191,31 @@ class SimulatedBackend(DeviceBackend):
             self._save()
             return removed
 
+    def set_device(self, uuid: str, *, temperature_c: float | None = None, power_w: float | None = None,
+                   power_limit_w: float | None = None, health: DeviceHealth | dict | None = None) -> None:
+        """Drive a device's temperature (°C), power draw and limit (W) and health; the figures
+        not given keep their driven value (or the default that follows utilization)."""
+        self._check_uuid(uuid)
+        change: dict[str, Any] = {}
+        for name, value in (("temperature_c", temperature_c), ("power_w", power_w), ("power_limit_w", power_limit_w)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a number of at least 0, got {value!r}")
+            change[name] = float(value)
+        if health is not None:
+            change["health"] = health if isinstance(health, DeviceHealth) else DeviceHealth.from_dict(health)
+        with self._lock:
+            self._reload()
+            self._devices.setdefault(uuid, {}).update(change)
+            self._save()
+
     def reset(self) -> None:
         """Forget every driven figure: all devices idle, no processes."""
         with self._lock:
             self._util.clear()
             self._procs.clear()
+            self._devices.clear()
             self._save()
 
     def _check_uuid(self, uuid: str) -> None:
@@ -169,41 +236,59 @@ class SimulatedBackend(DeviceBackend):
         try:
             with open(self.state_file, encoding="utf-8") as f:
                 data = json.load(f)
-            util, procs = self._parse_state(data)
+            util, procs, devices = self._parse_state(data)
         except (OSError, ValueError) as e:
             log.warning("Simulated GPUs: ignoring state file %s: %s", self.state_file, e)
             self._file_sig = sig
             return
-        self._util, self._procs, self._file_sig = util, procs, sig
+        self._util, self._procs, self._devices, self._file_sig = util, procs, devices, sig
 
-    def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, int | None]]]:
+    def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, tuple[int | None, float | None]]], dict[str, dict[str, Any]]]:
         if not isinstance(data, dict):
             raise ValueError("it must hold a JSON object with 'utilization' and 'processes'")
-        for key in ("utilization", "processes"):
+        for key in ("utilization", "processes", "devices"):
             if not isinstance(data.get(key) or {}, dict):
                 raise ValueError(f"its {key!r} must be a JSON object keyed by device UUID")
         util: dict[str, float] = {}
         for uuid, pct in (data.get("utilization") or {}).items():
-            if uuid in self._total and isinstance(pct, (int, float)) and not isinstance(pct, bool) and math.isfinite(pct):
+            if uuid in self._total and _is_number(pct):
                 util[uuid] = float(min(100.0, max(0.0, pct)))
-        procs: dict[str, dict[int, int | None]] = {}
+        procs: dict[str, dict[int, tuple[int | None, float | None]]] = {}
         for uuid, plist in (data.get("processes") or {}).items():
             if uuid not in self._total or not isinstance(plist, list):
                 continue
             for p in plist:
                 if isinstance(p, dict) and isinstance(p.get("pid"), int) and not isinstance(p["pid"], bool):
-                    mib = p.get("used_memory_mib")
-                    ok = isinstance(mib, (int, float)) and not isinstance(mib, bool) and math.isfinite(mib)
-                    procs.setdefault(uuid, {})[p["pid"]] = int(mib) if ok else None
-        return util, procs
+                    mib, sm = p.get("used_memory_mib"), p.get("sm_util_pct")
+                    procs.setdefault(uuid, {})[p["pid"]] = (int(mib) if _is_number(mib) else None,
+                                                            float(min(100.0, max(0.0, sm))) if _is_number(sm) else None)
+        devices: dict[str, dict[str, Any]] = {}
+        for uuid, d in (data.get("devices") or {}).items():
+            if uuid not in self._total or not isinstance(d, dict):
+                continue
+            figures: dict[str, Any] = {k: float(d[k]) for k in _DEVICE_FIGURES if _is_number(d.get(k)) and d[k] >= 0}
+            if isinstance(d.get("health"), dict):
+                h = d["health"]
+                figures["health"] = DeviceHealth(
+                    lost=h.get("lost") is True,
+                    xid=int(h["xid"]) if _is_number(h.get("xid")) else None,
+                    xid_count=int(h["xid_count"]) if _is_number(h.get("xid_count")) and h["xid_count"] >= 0 else 0,
+                    ecc_uncorrected=int(h["ecc_uncorrected"]) if _is_number(h.get("ecc_uncorrected")) and h["ecc_uncorrected"] >= 0 else None,
+                )
+            devices[uuid] = figures
+        return util, procs, devices
 
     def _save(self) -> None:
         if not self.state_file:
             return
-        data = {
+        data: dict[str, Any] = {
             "utilization": dict(self._util),
-            "processes": {u: [{"pid": pid, "used_memory_mib": mib} for pid, mib in sorted(p.items())] for u, p in self._procs.items() if p},
+            "processes": {u: [{"pid": pid, "used_memory_mib": mib, **({"sm_util_pct": sm} if sm is not None else {})}
+                              for pid, (mib, sm) in sorted(p.items())] for u, p in self._procs.items() if p},
         }
+        devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self._devices.items() if d}
+        if devices:
+            data["devices"] = devices
         folder = os.path.dirname(os.path.abspath(self.state_file))
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".sim-gpus-", suffix=".json", dir=folder)
@@ -219,3 +304,11 @@ class SimulatedBackend(DeviceBackend):
             raise
         st = os.stat(self.state_file)
         self._file_sig = (st.st_mtime_ns, st.st_size)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_pct(v: Any) -> bool:
+    return _is_number(v) and 0 <= v <= 100
