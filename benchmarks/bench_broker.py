@@ -32,12 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from brokerutil import _fake_authenticate, broker_url, make_broker  # noqa: E402
-
-from jupyter_gpulease.broker import handlers  # noqa: E402
-from jupyter_gpulease.broker.manager import SystemClock  # noqa: E402
-from jupyter_gpulease.client import BrokerClient  # noqa: E402
-from jupyter_gpulease.core.model import parse_request  # noqa: E402
+from brokerutil import _fake_authenticate, broker_url, make_broker
+from jupyter_gpulease.broker import handlers
+from jupyter_gpulease.broker.manager import SystemClock
+from jupyter_gpulease.client import BrokerClient
+from jupyter_gpulease.core.model import parse_request
 
 
 def rss_mib() -> float:
@@ -50,7 +49,7 @@ def rss_mib() -> float:
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 async def latency(tmp: Path, n: int) -> dict:

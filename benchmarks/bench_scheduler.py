@@ -60,17 +60,17 @@ def build(n_gpus: int, n_queued: int, fair: bool, seed: int = 1) -> tuple[Schedu
     now = 1_000_000.0
     # fill the pool: submit until nothing more fits, then tick once
     for i in range(int(n_gpus * 1.3)):
-        l = s.new_lease(user=f"u{i % 200}", request=parse_request(random_request(rng)), now=now, tier=rng.choice(TIERS), duration_s=rng.uniform(0.5, 4) * HOUR)
-        s.submit(l, now)
+        lease = s.new_lease(user=f"u{i % 200}", request=parse_request(random_request(rng)), now=now, tier=rng.choice(TIERS), duration_s=rng.uniform(0.5, 4) * HOUR)
+        s.submit(lease, now)
     s.tick(now)
-    for l in list(s.leases.values()):
-        if l.state is LeaseState.QUEUED:
-            s.release(l.id, now)
-    for l in s.leases.values():  # fair share has history to work with
-        l.granted_at -= rng.uniform(0, HOUR)
-    for i in range(n_queued):
-        l = s.new_lease(user=f"u{rng.randrange(200)}", request=parse_request(random_request(rng)), now=now + 1, tier=rng.choice(TIERS), duration_s=rng.uniform(0.25, 4) * HOUR)
-        s.submit(l, now + 1)
+    for lease in list(s.leases.values()):
+        if lease.state is LeaseState.QUEUED:
+            s.release(lease.id, now)
+    for lease in s.leases.values():  # fair share has history to work with
+        lease.granted_at -= rng.uniform(0, HOUR)
+    for _ in range(n_queued):
+        lease = s.new_lease(user=f"u{rng.randrange(200)}", request=parse_request(random_request(rng)), now=now + 1, tier=rng.choice(TIERS), duration_s=rng.uniform(0.25, 4) * HOUR)
+        s.submit(lease, now + 1)
     return s, now + 2
 
 
@@ -92,9 +92,9 @@ def bench(n_gpus: int, n_queued: int, fair: bool, repeat: int) -> dict:
     grants = 0
     rng = random.Random(7)
     for k in range(repeat):
-        active = [l for l in s.leases.values() if l.state is LeaseState.ACTIVE]
-        for l in rng.sample(active, max(1, len(active) // 100)):
-            s.release(l.id, now + k)
+        active = [lease for lease in s.leases.values() if lease.state is LeaseState.ACTIVE]
+        for lease in rng.sample(active, max(1, len(active) // 100)):
+            s.release(lease.id, now + k)
         t = time.perf_counter()
         evs = s.schedule(now + k)
         churn.append(time.perf_counter() - t)
@@ -103,7 +103,7 @@ def bench(n_gpus: int, n_queued: int, fair: bool, repeat: int) -> dict:
         "gpus": n_gpus,
         "queued": n_queued,
         "fair_share": fair,
-        "active_leases": sum(1 for l in s.leases.values() if l.state is LeaseState.ACTIVE),
+        "active_leases": sum(1 for lease in s.leases.values() if lease.state is LeaseState.ACTIVE),
         "idle_pass_ms": round(idle * 1000, 2),
         "churn_pass_ms": round(statistics.median(churn) * 1000, 2),
         "grants_per_churn_pass": round(grants / repeat, 1),
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             r = bench(g, q, fair, a.repeat)
             rows.append(r)
             print(
-                f"{g:>6} GPUs {q:>7} queued fair_share={str(fair):<5}  idle pass {r['idle_pass_ms']:>8.2f} ms   "
+                f"{g:>6} GPUs {q:>7} queued fair_share={fair!s:<5}  idle pass {r['idle_pass_ms']:>8.2f} ms   "
                 f"churn pass {r['churn_pass_ms']:>8.2f} ms ({r['grants_per_churn_pass']:.0f} grants)   full order {r['full_order_ms']:>8.2f} ms",
                 flush=True,
             )

@@ -93,8 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "bench_spawn.json"))
     args = ap.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp_name:
+        tmp = Path(tmp_name)
         (tmp / "bench_spawner.py").write_text(BENCH_SPAWNER)  # the hub runs with cwd=tmp: importable
         hub, url, token = make_hub(tmp, users=("plain", "leased"), config_lines=["c.JupyterHub.spawner_class = 'bench_spawner.BenchSpawner'"])
         times: dict[str, list[float]] = {"plain": [], "leased": []}

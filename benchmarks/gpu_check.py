@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-from jupyter_gpulease.devices import DeviceUnavailable, get_backend  # noqa: E402
+from jupyter_gpulease.devices import DeviceUnavailable, get_backend
 
 WORKER = textwrap.dedent("""
     import sys, time, torch

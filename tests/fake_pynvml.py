@@ -77,7 +77,7 @@ class FakeNVML(types.ModuleType):
         self._mig_process_lists = mig_process_lists
         # the real error classes and the constants our code reads
         for name in dir(real):
-            if name.startswith("NVMLError") or name.startswith("NVML_ERROR_") or name.startswith("NVML_DEVICE_MIG"):
+            if name.startswith(("NVMLError", "NVML_ERROR_", "NVML_DEVICE_MIG")):
                 setattr(self, name, getattr(real, name))
         self.NVMLLibraryMismatchError = real.NVMLLibraryMismatchError
         for name in ("NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "nvmlEventTypeXidCriticalError"):

@@ -72,7 +72,7 @@ def wait_for(predicate, timeout: float, message: str, interval: float = 0.1):
             value = predicate()
         except AssertionError:
             raise
-        except Exception as e:  # noqa: BLE001 - retried until the deadline, reported then
+        except Exception as e:
             last_exc = e
             value = None
         if value:
@@ -209,7 +209,7 @@ class HubHarness:
         self.config_file.write_text(self.config_text())
         env = {**os.environ, **self.env}
         env.pop("JUPYTERHUB_API_TOKEN", None)
-        self._log_handle = open(self.log_file, "ab")
+        self._log_handle = open(self.log_file, "ab")  # noqa: SIM115 (kept open for the hub's lifetime)
         self._log_handle.write(b"\n===== starting hub =====\n")
         self._log_handle.flush()
         self.proc = subprocess.Popen(
@@ -265,7 +265,7 @@ class HubHarness:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     continue
-                wait_for(lambda: not pid_alive(pid), 10, f"PID {pid} (started by the hub) did not exit")
+                wait_for(lambda pid=pid: not pid_alive(pid), 10, f"PID {pid} (started by the hub) did not exit")
         self.proc = None
         if self._log_handle:
             self._log_handle.close()

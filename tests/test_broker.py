@@ -272,10 +272,10 @@ def test_metrics_count_leases_gpus_and_grants(tmp_path):
 
 
 def test_the_admin_page_lists_holders_queue_and_pool():
-    from jupyter_gpulease.broker.handlers import render_admin_page
-
     import tempfile
     from pathlib import Path
+
+    from jupyter_gpulease.broker.handlers import render_admin_page
 
     tmp = Path(tempfile.mkdtemp())
     app = make_broker(tmp)

@@ -88,7 +88,7 @@ def hub(tmp_path_factory):
 
 
 def client(hub, who) -> BrokerClient:
-    return BrokerClient(hub.service_url("gpulease"), hub.tokens[who] if who in hub.tokens else who)
+    return BrokerClient(hub.service_url("gpulease"), hub.tokens.get(who, who))
 
 
 def run(coro):

@@ -45,7 +45,7 @@ def test_a_researcher_sees_the_pool_requests_extends_and_releases(broker, capsys
 
     assert jupyter_gpulease(["extend", lease["id"][:8], "--by", "30m"]) == 0
     text = out_of(capsys)
-    assert "now expires in 89m" in text or "now expires in 90m" in text, text
+    assert "now expires in 1h29m" in text or "now expires in 1h30m" in text, text
 
     assert cli.leases_main(["--json"]) == 0
     data = json.loads(out_of(capsys))

@@ -15,13 +15,13 @@ def pool(nodes=2, per_node=4):
 
 
 def lease(s, user, gpus=1, tier="experiment", now=T0, duration_s=HOUR):
-    l = s.new_lease(user=user, request=parse_request({"gpus": gpus}), now=now, tier=tier, duration_s=duration_s)
-    s.submit(l, now)
-    return l
+    lease = s.new_lease(user=user, request=parse_request({"gpus": gpus}), now=now, tier=tier, duration_s=duration_s)
+    s.submit(lease, now)
+    return lease
 
 
-def node_of(s, l):
-    return s.get(l.id).placement.slices[0].node
+def node_of(s, lease):
+    return s.get(lease.id).placement.slices[0].node
 
 
 def test_non_preemptible_leases_are_kept_together():
@@ -66,7 +66,7 @@ def test_aged_lease_is_considered_before_newer_higher_tier_leases():
     s.tick(T0 + 10)
     new = lease(s, "new", gpus=1, tier="production", now=T0 + 2000)
     s.tick(T0 + 2000)
-    assert [l.id for l in s.queue()] == [old.id, new.id]
+    assert [lease.id for lease in s.queue()] == [old.id, new.id]
     s.release(hold.id, T0 + 2100)
     s.tick(T0 + 2100)
     assert s.get(old.id).state is LeaseState.ACTIVE
@@ -80,7 +80,7 @@ def test_no_aging_keeps_strict_tier_order():
     old = lease(s, "old", gpus=2, tier="experiment", now=T0 + 10)
     new = lease(s, "new", gpus=1, tier="production", now=T0 + 2000)
     s.tick(T0 + 2000)
-    assert [l.id for l in s.queue()] == [new.id, old.id]
+    assert [lease.id for lease in s.queue()] == [new.id, old.id]
     s.release(hold.id, T0 + 2100)
     s.tick(T0 + 2100)
     assert s.get(new.id).state is LeaseState.ACTIVE
@@ -124,14 +124,14 @@ def test_ties_between_equal_nodes_break_the_same_way_whatever_the_hash_seed():
 
 # ------------------------------------------------------------------ fragmentation-aware shares
 def share(s, user, frac, now=T0):
-    l = s.new_lease(user=user, request=parse_request({"share": frac}), now=now, duration_s=HOUR)
-    s.submit(l, now)
+    lease = s.new_lease(user=user, request=parse_request({"share": frac}), now=now, duration_s=HOUR)
+    s.submit(lease, now)
     s.tick(now)
-    return l
+    return lease
 
 
-def gpu_of(s, l):
-    return s.get(l.id).placement.slices[0].index
+def gpu_of(s, lease):
+    return s.get(lease.id).placement.slices[0].index
 
 
 def stranding_case(share_placement):
@@ -140,7 +140,7 @@ def stranding_case(share_placement):
     for u in ("h1", "h2"):  # history: two 0.8 shares, done
         share(s, u, 0.8)
     for u in ("h1", "h2"):
-        s.release(next(l.id for l in s.leases.values() if l.user == u), T0)
+        s.release(next(lease.id for lease in s.leases.values() if lease.user == u), T0)
     a = share(s, "a", 0.15)
     b = share(s, "b", 0.9)
     c = share(s, "c", 0.1)
@@ -206,7 +206,7 @@ def test_a_multi_gpu_request_ages_sooner_and_older_leases_age_with_it():
         big = lease(s, "big", gpus=4, tier="experiment", now=T0 + 20)
         p = lease(s, "p", gpus=1, tier="production", now=T0 + 600)
         s.tick(T0 + 600)
-        order = [l.id for l in s.queue()]
+        order = [lease.id for lease in s.queue()]
         if by_size:
             # 4 GPUs age after 1800 x 0.25 = 450 s; the older small request ages with it, in arrival order
             assert order == [small.id, big.id, p.id]
@@ -218,7 +218,7 @@ def test_a_multi_gpu_request_ages_sooner_and_older_leases_age_with_it():
         b2 = lease(s2, "big", gpus=4, tier="experiment", now=T0 + 20)
         p2 = lease(s2, "p", gpus=1, tier="production", now=T0 + 300)
         s2.tick(T0 + 400)
-        assert [l.id for l in s2.queue()] == [p2.id, b2.id]
+        assert [lease.id for lease in s2.queue()] == [p2.id, b2.id]
 
 
 def test_a_preemptible_lease_starts_on_promised_gpus_until_the_promise_begins():
@@ -232,36 +232,36 @@ def test_a_preemptible_lease_starts_on_promised_gpus_until_the_promise_begins():
         return s, h, w
 
     s, h, w = setup()
-    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
+    learner = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
     e = lease(s, "e", gpus=1, tier="experiment", now=T0 + 120, duration_s=2 * HOUR)
     evs = s.tick(T0 + 120)
-    assert l.state is LeaseState.ACTIVE and l.expires_at == T0 + HOUR  # cut to when w's promise begins
+    assert learner.state is LeaseState.ACTIVE and learner.expires_at == T0 + HOUR  # cut to when w's promise begins
     granted = [x for x in evs if x.kind == ev.GRANTED]
-    assert [x.lease_id for x in granted] == [l.id]
+    assert [x.lease_id for x in granted] == [learner.id]
     assert granted[0].data["short_grant"] is True and "promised to a waiting lease" in granted[0].reason
     assert e.state is LeaseState.QUEUED  # a non-preemptible lease gets no short grant
     assert s.eta(w.id) == T0 + HOUR  # the promise holds
     with pytest.raises(Refused, match="waiting for this GPU"):
-        s.extend(l.id, T0 + HOUR - 600, by_s=HOUR)
+        s.extend(learner.id, T0 + HOUR - 600, by_s=HOUR)
     s.tick(T0 + HOUR)
-    assert l.state is LeaseState.EXPIRED and h.state is LeaseState.EXPIRED
+    assert learner.state is LeaseState.EXPIRED and h.state is LeaseState.EXPIRED
     assert w.state is LeaseState.ACTIVE
 
     # off: it waits
     s, h, w = setup(short_grants=False)
-    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
+    learner = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=2 * HOUR)
     s.tick(T0 + 120)
-    assert l.state is LeaseState.QUEUED
+    assert learner.state is LeaseState.QUEUED
     # a promise that begins in under 10 minutes is not worth a grant
     s, h, w = setup()
-    l = lease(s, "l", gpus=1, tier="learning", now=T0 + HOUR - 300, duration_s=2 * HOUR)
+    learner = lease(s, "l", gpus=1, tier="learning", now=T0 + HOUR - 300, duration_s=2 * HOUR)
     s.tick(T0 + HOUR - 300)
-    assert l.state is LeaseState.QUEUED
+    assert learner.state is LeaseState.QUEUED
     # a lease short enough to end before the promise is an ordinary backfill, with its own limit
     s, h, w = setup()
-    l = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=1200)
+    learner = lease(s, "l", gpus=1, tier="learning", now=T0 + 120, duration_s=1200)
     s.tick(T0 + 120)
-    assert l.state is LeaseState.ACTIVE and l.expires_at == T0 + 120 + 1200
+    assert learner.state is LeaseState.ACTIVE and learner.expires_at == T0 + 120 + 1200
 
 
 def test_multi_gpu_aging_is_validated():

@@ -39,14 +39,14 @@ def check_invariants(s: Scheduler, all_leases):
     use_mem = defaultdict(int)
     whole = defaultdict(int)
     mig_holders = defaultdict(int)
-    for l in all_leases:
-        states = [x for x in LeaseState if l.state is x]
+    for lease in all_leases:
+        states = [x for x in LeaseState if lease.state is x]
         assert len(states) == 1  # exactly one state
-        live = l.id in s.leases
-        assert live == (not l.state.terminal)
-        if l.state is LeaseState.ACTIVE:
-            assert l.placement is not None and l.granted_at is not None and l.expires_at > l.granted_at - 1e-9
-            for sl in l.placement.slices:
+        live = lease.id in s.leases
+        assert live == (not lease.state.terminal)
+        if lease.state is LeaseState.ACTIVE:
+            assert lease.placement is not None and lease.granted_at is not None and lease.expires_at > lease.granted_at - 1e-9
+            for sl in lease.placement.slices:
                 if sl.mig_uuid:
                     mig_holders[sl.mig_uuid] += 1
                 else:
@@ -65,17 +65,17 @@ def check_invariants(s: Scheduler, all_leases):
             assert st_.free_mem == g.memory_mib - use_mem[g.uuid]
     assert all(v == 1 for v in mig_holders.values())
     # positions asked one by one (the order is built lazily) agree with the full order
-    queued = sorted(l.id for l in s.leases.values() if l.state is LeaseState.QUEUED)
+    queued = sorted(lease.id for lease in s.leases.values() if lease.state is LeaseState.QUEUED)
     s._order = None
     positions = {lid: s.queue_position(lid) for lid in reversed(queued[: len(queued) // 2 + 1])} if queued else {}
     # queue order respected: tiers by priority, never a lower tier before a higher one
     q = s.queue()
     for lid, (pos, length) in positions.items():
         assert q[pos - 1].id == lid and length == len(q)
-    prios = [s.policy.tiers[l.tier].priority for l in q]
+    prios = [s.policy.tiers[lease.tier].priority for lease in q]
     assert prios == sorted(prios, reverse=True)
-    assert all(l.state is LeaseState.QUEUED for l in q)
-    assert len(q) == sum(1 for l in s.leases.values() if l.state is LeaseState.QUEUED)
+    assert all(lease.state is LeaseState.QUEUED for lease in q)
+    assert len(q) == sum(1 for lease in s.leases.values() if lease.state is LeaseState.QUEUED)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,9 +91,9 @@ def test_invariants_hold_under_random_operations(seq, fair, quota, share_placeme
         try:
             if op[0] == "ask":
                 _, user, req, tier, dur = op
-                l = s.new_lease(user=user, request=parse_request(req), now=now, tier=tier, duration_s=min(dur, pol.tiers[tier].max_duration_s))
-                s.submit(l, now)
-                all_leases.append(l)
+                lease = s.new_lease(user=user, request=parse_request(req), now=now, tier=tier, duration_s=min(dur, pol.tiers[tier].max_duration_s))
+                s.submit(lease, now)
+                all_leases.append(lease)
             elif op[0] == "release" and all_leases:
                 s.release(all_leases[op[1] % len(all_leases)].id, now)
             elif op[0] == "time":
@@ -107,9 +107,9 @@ def test_invariants_hold_under_random_operations(seq, fair, quota, share_placeme
         s.tick(now)
         check_invariants(s, all_leases)
     # granted leases never started before they were asked for, and waiting never runs backwards
-    for l in all_leases:
-        if l.granted_at is not None:
-            assert l.granted_at >= l.created_at
+    for lease in all_leases:
+        if lease.granted_at is not None:
+            assert lease.granted_at >= lease.created_at
 
 
 def _head_is_never_delayed(jobs, pol):
@@ -119,9 +119,9 @@ def _head_is_never_delayed(jobs, pol):
     now = T0
     leases = []
     for n, d, tier in jobs:
-        l = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d, tier=tier)
-        s.submit(l, now)
-        leases.append(l)
+        lease = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d, tier=tier)
+        s.submit(lease, now)
+        leases.append(lease)
     s.tick(now)
     promised = {}
     while s.leases:
@@ -130,15 +130,15 @@ def _head_is_never_delayed(jobs, pol):
             eta = s.eta(q[0].id)
             assert eta is not None
             promised.setdefault(q[0].id, eta)
-        for l in s.active():
-            assert l.expires_at - l.granted_at <= l.duration_s + 1e-6
+        for lease in s.active():
+            assert lease.expires_at - lease.granted_at <= lease.duration_s + 1e-6
         nxt = s.next_deadline()
         assert nxt is not None
         now = nxt
         s.tick(now)
-    for l in leases:
-        if l.id in promised:
-            assert l.granted_at <= promised[l.id] + 1e-6
+    for lease in leases:
+        if lease.id in promised:
+            assert lease.granted_at <= promised[lease.id] + 1e-6
 
 
 @settings(max_examples=60, deadline=None)

@@ -43,9 +43,9 @@ def mig_gpu(node="n9"):
 
 def ask(s, user, req=None, now=T0, **kw):
     kw.setdefault("duration_s", HOUR)
-    l = s.new_lease(user=user, request=parse_request(req or {"gpus": 1}), now=now, **kw)
-    s.submit(l, now)
-    return l
+    lease = s.new_lease(user=user, request=parse_request(req or {"gpus": 1}), now=now, **kw)
+    s.submit(lease, now)
+    return lease
 
 
 def kinds(events, kind):
@@ -152,7 +152,7 @@ def test_tier_rules_duration_limits_and_who_may_use_a_tier():
     with pytest.raises(Forbidden, match="may not use tier 'prod'"):
         s.new_lease(user="a", request=parse_request({}), now=T0, tier="prod")
     s.new_lease(user="a", groups=["staff"], request=parse_request({}), now=T0, tier="prod")
-    with pytest.raises(BadRequest, match="over the 60 min limit") as e:
+    with pytest.raises(BadRequest, match="over the 1 h limit") as e:
         s.new_lease(user="a", groups=["staff"], request=parse_request({}), now=T0, tier="prod", duration_s=2 * HOUR)
     assert e.value.field == "duration_s"
     with pytest.raises(BadRequest, match="unknown tier"):
@@ -168,7 +168,7 @@ def test_higher_tier_goes_first_then_arrival():
     high = ask(s, "b", tier="production", now=T0 + 2)
     mid = ask(s, "c", tier="experiment", now=T0 + 3)
     s.tick(T0 + 3)
-    assert [l.user for l in s.queue()] == ["b", "c", "a"]
+    assert [lease.user for lease in s.queue()] == ["b", "c", "a"]
     s.release(hold.id, T0 + 10)
     s.tick(T0 + 10)
     assert high.state is LeaseState.ACTIVE and mid.state is LeaseState.QUEUED and low.state is LeaseState.QUEUED
@@ -184,7 +184,7 @@ def test_fair_share_puts_the_lighter_user_first_and_interleaves_heavy_queues():
     l1 = ask(s, "light", now=T0 + 3)
     l2 = ask(s, "light", now=T0 + 4)
     s.tick(T0 + 5)
-    order = [l.id for l in s.queue()]
+    order = [lease.id for lease in s.queue()]
     assert order[0] == l1.id  # lighter user first despite arriving later
     assert order.index(h1.id) < order.index(l2.id) or order.index(h1.id) < order.index(h2.id)
     assert order.index(h1.id) < order.index(h2.id)  # arrival within a user
@@ -258,7 +258,7 @@ def test_concurrent_quota_holds_back_without_refusing_and_shares_count_by_fracti
 def test_gpu_hour_quota_refuses_what_would_go_over_and_names_what_is_left():
     s = Scheduler(gpus(4), P(default_user_quota=Quota(gpu_hours=3, period_s=24 * HOUR)))
     s.record_usage("u", (), T0 - 3 * HOUR, T0 - HOUR, 1000)  # 2 GPU-hours used
-    with pytest.raises(Refused, match="1.0 left"):
+    with pytest.raises(Refused, match=r"1\.0 left"):
         s.new_lease(user="u", request=parse_request({"gpus": 1}), now=T0, duration_s=2 * HOUR)
     s.new_lease(user="u", request=parse_request({"gpus": 1}), now=T0, duration_s=HOUR)
 
@@ -432,7 +432,7 @@ def test_preemption_warns_the_cheapest_victim_and_reclaims_after_grace():
 
 
 def test_preemption_is_called_off_when_the_waiter_leaves():
-    s, (l1, l2) = _preempt_setup()
+    s, (_l1, l2) = _preempt_setup()
     p = ask(s, "boss", tier="production", now=T0 + 60)
     s.tick(T0 + 60)
     evs = s.release(p.id, T0 + 100)
@@ -451,7 +451,7 @@ def test_non_preemptible_tiers_are_never_preempted():
 
 
 def test_preempted_lease_cannot_be_extended():
-    s, (l1, l2) = _preempt_setup()
+    s, (_l1, l2) = _preempt_setup()
     ask(s, "boss", tier="production", now=T0 + 60)
     s.tick(T0 + 60)
     with pytest.raises(Conflict, match="being preempted"):
@@ -501,7 +501,7 @@ def test_extension_is_refused_when_it_would_go_over_the_gpu_hour_quota():
     s = Scheduler(gpus(1), P(default_user_quota=Quota(gpu_hours=3, period_s=24 * HOUR)))
     a = ask(s, "u", duration_s=2 * HOUR)
     s.tick(T0)
-    with pytest.raises(Refused, match="1.0 GPU-hours left, enough for 60 min more") as e:
+    with pytest.raises(Refused, match=r"1\.0 GPU-hours left, enough for 1 h more") as e:
         s.extend(a.id, T0 + 60, by_s=2 * HOUR)
     assert e.value.field == "by_s"
     s.extend(a.id, T0 + 60, by_s=HOUR)

@@ -213,7 +213,7 @@ def test_non_finite_figures_in_a_state_file_are_dropped(tmp_path):
     state = tmp_path / "gpus.json"
     b = SimulatedBackend({"state_file": str(state)})
     uuid = b.inventory()[3].uuid
-    state.write_text('{"utilization": {"%s": NaN}, "processes": {"%s": [{"pid": 7, "used_memory_mib": Infinity}]}}' % (uuid, uuid))
+    state.write_text(f'{{"utilization": {{"{uuid}": NaN}}, "processes": {{"{uuid}": [{{"pid": 7, "used_memory_mib": Infinity}}]}}}}')
     s = b.sample()[uuid]
     assert s.utilization_pct == 0.0
     assert [(p.pid, p.used_memory_mib) for p in s.processes] == [(7, None)]

@@ -76,7 +76,7 @@ def test_foreign_csv_says_which_columns_are_missing(tmp_path):
 
 def test_empty_and_wrong_kind_files_are_errors_not_tracebacks(tmp_path):
     empty = write(tmp_path, "empty.csv", "")
-    with pytest.raises(TraceError, match="empty.csv, line 1: the file is empty"):
+    with pytest.raises(TraceError, match=r"empty\.csv, line 1: the file is empty"):
         load_alibaba_pods(empty)
     nodes = write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
     assert detect_format(nodes) == ALIBABA_NODES
@@ -99,7 +99,7 @@ def test_nodes_validate_and_pool_draw_is_deterministic(tmp_path):
     with pytest.raises(ValueError, match="only 10 node"):
         pool_from_inventory(nodes, n_nodes=11, models=["G2"])
     bad = write(tmp_path, "nodes_bad.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,\n")
-    with pytest.raises(TraceError, match="nodes_bad.csv, line 2, column 'model'"):
+    with pytest.raises(TraceError, match=r"nodes_bad\.csv, line 2, column 'model'"):
         load_alibaba_nodes(bad)
 
 
@@ -123,7 +123,7 @@ def test_notebook_sessions_group_consecutive_ids_by_documented_gap(tmp_path):
     assert a.bursts == [(0.0, 300.0), (600.0, 300.0)]
     assert notebook_sessions(events, session_gap_s=4 * 3600).jobs[0].bursts[-1] == (12000.0, 300.0)
     bad = write(tmp_path, "nb_bad.csv", "job_id,num_gpu,submit_time,duration\n1,1,0,0\n")
-    with pytest.raises(TraceError, match="nb_bad.csv, line 2, column 'duration'"):
+    with pytest.raises(TraceError, match=r"nb_bad\.csv, line 2, column 'duration'"):
         load_notebook_events(bad)
 
 

@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hubharness import HubHarness, free_port, pid_alive, wait_for
 
+from hubharness import HubHarness, free_port, pid_alive, wait_for
 from jupyter_gpulease.client import BrokerClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -302,7 +302,7 @@ def test_cancelled_pending_spawn_withdraws_its_lease(hub1):
     assert lease["state"] == "withdrawn"
     assert broker_call(url, token, "queue") == []
     # nobody but alice holds anything
-    assert [l["user"] for l in broker_call(url, token, "list_leases", state="live")] == ["alice"]
+    assert [lease["user"] for lease in broker_call(url, token, "list_leases", state="live")] == ["alice"]
 
 
 @pytest.mark.parametrize(

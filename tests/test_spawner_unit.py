@@ -224,7 +224,7 @@ class FakeBroker:
     async def events(self, since=0, lease_id=None, timeout=30):
         try:
             await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return {"events": [], "last_id": since}
 

@@ -63,15 +63,15 @@ class Probe:
                 probe.last.clear()
                 out = super().tick(now)
                 multi_waits = False
-                for l in self.leases.values():
-                    if l.state is not LeaseState.QUEUED:
+                for lease in self.leases.values():
+                    if lease.state is not LeaseState.QUEUED:
                         continue
-                    req = l.request
+                    req = lease.request
                     if req.kind is SliceKind.GPU and req.gpus > 1:
                         multi_waits = True
                     if self.pool.place(req) is not None:
                         st = "reserved"
-                    elif l.id in self._preempting_for:
+                    elif lease.id in self._preempting_for:
                         st = "grace"
                     elif req.kind is SliceKind.SHARE and sum(self.pool.free_milli_by_model.values()) >= req.share_milli:
                         st = "no room (fragmented)"
@@ -79,7 +79,7 @@ class Probe:
                         st = "no room (split)"
                     else:
                         st = "no room"
-                    probe.last[l.id] = (now, st)
+                    probe.last[lease.id] = (now, st)
                 if multi_waits and now - probe._last_sample >= 1800:
                     probe._last_sample = now
                     pre = self.pool.preemptible_of

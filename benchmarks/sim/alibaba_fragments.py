@@ -29,20 +29,24 @@ from jupyter_gpulease.sim.replay import replay
 wl, pool = alibaba_contended()
 for mode in ("best_fit", "fragmentation"):
     samples = []
+
     class S(cs.Scheduler):
-        def tick(self, now):
+        def tick(self, now, samples=samples):
             out = super().tick(now)
-            w = [l for l in self.leases.values() if l.state is LeaseState.QUEUED and l.request.kind is SliceKind.SHARE and l.request.share_milli == 810]
+            w = [lease for lease in self.leases.values() if lease.state is LeaseState.QUEUED and lease.request.kind is SliceKind.SHARE and lease.request.share_milli == 810]
             if w:
                 frees = [s.free_milli for s in self.pool.gpus.values() if not s.gpu.mig and s.gpu.healthy]
                 if max(frees) < 810 and sum(frees) >= 810:
                     samples.append((sum(frees), max(frees), sum(1 for f in frees if f > 0), Counter(min(f // 100, 9) for f in frees if f > 0)))
             return out
     cs.Scheduler = S
-    sp = P.gpulease_batch(); sp = replace(sp, policy=replace(sp.policy, share_placement=mode))
+    sp = P.gpulease_batch()
+    sp = replace(sp, policy=replace(sp.policy, share_placement=mode))
     replay(wl, pool, sp, requeue_expired=True)
     cs.Scheduler = S.__mro__[1]
     print(f"share_placement={mode}: {len(samples)} passes with a 0.81 share waiting on fragmented room; median free compute {statistics.median(s[0] for s in samples) / 1000:g} GPU over {statistics.median(s[2] for s in samples):g} GPUs, largest hole {statistics.median(s[1] for s in samples) / 1000:g} GPU")
     agg = Counter()
-    for s in samples: agg.update(s[3])
-    tot = sum(agg.values()); print("  GPUs with free compute, by how much (GPU), share of them:", ", ".join(f"{k / 10:.1f}-{(k + 1) / 10:.1f}: {v / tot:.0%}" for k, v in sorted(agg.items())))
+    for s in samples:
+        agg.update(s[3])
+    tot = sum(agg.values())
+    print("  GPUs with free compute, by how much (GPU), share of them:", ", ".join(f"{k / 10:.1f}-{(k + 1) / 10:.1f}: {v / tot:.0%}" for k, v in sorted(agg.items())))

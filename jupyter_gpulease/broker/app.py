@@ -27,8 +27,8 @@ from traitlets.config import Application, catch_config_error
 
 from .. import __version__
 from ..core.events import ENDED
-from ..core.policy import DEFAULT_TIERS, Policy, Quota, Tier
 from ..core.model import LeaseState
+from ..core.policy import DEFAULT_TIERS, Policy, Quota, Tier
 from .manager import LeaseManager, SystemClock
 
 SERVICE_NAME = "gpulease"

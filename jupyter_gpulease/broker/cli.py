@@ -11,12 +11,13 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
 
 from ..client import BrokerClient, BrokerError, default_broker_url
+from ..core.text import format_duration, format_table
+from ..core.text import parse_duration as core_parse_duration
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -50,16 +51,7 @@ def _run(args, coro_fn) -> int:
 
 # --------------------------------------------------------------------------- formatting
 def fmt_duration(s: float) -> str:
-    s = int(round(s))
-    if s < 0:
-        return "-" + fmt_duration(-s)
-    if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    if s < 3 * 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600}h"
+    return format_duration(s, compact=True)
 
 
 def fmt_when(t: float | None, now: float | None = None) -> str:
@@ -96,10 +88,7 @@ def describe_placement(p: dict[str, Any] | None) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    cols = [headers, *rows]
-    widths = [max(len(str(r[i])) for r in cols) for i in range(len(headers))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in cols]
-    return "\n".join(lines)
+    return format_table(rows, headers)
 
 
 def lease_rows(leases: list[dict], now: float) -> str:
@@ -117,15 +106,11 @@ def lease_rows(leases: list[dict], now: float) -> str:
 
 
 def parse_duration(text: str) -> float:
-    """'90', '90s', '30m', '2h', '1h30m', '1d' -> seconds."""
-    text = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    m = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m(?:in)?)?(?:(\d+)s)?", text)
-    if not m or not any(m.groups()):
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (examples: 3600, 30m, 2h, 1h30m)")
-    d, h, mi, s = (int(g or 0) for g in m.groups())
-    return float(d * 86400 + h * 3600 + mi * 60 + s)
+    """'90', '90s', '30m', '2h', '1h30m', '1d' -> seconds (an argparse type)."""
+    try:
+        return core_parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 async def resolve_id(client: BrokerClient, lease_id: str) -> str:

@@ -19,6 +19,7 @@ from tornado import web
 from tornado.iostream import StreamClosedError
 
 from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState, NotFound, parse_request
+from ..core.text import format_duration
 
 REQUEST_FIELDS = {"kind", "gpus", "share", "memory_mib", "mig_profile", "mig", "model", "models", "min_memory_mib"}
 LEASE_FIELDS = REQUEST_FIELDS | {"tier", "duration_s", "max_wait_s", "server", "meta", "user", "groups"}
@@ -250,8 +251,7 @@ class LeasesHandler(APIHandler):
                 groups = tuple(g)
         policy = self.manager.scheduler.policy
         tier = body.get("tier")
-        if tier is not None:
-            if not isinstance(tier, str) or tier not in policy.tiers:
+        if tier is not None and (not isinstance(tier, str) or tier not in policy.tiers):
                 raise BadRequest(f"'tier' must be one of {', '.join(sorted(policy.tiers))}, got {tier!r}", field="tier")
         duration = _number(body, "duration_s", minimum=0, strict_min=True)
         if duration is not None:
@@ -477,17 +477,8 @@ def _fmt_time(t: float | None, now: float) -> str:
     if t is None:
         return "—"
     d = t - now
-    rel = f"in {_fmt_dur(d)}" if d >= 0 else f"{_fmt_dur(-d)} ago"
+    rel = f"in {format_duration(d)}" if d >= 0 else f"{format_duration(-d)} ago"
     return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t))} ({rel})"
-
-
-def _fmt_dur(s: float) -> str:
-    s = int(s)
-    if s < 120:
-        return f"{s} s"
-    if s < 7200:
-        return f"{s // 60} min"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def render_admin_page(manager, now: float) -> str:

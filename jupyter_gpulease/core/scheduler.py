@@ -44,24 +44,10 @@ from .model import (
 )
 from .policy import Policy, Tier
 from .pool import GPUState, Pool, share_need
+from .text import format_duration as fmt_duration
 from .usage import FairShare, UsageWindow
 
 INF = math.inf
-
-
-def fmt_duration(seconds: float) -> str:
-    """'45 s', '14 min', '2 h 5 min', '3 d 4 h' — for messages people read."""
-    s = max(0, int(round(seconds)))
-    if s < 90:
-        return f"{s} s"
-    m = round(s / 60)
-    if m < 120:
-        return f"{m} min"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h} h {m} min" if m else f"{h} h"
-    d, h = divmod(h, 24)
-    return f"{d} d {h} h" if h else f"{d} d"
 
 
 class _Reservations:
@@ -87,12 +73,12 @@ class _Reservations:
 
     # --------------------------------------------------------------- time GPUs free up
     def _end(self, lease_id: str) -> float:
-        l = self.s.leases.get(lease_id)
-        if l is None:
+        lease = self.s.leases.get(lease_id)
+        if lease is None:
             return self.now
-        end = l.expires_at if l.expires_at is not None else INF
-        if l.preempt_at is not None:
-            end = min(end, l.preempt_at)
+        end = lease.expires_at if lease.expires_at is not None else INF
+        if lease.preempt_at is not None:
+            end = min(end, lease.preempt_at)
         return max(end, self.now)
 
     def gpu_free_at(self, st: GPUState) -> float:
@@ -454,9 +440,9 @@ class Scheduler:
 
     def _active_gpu_hours(self, key: str, is_group: bool, now: float, period_s: float) -> float:
         total = 0.0
-        for l in self.leases.values():
-            if l.state is LeaseState.ACTIVE and ((key in l.groups) if is_group else (l.user == key)):
-                total += (now - max(l.granted_at or now, now - period_s)) * l.gpu_milli / MILLI
+        for lease in self.leases.values():
+            if lease.state is LeaseState.ACTIVE and ((key in lease.groups) if is_group else (lease.user == key)):
+                total += (now - max(lease.granted_at or now, now - period_s)) * lease.gpu_milli / MILLI
         return total / 3600
 
     def submit(self, lease: Lease, now: float, actor: str = "") -> list[Event]:
@@ -484,21 +470,21 @@ class Scheduler:
         lst = per_user.setdefault(lease.user, [])
         if lst and lst[-1].seq > lease.seq:
             lst.append(lease)
-            lst.sort(key=lambda l: l.seq)
+            lst.sort(key=lambda lease: lease.seq)
         else:
             lst.append(lease)
         self._n_queued += 1
         self._arrivals.append(lease)
         if len(self._arrivals) > 2 * self._n_queued + 1024:
-            self._arrivals = deque(l for l in self._arrivals if self._is_queued(l))
+            self._arrivals = deque(lease for lease in self._arrivals if self._is_queued(lease))
         if self.policy.multi_gpu_aging < 1 and self._gpus_asked(lease) > 1:
             self._arrivals_multi.append(lease)
             if len(self._arrivals_multi) > 2 * self._n_queued + 1024:
-                self._arrivals_multi = deque(l for l in self._arrivals_multi if self._is_queued(l))
+                self._arrivals_multi = deque(lease for lease in self._arrivals_multi if self._is_queued(lease))
         self._order = None
 
-    def _is_queued(self, l: Lease) -> bool:
-        return l.state is LeaseState.QUEUED and self.leases.get(l.id) is l and l.id in self._shape_of
+    def _is_queued(self, lease: Lease) -> bool:
+        return lease.state is LeaseState.QUEUED and self.leases.get(lease.id) is lease and lease.id in self._shape_of
 
     def _dequeue(self, lease: Lease) -> None:
         per_user = self._queued.get(lease.tier, {})
@@ -523,77 +509,77 @@ class Scheduler:
 
     # ================================================================== lease calls
     def get(self, lease_id: str) -> Lease:
-        l = self.leases.get(lease_id)
-        if l is None:
+        lease = self.leases.get(lease_id)
+        if lease is None:
             raise NotFound(f"no live lease {lease_id!r}")
-        return l
+        return lease
 
     def release(self, lease_id: str, now: float, *, state: LeaseState = LeaseState.RELEASED, reason: str = "", actor: str = "") -> list[Event]:
         """End a lease: a queued one is withdrawn, an active one ends in ``state``."""
-        l = self.get(lease_id)
-        if l.state is LeaseState.QUEUED:
-            return self._end(l, LeaseState.WITHDRAWN, now, reason or "withdrawn by its requester", actor)
+        lease = self.get(lease_id)
+        if lease.state is LeaseState.QUEUED:
+            return self._end(lease, LeaseState.WITHDRAWN, now, reason or "withdrawn by its requester", actor)
         if not state.terminal or state in (LeaseState.WITHDRAWN,):
             raise BadRequest(f"cannot end an active lease as {state.value!r}", field="state")
-        return self._end(l, state, now, reason or "released by its holder", actor)
+        return self._end(lease, state, now, reason or "released by its holder", actor)
 
     def extend(self, lease_id: str, now: float, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> list[Event]:
         """Move ``expires_at`` later, within the tier's limits."""
-        l = self.leases.get(lease_id)
-        if l is None:
+        lease = self.leases.get(lease_id)
+        if lease is None:
             raise NotFound(f"no live lease {lease_id!r}")
-        if l.state is not LeaseState.ACTIVE:
-            raise Conflict(f"lease {lease_id} is {l.state.value}; only an active lease can be extended")
+        if lease.state is not LeaseState.ACTIVE:
+            raise Conflict(f"lease {lease_id} is {lease.state.value}; only an active lease can be extended")
         if (by_s is None) == (until is None):
             raise BadRequest("give exactly one of 'by_s' (seconds to add) or 'until' (new expiry, epoch seconds)", field="by_s")
         for name, v in (("by_s", by_s), ("until", until)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (INF, -INF)):
                 raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name)
-        new = until if until is not None else l.expires_at + by_s
-        if new <= l.expires_at:
-            raise BadRequest(f"the new expiry must be later than the current one ({fmt_duration(l.expires_at - now)} from now)", field="by_s" if by_s is not None else "until")
-        if l.preempt_at is not None:
-            raise Conflict(f"lease {lease_id} is being preempted (ends in {fmt_duration(l.preempt_at - now)}); it cannot be extended")
-        t = self.policy.tier(l.tier)
+        new = until if until is not None else lease.expires_at + by_s
+        if new <= lease.expires_at:
+            raise BadRequest(f"the new expiry must be later than the current one ({fmt_duration(lease.expires_at - now)} from now)", field="by_s" if by_s is not None else "until")
+        if lease.preempt_at is not None:
+            raise Conflict(f"lease {lease_id} is being preempted (ends in {fmt_duration(lease.preempt_at - now)}); it cannot be extended")
+        t = self.policy.tier(lease.tier)
         if new - now > t.max_duration_s + 1e-6:
             raise Refused(
                 f"tier {t.name!r} allows at most {fmt_duration(t.max_duration_s)} ahead; you can extend until {fmt_duration(t.max_duration_s)} from now",
                 field="by_s" if by_s is not None else "until",
             )
-        if t.max_lifetime_s is not None and new - l.granted_at > t.max_lifetime_s + 1e-6:
+        if t.max_lifetime_s is not None and new - lease.granted_at > t.max_lifetime_s + 1e-6:
             raise Refused(
-                f"tier {t.name!r} caps a lease at {fmt_duration(t.max_lifetime_s)} in all; this one may run until {fmt_duration(l.granted_at + t.max_lifetime_s - now)} from now",
+                f"tier {t.name!r} caps a lease at {fmt_duration(t.max_lifetime_s)} in all; this one may run until {fmt_duration(lease.granted_at + t.max_lifetime_s - now)} from now",
                 field="by_s" if by_s is not None else "until",
             )
         if not self.policy.extend_when_contended:
-            for sl in l.placement.slices:
+            for sl in lease.placement.slices:
                 waiter = self._reserved_by.get(sl.mig_uuid or sl.gpu_uuid)
                 if waiter and waiter in self.leases and self._outranks(self.leases[waiter], t, now):
                     w = self.leases[waiter]
                     raise Refused(
-                        f"cannot extend: {'someone' if w.user != l.user else 'your other lease'} is waiting for this GPU "
+                        f"cannot extend: {'someone' if w.user != lease.user else 'your other lease'} is waiting for this GPU "
                         f"(queued {fmt_duration(now - w.created_at)} ago, tier {w.tier}); release it when you are done",
                         field="by_s" if by_s is not None else "until",
                     )
-        q = self.policy.quota_for_user(l.user)
+        q = self.policy.quota_for_user(lease.user)
         if q.gpu_hours is not None:
             # past use in the window, this lease's current grant in full, and the extension
-            gpus = l.gpu_milli / MILLI
-            used_h = self._window.used_s("u:" + l.user, now, q.period_s) / 3600 + (l.expires_at - l.granted_at) * gpus / 3600
-            if used_h + (new - l.expires_at) * gpus / 3600 > q.gpu_hours + 1e-9:
+            gpus = lease.gpu_milli / MILLI
+            used_h = self._window.used_s("u:" + lease.user, now, q.period_s) / 3600 + (lease.expires_at - lease.granted_at) * gpus / 3600
+            if used_h + (new - lease.expires_at) * gpus / 3600 > q.gpu_hours + 1e-9:
                 left = max(0.0, q.gpu_hours - used_h)
                 raise Refused(
                     f"extending would go over your GPU-hour quota ({q.gpu_hours:g} GPU-hours per {fmt_duration(q.period_s)}); "
                     f"{left:.1f} GPU-hours left, enough for {fmt_duration(left * 3600 / gpus)} more",
                     field="by_s" if by_s is not None else "until",
                 )
-        old = l.expires_at
-        l.expires_at = new
-        l.warned_at = None
-        self._touch_gpus(l.placement)
-        self._push_expiry_deadlines(l, now)
+        old = lease.expires_at
+        lease.expires_at = new
+        lease.warned_at = None
+        self._touch_gpus(lease.placement)
+        self._push_expiry_deadlines(lease, now)
         self._dirty = True  # ETAs move
-        return [Event(l.id, ev.EXTENDED, now, l.state.value, l.state.value, actor=actor or l.user, data={"from": old, "to": new}, lease=l)]
+        return [Event(lease.id, ev.EXTENDED, now, lease.state.value, lease.state.value, actor=actor or lease.user, data={"from": old, "to": new}, lease=lease)]
 
     def _outranks(self, waiter: Lease, holder_tier: Tier, now: float) -> bool:
         """May ``waiter`` stand in the way of extending a lease of ``holder_tier``?
@@ -610,30 +596,30 @@ class Scheduler:
 
     def confirm(self, lease_id: str, now: float, actor: str = "") -> list[Event]:
         """The holder says the server using this lease is up."""
-        l = self.get(lease_id)
-        if l.state is not LeaseState.ACTIVE:
-            raise Conflict(f"lease {lease_id} is {l.state.value}; only an active lease can be confirmed")
-        l.last_heartbeat = now
-        if l.confirmed_at is not None:
+        lease = self.get(lease_id)
+        if lease.state is not LeaseState.ACTIVE:
+            raise Conflict(f"lease {lease_id} is {lease.state.value}; only an active lease can be confirmed")
+        lease.last_heartbeat = now
+        if lease.confirmed_at is not None:
             return []
-        l.confirmed_at = now
-        return [Event(l.id, ev.CONFIRMED, now, l.state.value, l.state.value, actor=actor or l.user, lease=l)]
+        lease.confirmed_at = now
+        return [Event(lease.id, ev.CONFIRMED, now, lease.state.value, lease.state.value, actor=actor or lease.user, lease=lease)]
 
     def heartbeat(self, lease_id: str, now: float, usage: dict | None = None) -> list[Event]:
         """The holder is alive; ``usage`` is its latest sample. Confirms an unconfirmed lease."""
-        l = self.get(lease_id)
+        lease = self.get(lease_id)
         if usage is not None:
             if not isinstance(usage, dict):
                 raise BadRequest("'usage' must be an object", field="usage")
-            l.usage = dict(usage)
-        if l.state is LeaseState.QUEUED:
+            lease.usage = dict(usage)
+        if lease.state is LeaseState.QUEUED:
             return []
-        l.last_heartbeat = now
+        lease.last_heartbeat = now
         if self.policy.heartbeat_timeout_s:
-            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
-        if l.confirmed_at is None:
-            l.confirmed_at = now
-            return [Event(l.id, ev.CONFIRMED, now, l.state.value, l.state.value, actor=l.user, lease=l)]
+            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", lease.id)
+        if lease.confirmed_at is None:
+            lease.confirmed_at = now
+            return [Event(lease.id, ev.CONFIRMED, now, lease.state.value, lease.state.value, actor=lease.user, lease=lease)]
         return []
 
     # ================================================================== time
@@ -647,58 +633,57 @@ class Scheduler:
             heapq.heappop(self._dl)
         return self._dl[0][0] if self._dl else None
 
-    def _push_expiry_deadlines(self, l: Lease, now: float) -> None:
-        self._deadline(l.expires_at, "expire", l.id)
-        if self.policy.warn_before_s and l.warned_at is None:
-            self._deadline(max(now, l.expires_at - self.policy.warn_before_s), "warn", l.id)
+    def _push_expiry_deadlines(self, lease: Lease, now: float) -> None:
+        self._deadline(lease.expires_at, "expire", lease.id)
+        if self.policy.warn_before_s and lease.warned_at is None:
+            self._deadline(max(now, lease.expires_at - self.policy.warn_before_s), "warn", lease.id)
 
     def tick(self, now: float) -> list[Event]:
         """Apply what time brings (expiry, warnings, grace ends, wait limits, timeouts), then schedule."""
         out: list[Event] = []
         for lid, why in self._restore_failed:
-            l = self.leases.get(lid)
-            if l is not None:
-                out += self._end(l, LeaseState.FAILED, now, why, "broker")
+            lease = self.leases.get(lid)
+            if lease is not None:
+                out += self._end(lease, LeaseState.FAILED, now, why, "broker")
         self._restore_failed = []
         pol = self.policy
         while self._dl and self._dl[0][0] <= now:
-            t, _, kind, lid = heapq.heappop(self._dl)
-            l = self.leases.get(lid)
-            if l is None:
+            _, _, kind, lid = heapq.heappop(self._dl)
+            lease = self.leases.get(lid)
+            if lease is None:
                 continue
             if kind == "expire":
-                if l.state is LeaseState.ACTIVE and l.expires_at <= now:
-                    out += self._end(l, LeaseState.EXPIRED, l.expires_at, f"its time limit of {fmt_duration(l.expires_at - l.granted_at)} ran out", "broker")
+                if lease.state is LeaseState.ACTIVE and lease.expires_at <= now:
+                    out += self._end(lease, LeaseState.EXPIRED, lease.expires_at, f"its time limit of {fmt_duration(lease.expires_at - lease.granted_at)} ran out", "broker")
             elif kind == "warn":
-                if l.state is LeaseState.ACTIVE and l.warned_at is None and l.expires_at - pol.warn_before_s <= now < l.expires_at:
-                    l.warned_at = now
+                if lease.state is LeaseState.ACTIVE and lease.warned_at is None and lease.expires_at - pol.warn_before_s <= now < lease.expires_at:
+                    lease.warned_at = now
                     out.append(
-                        Event(l.id, ev.WARNED, now, "active", "active", f"this lease expires in {fmt_duration(l.expires_at - now)}", "broker", {"expires_at": l.expires_at}, lease=l)
+                        Event(lease.id, ev.WARNED, now, "active", "active", f"this lease expires in {fmt_duration(lease.expires_at - now)}", "broker", {"expires_at": lease.expires_at}, lease=lease)
                     )
             elif kind == "preempt":
-                if l.state is LeaseState.ACTIVE and l.preempt_at is not None and l.preempt_at <= now:
-                    w = self.leases.get(l.preempted_for)
+                if lease.state is LeaseState.ACTIVE and lease.preempt_at is not None and lease.preempt_at <= now:
+                    w = self.leases.get(lease.preempted_for)
                     for_what = f"a waiting {w.tier} lease" if w else "a higher-tier lease"
-                    out += self._end(l, LeaseState.PREEMPTED, l.preempt_at, f"preempted for {for_what}", "broker")
+                    out += self._end(lease, LeaseState.PREEMPTED, lease.preempt_at, f"preempted for {for_what}", "broker")
             elif kind == "maxwait":
-                if l.state is LeaseState.QUEUED and l.max_wait_s is not None and l.created_at + l.max_wait_s <= now:
-                    out += self._end(l, LeaseState.WITHDRAWN, l.created_at + l.max_wait_s, f"not granted within its wait limit of {fmt_duration(l.max_wait_s)}", "broker")
+                if lease.state is LeaseState.QUEUED and lease.max_wait_s is not None and lease.created_at + lease.max_wait_s <= now:
+                    out += self._end(lease, LeaseState.WITHDRAWN, lease.created_at + lease.max_wait_s, f"not granted within its wait limit of {fmt_duration(lease.max_wait_s)}", "broker")
             elif kind == "confirm":
-                if l.state is LeaseState.ACTIVE and l.confirmed_at is None and pol.confirm_timeout_s is not None:
-                    out += self._end(l, LeaseState.REVOKED, now, f"never confirmed by its holder within {fmt_duration(pol.confirm_timeout_s)} of the grant", "broker")
+                if lease.state is LeaseState.ACTIVE and lease.confirmed_at is None and pol.confirm_timeout_s is not None:
+                    out += self._end(lease, LeaseState.REVOKED, now, f"never confirmed by its holder within {fmt_duration(pol.confirm_timeout_s)} of the grant", "broker")
             elif kind == "heartbeat":
-                if l.state is LeaseState.ACTIVE and pol.heartbeat_timeout_s:
-                    last = l.last_heartbeat or l.confirmed_at or l.granted_at
-                    if last + pol.heartbeat_timeout_s <= now:
-                        out += self._end(l, LeaseState.REVOKED, now, f"its holder stopped sending heartbeats ({fmt_duration(now - last)} without one)", "broker")
+                last = lease.last_heartbeat or lease.confirmed_at or lease.granted_at
+                if lease.state is LeaseState.ACTIVE and pol.heartbeat_timeout_s and last + pol.heartbeat_timeout_s <= now:
+                    out += self._end(lease, LeaseState.REVOKED, now, f"its holder stopped sending heartbeats ({fmt_duration(now - last)} without one)", "broker")
         # a warning alone changes nothing a pass decides on (an extension that follows it does)
         if self._dirty or any(e.kind != ev.WARNED for e in out):
             out += self.schedule(now)
         return out
 
-    def _lease_end(self, l: Lease) -> float:
-        end = l.expires_at if l.expires_at is not None else INF
-        return min(end, l.preempt_at) if l.preempt_at is not None else end
+    def _lease_end(self, lease: Lease) -> float:
+        end = lease.expires_at if lease.expires_at is not None else INF
+        return min(end, lease.preempt_at) if lease.preempt_at is not None else end
 
     def _touch_gpus(self, placement: Placement | None) -> None:
         """Recompute when the GPUs of ``placement`` free up (after a grant, end, extension, preemption)."""
@@ -711,24 +696,24 @@ class Scheduler:
             else:
                 self._gpu_free_at[sl.gpu_uuid] = max(self._lease_end(self.leases[h]) for h in st.holders if h in self.leases)
 
-    def _hold(self, l: Lease) -> None:
+    def _hold(self, lease: Lease) -> None:
         """Book-keeping when a lease starts holding its placement (grant or restore)."""
-        m = l.placement.gpu_milli
-        self._held_user[l.user] += m
-        self._held_user_t[l.user] += m * l.granted_at
-        for g in l.groups:
+        m = lease.placement.gpu_milli
+        self._held_user[lease.user] += m
+        self._held_user_t[lease.user] += m * lease.granted_at
+        for g in lease.groups:
             self._held_group[g] += m
-        self._active_by_user[l.user].add(l.id)
-        self._active_by_tier[l.tier][l.id] = None
+        self._active_by_user[lease.user].add(lease.id)
+        self._active_by_tier[lease.tier][lease.id] = None
 
-    def _unhold(self, l: Lease) -> None:
-        m = l.placement.gpu_milli
-        self._held_user[l.user] -= m
-        self._held_user_t[l.user] -= m * l.granted_at
-        for g in l.groups:
+    def _unhold(self, lease: Lease) -> None:
+        m = lease.placement.gpu_milli
+        self._held_user[lease.user] -= m
+        self._held_user_t[lease.user] -= m * lease.granted_at
+        for g in lease.groups:
             self._held_group[g] -= m
-        self._active_by_user[l.user].discard(l.id)
-        self._active_by_tier[l.tier].pop(l.id, None)
+        self._active_by_user[lease.user].discard(lease.id)
+        self._active_by_tier[lease.tier].pop(lease.id, None)
 
     # ================================================================== the pass
     def _user_usage(self, user: str, now: float) -> float:
@@ -739,8 +724,8 @@ class Scheduler:
     AGED_SCAN = 1000  # oldest aged leases moved to the front per pass (bounds a pass's cost)
 
     @staticmethod
-    def _gpus_asked(l: Lease) -> int:
-        return l.request.gpus if l.request.kind is SliceKind.GPU else 1
+    def _gpus_asked(lease: Lease) -> int:
+        return lease.request.gpus if lease.request.kind is SliceKind.GPU else 1
 
     def _aged_cutoff(self, now: float) -> float | None:
         """Leases queued at or before this time count as aged (None: aging is off).
@@ -761,11 +746,11 @@ class Scheduler:
                 arr.popleft()
             multi_cutoff = now - aging * self.policy.multi_gpu_aging
             # the newest multi-GPU lease that has aged (the deque is in arrival order)
-            for k, l in enumerate(arr):
-                if l.created_at > multi_cutoff or k >= self.AGED_SCAN:
+            for k, lease in enumerate(arr):
+                if lease.created_at > multi_cutoff or k >= self.AGED_SCAN:
                     break
-                if l.created_at > cutoff and self._is_queued(l):
-                    cutoff = l.created_at
+                if lease.created_at > cutoff and self._is_queued(lease):
+                    cutoff = lease.created_at
         return cutoff
 
     def _iter_order(self, now: float) -> Iterator[Lease]:
@@ -781,16 +766,16 @@ class Scheduler:
             yield from self._iter_tiers(now)
             return
         aged = []
-        for l in arr:
-            if l.created_at > cutoff or len(aged) >= self.AGED_SCAN:
+        for lease in arr:
+            if lease.created_at > cutoff or len(aged) >= self.AGED_SCAN:
                 break
-            if self._is_queued(l):
-                aged.append(l)
-        seen = {l.id for l in aged}
+            if self._is_queued(lease):
+                aged.append(lease)
+        seen = {lease.id for lease in aged}
         yield from aged
-        for l in self._iter_tiers(now):
-            if l.id not in seen:
-                yield l
+        for lease in self._iter_tiers(now):
+            if lease.id not in seen:
+                yield lease
 
     def _iter_tiers(self, now: float) -> Iterator[Lease]:
         tiers = sorted((t for t in self.policy.tiers.values() if self._queued.get(t.name)), key=lambda t: -t.priority)
@@ -800,7 +785,7 @@ class Scheduler:
                 yield from list(next(iter(per_user.values())))
                 continue
             if not self.policy.fair_share:
-                yield from heapq.merge(*(list(v) for v in per_user.values()), key=lambda l: l.seq)
+                yield from heapq.merge(*(list(v) for v in per_user.values()), key=lambda lease: lease.seq)
                 continue
             heap = []
             weight = self._weight
@@ -809,22 +794,22 @@ class Scheduler:
             heapq.heapify(heap)
             while heap:
                 key, _, u, i, lst = heap[0]
-                l = lst[i]
-                w = weight[l.id]  # read before yielding: a grant drops it
-                yield l
+                lease = lst[i]
+                w = weight[lease.id]  # read before yielding: a grant drops it
+                yield lease
                 i += 1
                 if i < len(lst):
                     heapq.heapreplace(heap, (key + w, lst[i].seq, u, i, lst))
                 else:
                     heapq.heappop(heap)
 
-    def _quota_block(self, l: Lease, milli: int) -> str:
+    def _quota_block(self, lease: Lease, milli: int) -> str:
         """Why a concurrent-GPU quota holds this lease back now ('' if it doesn't)."""
         pol = self.policy
-        q = pol.quota_for_user(l.user)
-        if q.max_gpus is not None and self._held_user[l.user] + milli > q.max_gpus * MILLI:
-            return f"your quota of {q.max_gpus:g} concurrent GPUs is in use ({self._held_user[l.user] / MILLI:g} held); it starts when you release some"
-        for g in l.groups:
+        q = pol.quota_for_user(lease.user)
+        if q.max_gpus is not None and self._held_user[lease.user] + milli > q.max_gpus * MILLI:
+            return f"your quota of {q.max_gpus:g} concurrent GPUs is in use ({self._held_user[lease.user] / MILLI:g} held); it starts when you release some"
+        for g in lease.groups:
             gq = pol.group_quotas.get(g)
             if gq is not None and gq.max_gpus is not None and self._held_group[g] + milli > gq.max_gpus * MILLI:
                 return f"group {g}'s quota of {gq.max_gpus:g} concurrent GPUs is in use"
@@ -859,36 +844,35 @@ class Scheduler:
         open_shapes = len(self._shape_n)  # shapes that might still start now
         shape_of, min_d = self._shape_of, self._shape_min_d
         check_quota = bool(pol.user_quotas or pol.group_quotas or pol.default_user_quota.max_gpus is not None)
-        for l in self._iter_order(now):
+        for lease in self._iter_order(now):
             if depth <= 0 and (not room or open_shapes <= 0 or blocked_head):
                 break  # nothing further back can start now, and reservations are used up
-            req = l.request
+            req = lease.request
             if check_quota:
-                qmsg = self._quota_block(l, self.pool.gpu_milli_of(req))
+                qmsg = self._quota_block(lease, self.pool.gpu_milli_of(req))
                 if qmsg:
-                    self._waiting[l.id] = qmsg
+                    self._waiting[lease.id] = qmsg
                     continue
             placement = None
             if room and not blocked_head:
-                key = shape_of[l.id]
+                key = shape_of[lease.id]
                 f = failed.get(key)
-                if f is None or l.duration_s < f:
-                    blocker = res.blocker(now + l.duration_s)
-                    placement = self.pool.place(req, blocker, self._pre_pref(l))
+                if f is None or lease.duration_s < f:
+                    blocker = res.blocker(now + lease.duration_s)
+                    placement = self.pool.place(req, blocker, self._pre_pref(lease))
                     if placement is None:
                         # no room even ignoring promises: no duration of this shape can start now
                         hopeless = blocker is None or (f is None and self.pool.place(req) is None)
-                        failed[key] = 0.0 if hopeless else (l.duration_s if f is None else min(f, l.duration_s))
-                        if f is None or f > min_d.get(key, INF):
-                            if failed[key] <= min_d.get(key, INF):
-                                open_shapes -= 1
+                        failed[key] = 0.0 if hopeless else (lease.duration_s if f is None else min(f, lease.duration_s))
+                        if (f is None or f > min_d.get(key, INF)) and failed[key] <= min_d.get(key, INF):
+                            open_shapes -= 1
             until = None
-            if placement is None and room and not blocked_head and res.any and pol.short_grants and pol.backfill and self._preemptible(l):
+            if placement is None and room and not blocked_head and res.any and pol.short_grants and pol.backfill and self._preemptible(lease):
                 # a lease that may be preempted anyway may start on slices promised to others,
                 # until the first promise there begins (its time limit is cut to that)
-                skey = shape_of[l.id]
+                skey = shape_of[lease.id]
                 if skey not in failed_short:
-                    p2 = self.pool.place(req, res.blocker(now + self.SHORT_GRANT_MIN_S), self._pre_pref(l))
+                    p2 = self.pool.place(req, res.blocker(now + self.SHORT_GRANT_MIN_S), self._pre_pref(lease))
                     if p2 is None:
                         failed_short.add(skey)
                     else:
@@ -896,10 +880,10 @@ class Scheduler:
                             (res.mig_res.get(sl.mig_uuid, INF) if sl.mig_uuid else res.res_from.get(sl.gpu_uuid, INF)) for sl in p2.slices
                         )
                         end = max(now + self.SHORT_GRANT_MIN_S, first)
-                        if end < now + l.duration_s:
+                        if end < now + lease.duration_s:
                             placement, until = p2, end
             if placement is not None:
-                out += self._grant(l, placement, now, until=until)
+                out += self._grant(lease, placement, now, until=until)
                 for sl in placement.slices:
                     res.fit.pop(sl.gpu_uuid, None)  # its free share changed
                 room = self._has_room()
@@ -909,102 +893,102 @@ class Scheduler:
             if depth <= 0:
                 continue
             depth -= 1
-            victims_tiers = preempt_tiers.get(l.tier)
-            if victims_tiers and searches < pol.preemption_searches_per_pass and l.id not in self._preempting_for:
+            victims_tiers = preempt_tiers.get(lease.tier)
+            if victims_tiers and searches < pol.preemption_searches_per_pass and lease.id not in self._preempting_for:
                 searches += 1
-                vkey = (req.shape(), l.tier)
+                vkey = (req.shape(), lease.tier)
                 if vkey not in no_victims:
-                    victims = self._choose_victims(l, now, victims_tiers, res)
+                    victims = self._choose_victims(lease, now, victims_tiers, res)
                     if victims:
-                        out += self._start_preemption(l, victims, now)
+                        out += self._start_preemption(lease, victims, now)
                         res.refresh({sl.gpu_uuid for v in victims for sl in v.placement.slices})
                     else:
                         no_victims.add(vkey)
-            got = res.reserve(l)
+            got = res.reserve(lease)
             if got is None:
-                self._waiting[l.id] = f"waiting for {req.describe()}: no slice is expected to free up"
+                self._waiting[lease.id] = f"waiting for {req.describe()}: no slice is expected to free up"
                 continue
             t, uuids = got
-            self._eta[l.id] = t
+            self._eta[lease.id] = t
             for u in uuids:
-                self._reserved_by.setdefault(u, l.id)
-            if l.id in self._preempting_for:
-                self._waiting[l.id] = f"waiting for {req.describe()}: lower-tier leases are being preempted for it"
+                self._reserved_by.setdefault(u, lease.id)
+            if lease.id in self._preempting_for:
+                self._waiting[lease.id] = f"waiting for {req.describe()}: lower-tier leases are being preempted for it"
             else:
-                self._waiting[l.id] = f"waiting for {req.describe()}"
+                self._waiting[lease.id] = f"waiting for {req.describe()}"
         return out
 
-    def _preemptible(self, l: Lease) -> bool:
-        t = self.policy.tiers.get(l.tier)
+    def _preemptible(self, lease: Lease) -> bool:
+        t = self.policy.tiers.get(lease.tier)
         return bool(t and t.preemptible)
 
-    def _pre_pref(self, l: Lease) -> bool | None:
+    def _pre_pref(self, lease: Lease) -> bool | None:
         """Preemptibility the placement should group this lease by (None: placement ignores it)."""
-        return self._preemptible(l) if self.policy.placement_by_preemptibility else None
+        return self._preemptible(lease) if self.policy.placement_by_preemptibility else None
 
     SHORT_GRANT_MIN_S = 10 * 60  # shortest grant worth giving a preemptible lease on promised slices
 
-    def _grant(self, l: Lease, placement: Placement, now: float, until: float | None = None) -> list[Event]:
-        self.pool.take(l.id, placement, self._preemptible(l))
-        self._dequeue(l)
-        l.state = LeaseState.ACTIVE
-        l.placement = placement
-        l.granted_at = now
-        l.expires_at = now + l.duration_s if until is None else until
-        self._hold(l)
+    def _grant(self, lease: Lease, placement: Placement, now: float, until: float | None = None) -> list[Event]:
+        self.pool.take(lease.id, placement, self._preemptible(lease))
+        self._dequeue(lease)
+        lease.state = LeaseState.ACTIVE
+        lease.placement = placement
+        lease.granted_at = now
+        lease.expires_at = now + lease.duration_s if until is None else until
+        self._hold(lease)
         self._touch_gpus(placement)
-        self._push_expiry_deadlines(l, now)
+        self._push_expiry_deadlines(lease, now)
         if self.policy.confirm_timeout_s is not None:
-            self._deadline(now + self.policy.confirm_timeout_s, "confirm", l.id)
+            self._deadline(now + self.policy.confirm_timeout_s, "confirm", lease.id)
         if self.policy.heartbeat_timeout_s:
-            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
+            self._deadline(now + self.policy.heartbeat_timeout_s, "heartbeat", lease.id)
         out = [
             Event(
-                l.id,
+                lease.id,
                 ev.GRANTED,
                 now,
                 "queued",
                 "active",
-                f"granted after waiting {fmt_duration(now - l.created_at)}"
+                f"granted after waiting {fmt_duration(now - lease.created_at)}"
                 + (
                     ""
                     if until is None
-                    else f", for {fmt_duration(until - now)} instead of {fmt_duration(l.duration_s)}: these GPUs are promised to a waiting lease from then"
+                    else f", for {fmt_duration(until - now)} instead of {fmt_duration(lease.duration_s)}: these GPUs are promised to a waiting lease from then"
                 ),
                 "broker",
-                {"placement": placement.to_dict(), "expires_at": l.expires_at, "waited_s": now - l.created_at, **({"short_grant": True} if until is not None else {})},
-                lease=l,
+                {"placement": placement.to_dict(), "expires_at": lease.expires_at, "waited_s": now - lease.created_at, **({"short_grant": True} if until is not None else {})},
+                lease=lease,
             )
         ]
-        out += self._cancel_preemption(l, now, "the lease it was for started elsewhere")
+        out += self._cancel_preemption(lease, now, "the lease it was for started elsewhere")
         return out
 
-    def _end(self, l: Lease, state: LeaseState, now: float, reason: str, actor: str) -> list[Event]:
-        prev = l.state
+    def _end(self, lease: Lease, state: LeaseState, now: float, reason: str, actor: str) -> list[Event]:
+        prev = lease.state
         if prev.terminal:
-            raise Conflict(f"lease {l.id} already ended ({prev.value})")
+            raise Conflict(f"lease {lease.id} already ended ({prev.value})")
         out: list[Event] = []
         if prev is LeaseState.ACTIVE:
-            self.pool.give(l.id, l.placement)
-            self._unhold(l)
-            self.record_usage(l.user, l.groups, l.granted_at, now, l.placement.gpu_milli)
-            if l.preempted_for:
-                s = self._preempting_for.get(l.preempted_for)
+            self.pool.give(lease.id, lease.placement)
+            self._unhold(lease)
+            self.record_usage(lease.user, lease.groups, lease.granted_at, now, lease.placement.gpu_milli)
+            if lease.preempted_for:
+                s = self._preempting_for.get(lease.preempted_for)
                 if s is not None:
-                    s.discard(l.id)
+                    s.discard(lease.id)
         else:
-            self._dequeue(l)
-            out += self._cancel_preemption(l, now, "the lease it was for left the queue")
-        l.state = state
-        l.ended_at = now
-        l.end_reason = reason
-        del self.leases[l.id]
+            self._dequeue(lease)
+            out += self._cancel_preemption(lease, now, "the lease it was for left the queue")
+        lease.state = state
+        lease.ended_at = now
+        lease.end_reason = reason
+        del self.leases[lease.id]
         if prev is LeaseState.ACTIVE:
-            self._touch_gpus(l.placement)
-        self._eta.pop(l.id, None)
-        self._waiting.pop(l.id, None)
+            self._touch_gpus(lease.placement)
+        self._eta.pop(lease.id, None)
+        self._waiting.pop(lease.id, None)
         self._dirty = True
-        out.insert(0, Event(l.id, ev.ENDED, now, prev.value, state.value, reason, actor, lease=l))
+        out.insert(0, Event(lease.id, ev.ENDED, now, prev.value, state.value, reason, actor, lease=lease))
         return out
 
     # ================================================================== preemption
@@ -1020,14 +1004,14 @@ class Scheduler:
 
     VICTIM_SCAN = 512  # newest preemptible leases looked at per search
 
-    def _choose_victims(self, l: Lease, now: float, victim_tiers: set[str], res: _Reservations) -> list[Lease]:
+    def _choose_victims(self, lease: Lease, now: float, victim_tiers: set[str], res: _Reservations) -> list[Lease]:
         """Leases whose preemption frees room for ``l``, losing little work; [] if none will do.
 
         Lost work is the victims' GPU-seconds so far, so the newest leases are the cheapest:
         the search walks preemptible leases newest first (a bounded number) and stops at the
         first place where they, together with idle GPUs, make room.
         """
-        req = l.request
+        req = lease.request
         models = set(self.pool.models(req.models, req.min_memory_mib))
         leases = self.leases
 
@@ -1141,36 +1125,36 @@ class Scheduler:
     # ================================================================== restore, history, inventory
     def restore(self, leases: Iterable[Lease]) -> None:
         """Take back the live leases of a previous run (after a broker restart)."""
-        for l in sorted(leases, key=lambda x: x.seq):
-            if l.state.terminal:
+        for lease in sorted(leases, key=lambda x: x.seq):
+            if lease.state.terminal:
                 continue
-            self._seq = max(self._seq, l.seq)
-            self.leases[l.id] = l
-            if l.state is LeaseState.QUEUED:
-                self._enqueue(l)
-                if l.max_wait_s is not None:
-                    self._deadline(l.created_at + l.max_wait_s, "maxwait", l.id)
+            self._seq = max(self._seq, lease.seq)
+            self.leases[lease.id] = lease
+            if lease.state is LeaseState.QUEUED:
+                self._enqueue(lease)
+                if lease.max_wait_s is not None:
+                    self._deadline(lease.created_at + lease.max_wait_s, "maxwait", lease.id)
                 continue
-            if l.placement is None or not self.pool.fits_placement(l.placement):
+            if lease.placement is None or not self.pool.fits_placement(lease.placement):
                 # keep it queued-free: account nothing, fail it on the next tick
-                self._restore_failed.append((l.id, "its GPUs are no longer in the pool (or already held) after a restart"))
-                l.state = LeaseState.QUEUED  # not holding anything; ended as failed on the next tick
-                self._enqueue(l)
+                self._restore_failed.append((lease.id, "its GPUs are no longer in the pool (or already held) after a restart"))
+                lease.state = LeaseState.QUEUED  # not holding anything; ended as failed on the next tick
+                self._enqueue(lease)
                 continue
-            self.pool.take(l.id, l.placement, self._preemptible(l))
-            self._hold(l)
-            self._touch_gpus(l.placement)
-            self._deadline(l.expires_at, "expire", l.id)
-            if self.policy.warn_before_s and l.warned_at is None:
-                self._deadline(l.expires_at - self.policy.warn_before_s, "warn", l.id)
-            if l.preempt_at is not None:
-                self._deadline(l.preempt_at, "preempt", l.id)
-                if l.preempted_for:
-                    self._preempting_for.setdefault(l.preempted_for, set()).add(l.id)
-            if l.confirmed_at is None and self.policy.confirm_timeout_s is not None:
-                self._deadline(l.granted_at + self.policy.confirm_timeout_s, "confirm", l.id)
+            self.pool.take(lease.id, lease.placement, self._preemptible(lease))
+            self._hold(lease)
+            self._touch_gpus(lease.placement)
+            self._deadline(lease.expires_at, "expire", lease.id)
+            if self.policy.warn_before_s and lease.warned_at is None:
+                self._deadline(lease.expires_at - self.policy.warn_before_s, "warn", lease.id)
+            if lease.preempt_at is not None:
+                self._deadline(lease.preempt_at, "preempt", lease.id)
+                if lease.preempted_for:
+                    self._preempting_for.setdefault(lease.preempted_for, set()).add(lease.id)
+            if lease.confirmed_at is None and self.policy.confirm_timeout_s is not None:
+                self._deadline(lease.granted_at + self.policy.confirm_timeout_s, "confirm", lease.id)
             if self.policy.heartbeat_timeout_s:
-                self._deadline((l.last_heartbeat or l.confirmed_at or l.granted_at) + self.policy.heartbeat_timeout_s, "heartbeat", l.id)
+                self._deadline((lease.last_heartbeat or lease.confirmed_at or lease.granted_at) + self.policy.heartbeat_timeout_s, "heartbeat", lease.id)
         self._dirty = True
 
     def record_usage(self, user: str, groups: Iterable[str], start: float, end: float, gpu_milli: int) -> None:
@@ -1189,30 +1173,30 @@ class Scheduler:
         self.pool = Pool(gpus, self.policy.share_placement, self.pool.sizes)
         self._gpu_free_at.clear()
         out: list[Event] = []
-        for l in list(self.leases.values()):
-            if l.state is LeaseState.ACTIVE:
-                if self.pool.fits_placement(l.placement):
-                    self.pool.take(l.id, l.placement, self._preemptible(l))
-                    self._touch_gpus(l.placement)
+        for lease in list(self.leases.values()):
+            if lease.state is LeaseState.ACTIVE:
+                if self.pool.fits_placement(lease.placement):
+                    self.pool.take(lease.id, lease.placement, self._preemptible(lease))
+                    self._touch_gpus(lease.placement)
                 else:
-                    out += self._end_lost(l, now)
-        for l in list(self.leases.values()):
-            if l.state is LeaseState.QUEUED:
-                never = self.pool.why_never(l.request)
+                    out += self._end_lost(lease, now)
+        for lease in list(self.leases.values()):
+            if lease.state is LeaseState.QUEUED:
+                never = self.pool.why_never(lease.request)
                 if never:
-                    out += self._end(l, LeaseState.FAILED, now, f"can no longer be granted: {never[1]}", "broker")
+                    out += self._end(lease, LeaseState.FAILED, now, f"can no longer be granted: {never[1]}", "broker")
         self._dirty = True
         return out
 
-    def _end_lost(self, l: Lease, now: float) -> list[Event]:
+    def _end_lost(self, lease: Lease, now: float) -> list[Event]:
         # its slices are not in the new pool: end it without giving them back
-        self._unhold(l)
-        self.record_usage(l.user, l.groups, l.granted_at, now, l.placement.gpu_milli)
-        prev = l.state
-        l.state, l.ended_at, l.end_reason = LeaseState.FAILED, now, "its GPU left the pool"
-        del self.leases[l.id]
+        self._unhold(lease)
+        self.record_usage(lease.user, lease.groups, lease.granted_at, now, lease.placement.gpu_milli)
+        prev = lease.state
+        lease.state, lease.ended_at, lease.end_reason = LeaseState.FAILED, now, "its GPU left the pool"
+        del self.leases[lease.id]
         self._dirty = True
-        return [Event(l.id, ev.ENDED, now, prev.value, l.state.value, l.end_reason, "broker", lease=l)]
+        return [Event(lease.id, ev.ENDED, now, prev.value, lease.state.value, lease.end_reason, "broker", lease=lease)]
 
     # ================================================================== views
     def _order_until(self, lease_id: str | None) -> None:
@@ -1227,10 +1211,10 @@ class Scheduler:
         if lease_id is not None and lease_id in self._pos:
             return
         order, pos = self._order, self._pos
-        for l in self._order_iter:
-            pos[l.id] = len(order)
-            order.append(l)
-            if l.id == lease_id:
+        for lease in self._order_iter:
+            pos[lease.id] = len(order)
+            order.append(lease)
+            if lease.id == lease_id:
                 return
 
     def queue(self) -> list[Lease]:
@@ -1242,8 +1226,8 @@ class Scheduler:
         return self._n_queued
 
     def queue_position(self, lease_id: str) -> tuple[int, int]:
-        l = self.leases.get(lease_id)
-        if l is None or l.state is not LeaseState.QUEUED:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.QUEUED:
             raise NotFound(f"lease {lease_id!r} is not in the queue")
         self._order_until(lease_id)
         return self._pos[lease_id] + 1, self._n_queued
@@ -1255,13 +1239,13 @@ class Scheduler:
         w = self._waiting.get(lease_id)
         if w:
             return w
-        l = self.leases.get(lease_id)
-        return f"waiting for {l.request.describe()}" if l else ""
+        lease = self.leases.get(lease_id)
+        return f"waiting for {lease.request.describe()}" if lease else ""
 
     def queue_info(self, lease_id: str) -> dict[str, Any] | None:
         """What a queued lease's holder wants to know: position, length, ETA, what it waits for."""
-        l = self.leases.get(lease_id)
-        if l is None or l.state is not LeaseState.QUEUED:
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.QUEUED:
             return None
         pos, n = self.queue_position(lease_id)
         return {"position": pos, "length": n, "eta": self.eta(lease_id), "waiting_for": self.waiting_for(lease_id)}
@@ -1270,7 +1254,7 @@ class Scheduler:
         return self.pool.capacity()
 
     def active(self) -> list[Lease]:
-        return [l for l in self.leases.values() if l.state is LeaseState.ACTIVE]
+        return [lease for lease in self.leases.values() if lease.state is LeaseState.ACTIVE]
 
     def user_usage(self, user: str, groups: Iterable[str], now: float) -> dict[str, Any]:
         """GPUs held, GPU-hours used in the quota period, and what the quota leaves."""
@@ -1290,4 +1274,4 @@ class Scheduler:
         }
 
 
-__all__ = ["Scheduler", "Tier", "fmt_duration"]
+__all__ = ["Scheduler", "Tier"]

@@ -85,7 +85,7 @@ class NvmlBackend(DeviceBackend):
     def _lib(self) -> ModuleType:
         if self._nvml is None:
             try:
-                import pynvml  # noqa: PLC0415 - lazy on purpose: importing must not touch the driver
+                import pynvml
             except ImportError as e:
                 raise DeviceUnavailable(f"The NVIDIA management library binding is not installed ({e}); "
                                         "install 'nvidia-ml-py', or use the 'simulated' or 'static' device backend.") from None

@@ -5,7 +5,7 @@ Only this package imports jupyterhub; it reaches the broker through :mod:`jupyte
 
 from __future__ import annotations
 
-__all__ = ["GPULeaseSpawner", "GPULeaseLocalProcessSpawner", "GPULeaseSimpleLocalProcessSpawner"]
+__all__ = ["GPULeaseLocalProcessSpawner", "GPULeaseSimpleLocalProcessSpawner", "GPULeaseSpawner"]
 
 
 def __getattr__(name):  # lazy: `jupyter gpulease demo --help` should not import jupyterhub's spawner machinery

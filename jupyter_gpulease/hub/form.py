@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .options import Preset, default_preset, format_duration
+from ..core.text import format_duration
+from .options import Preset, default_preset
 from .placement import describe_request, display_model
 
 DURATION_CHOICES_H = (0.5, 1, 2, 4, 8, 12, 24, 48)
@@ -293,7 +294,7 @@ def render_form(
         if allow_cpu_only and not any(p.cpu_only for p in presets):
             out.append(f'<option value="cpu"{" selected" if prev_choice == "cpu" else ""}>No GPU (CPU only) — starts now</option>')
         first_free = None
-        for value, label, req in choices:
+        for value, _label, req in choices:
             a = availability(req, pool, queue=queue, active=active)
             if first_free is None and a.free_now:
                 first_free = value

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.model import BadRequest, parse_request
+from ..core.text import format_duration
 
 REQUEST_KEYS = ("kind", "gpus", "share", "memory_mib", "mig_profile", "model", "min_memory_mib")
 TIME_KEYS = ("tier", "duration_s", "duration_h", "max_wait_s", "max_wait_min")
@@ -170,18 +171,6 @@ def _number(opts: dict, key: str, *, positive: bool = True) -> float | None:
     if positive and v <= 0:
         raise OptionsError(f"'{key}' must be more than 0, got {v:g}", key)
     return float(v)
-
-
-def format_duration(seconds: float) -> str:
-    """3600 → '1 h', 5400 → '1 h 30 min', 600 → '10 min', 30 → '30 s'."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s} s"
-    m = round(s / 60)
-    if m < 60:
-        return f"{m} min"
-    h, m = divmod(m, 60)
-    return f"{h} h" + (f" {m} min" if m else "")
 
 
 def _duration(opts: dict) -> float | None:

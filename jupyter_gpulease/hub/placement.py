@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any
 
-from .options import format_duration
+from ..core.text import format_duration
 
 ENV_PREFIX = "GPULEASE_"
 

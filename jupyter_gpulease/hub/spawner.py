@@ -27,10 +27,10 @@ from typing import Any
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner, Spawner
 from tornado import web
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Dict, Float, List, Unicode, default, validate
-from traitlets import TraitError
+from traitlets import Bool, Dict, Float, List, TraitError, Unicode, default, validate
 
 from ..client import BrokerClient, BrokerError
+from ..core.text import format_duration
 from . import form as spawn_form
 from .options import LeaseChoice, OptionsError, parse_presets, parse_user_options
 from .placement import cpu_only_environment, describe_request, granted_message, lease_environment, queue_message
@@ -426,7 +426,7 @@ class GPULeaseSpawner(Spawner):
                                waiting_for=q.get("waiting_for"))
             left = deadline - time.monotonic()
             if left <= 0:
-                raise spawn_error(f"No GPU became free within {wait_limit / 60:.0f} min, so the spawn gave up and left "
+                raise spawn_error(f"No GPU became free within {format_duration(wait_limit)}, so the spawn gave up and left "
                                   "the queue. Try a smaller request (a share, another model) or try later.",
                                   reason="gpulease_wait_timeout")
             try:

@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from . import policies as P
-from .report import plot, plot_tradeoff, summarize, table, write_json
 from .replay import replay
+from .report import plot, plot_tradeoff, summarize, table, write_json
 from .traces import (
     ALIBABA_NODES,
     ALIBABA_PODS,
@@ -23,7 +23,7 @@ from .traces import (
     load_alibaba_pods,
     load_notebook_events,
 )
-from .workload import describe_pool, notebook_sessions, alibaba_workload, pool_from_inventory, uniform_pool
+from .workload import alibaba_workload, describe_pool, notebook_sessions, pool_from_inventory, uniform_pool
 
 
 def _window(s: str | None) -> tuple[float | None, float | None]:

@@ -16,8 +16,9 @@ import itertools
 import math
 import sys
 import time as _time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..core import events as ev
 from ..core import scheduler as core_scheduler
@@ -30,7 +31,7 @@ REGRET_WINDOW_S = 600.0  # a reclaim is regretted when the GPU is needed again w
 
 # bins of the population gap histogram (seconds); the last bin holds session ends (inf)
 _GAP_EDGES = [30, 60, 90, 120, 180, 240, 300, 420, 600, 780, 900, 1200, 1500, 1800, 2400, 2700, 3000, 3600, 5400, 7200, 14400, 86400]
-_GAP_MID = [15.0] + [(a + b) / 2 for a, b in zip(_GAP_EDGES, _GAP_EDGES[1:])] + [math.inf]
+_GAP_MID = [15.0] + [(a + b) / 2 for a, b in itertools.pairwise(_GAP_EDGES)] + [math.inf]
 
 # kinds of replay events, in processing order for equal times
 _END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE = range(6)

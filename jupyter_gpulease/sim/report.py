@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from ..core.text import format_figure, format_table
 from .metrics import jain, mean, median, percentile, share_within, wait_summary
 from .replay import ReplayResult
 
@@ -111,20 +112,6 @@ def summarize(r: ReplayResult) -> dict[str, Any]:
     return out
 
 
-def _fmt_s(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if v == float("inf"):
-        return "inf"
-    if v < 60:
-        return f"{v:.0f}s"
-    if v < 3600:
-        return f"{v / 60:.1f}m"
-    if v < 86400 * 2:
-        return f"{v / 3600:.1f}h"
-    return f"{v / 86400:.1f}d"
-
-
 def _fmt(v: Any, pct: bool = False) -> str:
     if v is None:
         return "-"
@@ -142,27 +129,27 @@ def table(summaries: list[dict[str, Any]]) -> str:
         ("GPUs busy (mean)", lambda s: _fmt(s["gpus_busy_mean"])),
         ("busy/held", lambda s: _fmt(s["busy_held_ratio"])),
         ("queue length (mean)", lambda s: _fmt(s["queue_length_mean"])),
-        ("wait mean", lambda s: _fmt_s(s["wait"]["mean_s"])),
-        ("wait p50", lambda s: _fmt_s(s["wait"]["p50_s"])),
-        ("wait p95", lambda s: _fmt_s(s["wait"]["p95_s"])),
-        ("wait p99", lambda s: _fmt_s(s["wait"]["p99_s"])),
+        ("wait mean", lambda s: format_figure(s["wait"]["mean_s"])),
+        ("wait p50", lambda s: format_figure(s["wait"]["p50_s"])),
+        ("wait p95", lambda s: format_figure(s["wait"]["p95_s"])),
+        ("wait p99", lambda s: format_figure(s["wait"]["p99_s"])),
         ("started within 10 min", lambda s: _fmt(s["started_within_10min"], pct=True)),
-        ("multi-GPU wait mean", lambda s: _fmt_s(s["wait_multi_gpu"]["mean_s"])),
-        ("multi-GPU wait p95", lambda s: _fmt_s(s["wait_multi_gpu"]["p95_s"])),
+        ("multi-GPU wait mean", lambda s: format_figure(s["wait_multi_gpu"]["mean_s"])),
+        ("multi-GPU wait p95", lambda s: format_figure(s["wait_multi_gpu"]["p95_s"])),
         ("never served", lambda s: _fmt(s["never_served"])),
         ("preemptions", lambda s: _fmt(s["preemptions"])),
         ("expired before done", lambda s: _fmt(s["expired_before_done"])),
         ("  of them re-queued", lambda s: _fmt(s.get("requeued_after_expiry", 0))),
     ]
     if any("wait_total" in s for s in summaries):
-        tot = lambda k: (lambda s: _fmt_s(s.get("wait_total", {}).get(k)))  # noqa: E731
+        tot = lambda k: (lambda s: format_figure(s.get("wait_total", {}).get(k)))  # noqa: E731
         rows += [
             ("waits after a cut (n)", lambda s: _fmt(s.get("resubmit_waits"))),
-            ("  their mean", lambda s: _fmt_s(s.get("resubmit_wait_mean_s"))),
+            ("  their mean", lambda s: format_figure(s.get("resubmit_wait_mean_s"))),
             ("all waits of a pod: mean", tot("mean_s")),
             ("all waits of a pod: p95", tot("p95_s")),
             ("all waits within 10 min", lambda s: _fmt(s.get("total_wait_within_10min"), pct=True)),
-            ("multi-GPU all waits p95", lambda s: _fmt_s(s.get("wait_total_multi_gpu", {}).get("p95_s"))),
+            ("multi-GPU all waits p95", lambda s: format_figure(s.get("wait_total_multi_gpu", {}).get("p95_s"))),
         ]
     rows += [
         ("work lost (GPU-h)", lambda s: _fmt(s.get("work_lost_gpu_hours"))),
@@ -170,26 +157,22 @@ def table(summaries: list[dict[str, Any]]) -> str:
     ]
     qos = sorted({q for s in summaries for q in s["wait_by_qos"]})
     for q in qos:
-        rows.append((f"wait mean [{q}]", lambda s, q=q: _fmt_s(s["wait_by_qos"].get(q, {}).get("mean_s"))))
-        rows.append((f"wait p95 [{q}]", lambda s, q=q: _fmt_s(s["wait_by_qos"].get(q, {}).get("p95_s"))))
+        rows.append((f"wait mean [{q}]", lambda s, q=q: format_figure(s["wait_by_qos"].get(q, {}).get("mean_s"))))
+        rows.append((f"wait p95 [{q}]", lambda s, q=q: format_figure(s["wait_by_qos"].get(q, {}).get("p95_s"))))
     if any("notebook" in s for s in summaries):
         nb = lambda k, f=_fmt: (lambda s: f(s.get("notebook", {}).get(k)))  # noqa: E731
         rows += [
             ("busy/held per session (median)", nb("busy_held_per_session_median")),
             ("reclaims", nb("reclaims")),
             ("regretted reclaims", nb("regretted_share", lambda v: _fmt(v, pct=True))),
-            ("returning wait mean", nb("returning_wait_mean_s", _fmt_s)),
-            ("wait per cell (mean)", nb("wait_per_burst_mean_s", _fmt_s)),
+            ("returning wait mean", nb("returning_wait_mean_s", format_figure)),
+            ("wait per cell (mean)", nb("wait_per_burst_mean_s", format_figure)),
         ]
     rows.append(("replay events/s", lambda s: f"{s['replay']['events_per_s']:.0f}"))
     names = [s["policy"] for s in summaries]
-    w0 = max(len(r[0]) for r in rows) + 2
-    ws = [max(len(n), 9) + 2 for n in names]
-    lines = ["".ljust(w0) + "".join(n.rjust(w) for n, w in zip(names, ws))]
-    lines.append("-" * (w0 + sum(ws)))
-    for label, f in rows:
-        lines.append(label.ljust(w0) + "".join(f(s).rjust(w) for s, w in zip(summaries, ws)))
-    return "\n".join(lines)
+    cells = [[label] + [f(s) for s in summaries] for label, f in rows]
+    label_w = max(len(label) for label, _ in rows) + 2  # labels stand a little apart from the figures
+    return format_table(cells, ["", *names], align="<>", min_width=[label_w] + [9] * len(names), rule=True)
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:

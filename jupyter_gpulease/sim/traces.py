@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 ALIBABA_PODS = "alibaba-pods"
 ALIBABA_NODES = "alibaba-nodes"
@@ -110,7 +110,7 @@ class NotebookEvent:
 def _open_rows(path: str) -> tuple[list[str], Iterator[tuple[int, dict[str, str]]]]:
     """Header and (line number, row) pairs of a CSV file, with structural errors as TraceError."""
     try:
-        f = open(path, newline="", encoding="utf-8")
+        f = open(path, newline="", encoding="utf-8")  # noqa: SIM115 (closed by the row iterator)
     except OSError as e:
         raise TraceError(path, f"cannot open: {e.strerror or e}") from None
     try:

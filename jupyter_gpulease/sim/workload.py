@@ -7,8 +7,9 @@ Every choice the traces do not record is an *assumption*, collected in
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ..core.model import GPU
 from .traces import AlibabaPod, Node, NotebookEvent
