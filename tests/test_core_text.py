@@ -31,7 +31,7 @@ def test_a_negative_duration_is_read_only_where_it_makes_sense():
 
 @pytest.mark.parametrize("bad", ["", "h", "1x", "1h30", "soon", "1h-30m", True, math.inf, "nan"])
 def test_anything_else_is_refused_with_examples(bad):
-    with pytest.raises(ValueError, match="not a duration|examples"):
+    with pytest.raises(ValueError, match=r"not a duration|examples"):
         parse_duration(bad)
 
 

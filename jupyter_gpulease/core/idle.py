@@ -17,6 +17,7 @@ A *regretted* reclaim is one after which the GPU is needed again within
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ REGRET_WINDOW_S = 600.0  # a reclaim is regretted when the GPU is needed again w
 # bins of a population gap histogram (seconds); the last bin holds session ends (inf)
 GAP_EDGES: tuple[float, ...] = (30, 60, 90, 120, 180, 240, 300, 420, 600, 780, 900, 1200, 1500, 1800, 2400, 2700, 3000, 3600, 5400,
                                 7200, 14400, 86400)
-GAP_MID: tuple[float, ...] = (15.0, *((a + b) / 2 for a, b in zip(GAP_EDGES, GAP_EDGES[1:])), math.inf)
+GAP_MID: tuple[float, ...] = (15.0, *((a + b) / 2 for a, b in itertools.pairwise(GAP_EDGES)), math.inf)
 
 
 def gpu_idle(sm_util_pct: float | None, *, executing: bool, threshold_pct: float, reclaim_busy: bool = False) -> bool:
@@ -38,9 +39,8 @@ def gpu_idle(sm_util_pct: float | None, *, executing: bool, threshold_pct: float
     """
     if sm_util_pct is not None and sm_util_pct >= threshold_pct:
         return False
-    if executing and (not reclaim_busy or sm_util_pct is None):
-        return False
-    return True
+    # executing counts as work unless reclaim_busy says otherwise (and only where use is known)
+    return not (executing and (not reclaim_busy or sm_util_pct is None))
 
 
 @dataclass
