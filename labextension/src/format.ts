@@ -1,0 +1,129 @@
+/**
+ * Words and numbers for the status bar and the panel: pure functions of the server's status JSON.
+ */
+import { IDevice, IStatus, IWarning } from './api';
+
+/** Seconds -> "1:12" (hours:minutes) for an hour or more, "14 min" / "40 s" below. */
+export function clock(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  if (s >= 3600) {
+    const h = Math.floor(s / 3600);
+    const m = Math.floor((s % 3600) / 60);
+    return `${h}:${m.toString().padStart(2, '0')}`;
+  }
+  if (s >= 60) {
+    return `${Math.floor(s / 60)} min`;
+  }
+  return `${s} s`;
+}
+
+/** Seconds -> "~14 min", "~1 h 5 min" for waits. */
+export function about(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 60) {
+    return 'any moment';
+  }
+  const m = Math.round(s / 60);
+  if (m < 60) {
+    return `~${m} min`;
+  }
+  const h = Math.floor(m / 60);
+  const rest = m % 60;
+  return rest ? `~${h} h ${rest} min` : `~${h} h`;
+}
+
+/** "A100" from "A100-SXM4-80GB": the model's first word, short enough for a status bar. */
+export function shortModel(model: string): string {
+  return (model || 'GPU').split(/[-\s]/)[0];
+}
+
+/** What the lease holds, in a few characters: "A100 ×1", "L4 ×0.5", "A100 3g.40gb". */
+export function holding(status: IStatus): string {
+  const slices = status.lease?.placement?.slices ?? [];
+  if (!slices.length) {
+    return '';
+  }
+  const first = slices[0];
+  if (first.mig_profile) {
+    return `${shortModel(first.model)} ${first.mig_profile}`;
+  }
+  const share = slices.reduce((a, s) => a + (s.share ?? 1), 0);
+  return `${shortModel(first.model)} ×${Number(share.toFixed(2))}`;
+}
+
+/** Mean utilization over the lease's devices, or null when none reports it. */
+export function utilization(devices: IDevice[]): number | null {
+  const vals = devices.map(d => d.utilization_pct).filter((v): v is number => typeof v === 'number');
+  if (!vals.length) {
+    return null;
+  }
+  return vals.reduce((a, b) => a + b, 0) / vals.length;
+}
+
+/** True when the server says this server's kernels are suspended / their GPU was reclaimed. */
+export function suspended(status: IStatus): boolean {
+  return Boolean(status.suspended) || (status.kernels ?? []).some(k => k.state === 'suspended');
+}
+
+/**
+ * The status bar's one line:
+ *   "GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min", "GPU suspended · resumes on next cell".
+ */
+export function statusLine(status: IStatus | null, now: number): string {
+  if (!status) {
+    return 'GPU …';
+  }
+  const lease = status.lease;
+  if (suspended(status)) {
+    return 'GPU suspended · resumes on next cell';
+  }
+  if (!lease) {
+    return 'GPU none';
+  }
+  if (lease.state === 'queued') {
+    const q = lease.queue ?? {};
+    const pos = q.position !== undefined && q.position !== null ? `#${q.position}` : '';
+    const eta = typeof q.eta === 'number' ? ` · ${about(q.eta - now)}` : '';
+    return `GPU queue ${pos}${eta}`.replace(/\s+$/, '');
+  }
+  if (lease.state === 'active') {
+    const parts = [`GPU ${holding(status)}`.trim()];
+    const u = utilization(status.devices ?? []);
+    if (u !== null) {
+      parts.push(`${Math.round(u)}%`);
+    }
+    if (typeof lease.expires_at === 'number') {
+      parts.push(`${clock(lease.expires_at - now)} left`);
+    }
+    return parts.join(' · ');
+  }
+  return `GPU ${lease.state}`;
+}
+
+/** The warning's kind in a few words, for a notification's title line. */
+export function warningTitle(w: IWarning): string {
+  switch (w.kind) {
+    case 'expiring':
+      return 'GPU lease ends soon';
+    case 'idle_reclaim':
+      return 'Idle GPU will be reclaimed';
+    case 'preempted':
+      return 'GPU lease preempted';
+    case 'reclaimed':
+      return 'GPU reclaimed';
+    case 'suspended':
+      return 'Kernel suspended';
+    case 'expired':
+      return 'GPU lease ended';
+    default:
+      return 'GPU lease';
+  }
+}
+
+/** MiB -> "12.0 GiB" / "512 MiB". */
+export function mib(v: number | null | undefined): string {
+  if (typeof v !== 'number') {
+    return '–';
+  }
+  return v >= 1024 ? `${(v / 1024).toFixed(1)} GiB` : `${Math.round(v)} MiB`;
+}

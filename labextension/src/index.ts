@@ -1,0 +1,32 @@
+/**
+ * jupyter-gpulease for JupyterLab 4: a status-bar item with the GPU lease at a glance
+ * ("GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min"), a panel with per-device
+ * figures and the lease's actions, and notifications for its warnings.
+ */
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { LeaseFeed } from './api';
+import { WarningNotifier } from './notify';
+import { LeasePanel, LeaseStatusItem } from './panel';
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'jupyter-gpulease:status',
+  description: 'GPU lease in the status bar, with a details panel and notifications.',
+  autoStart: true,
+  optional: [IStatusBar],
+  activate: (app: JupyterFrontEnd, statusBar: IStatusBar | null) => {
+    const feed = new LeaseFeed();
+    const panel = new LeasePanel(feed);
+    new WarningNotifier(feed);
+    if (statusBar) {
+      statusBar.registerStatusItem('jupyter-gpulease:status', {
+        item: new LeaseStatusItem(feed, panel),
+        align: 'left',
+        rank: 100
+      });
+    }
+    app.restored.then(() => feed.start());
+  }
+};
+
+export default plugin;

@@ -1,0 +1,170 @@
+/**
+ * The status-bar item and the panel it opens: per-device figures and the lease's actions.
+ */
+import { Notification } from '@jupyterlab/apputils';
+import { Widget } from '@lumino/widgets';
+import { act, IDevice, IStatus, LeaseFeed } from './api';
+import { about, clock, mib, statusLine, suspended } from './format';
+
+/** Run one action and tell the user how it went. */
+export async function runAction(feed: LeaseFeed, action: string, body: Record<string, unknown> = {}): Promise<void> {
+  try {
+    const answer = await act(action, body);
+    const message = (answer && answer.message) || `GPU lease: ${action} done`;
+    Notification.success(message, { autoClose: 4000 });
+  } catch (e: any) {
+    Notification.error(`GPU lease: ${action} failed: ${e?.message ?? e}`, { autoClose: 8000 });
+  }
+  await feed.refresh();
+}
+
+/** The one line in JupyterLab's status bar; a click toggles the panel. */
+export class LeaseStatusItem extends Widget {
+  constructor(private feed: LeaseFeed, private panel: LeasePanel) {
+    super();
+    this.addClass('jp-gpulease-status');
+    this.node.title = 'GPU lease: click for details and actions';
+    this.node.setAttribute('role', 'button');
+    this.node.textContent = statusLine(null, feed.now());
+    feed.changed.connect(this._render, this);
+    this.node.addEventListener('click', () => this.panel.toggle(this.node));
+    // the countdown moves between feed messages too
+    this._timer = window.setInterval(() => this._render(), 1000);
+  }
+
+  dispose(): void {
+    window.clearInterval(this._timer);
+    super.dispose();
+  }
+
+  private _render(): void {
+    const s = this.feed.status;
+    this.node.textContent = statusLine(s, this.feed.now());
+    const state = !s ? 'unknown' : suspended(s) ? 'suspended' : s.lease?.state ?? 'none';
+    this.node.dataset.state = state;
+    this.node.classList.toggle('jp-gpulease-warn', Boolean(s?.warnings?.length));
+  }
+
+  private _timer: number;
+}
+
+function bar(label: string, pct: number | null, text: string): HTMLElement {
+  const row = document.createElement('div');
+  row.className = 'jp-gpulease-bar';
+  const name = document.createElement('span');
+  name.className = 'jp-gpulease-bar-label';
+  name.textContent = label;
+  const track = document.createElement('span');
+  track.className = 'jp-gpulease-bar-track';
+  const fill = document.createElement('span');
+  fill.className = 'jp-gpulease-bar-fill';
+  fill.style.width = `${pct === null ? 0 : Math.max(0, Math.min(100, pct))}%`;
+  track.appendChild(fill);
+  const value = document.createElement('span');
+  value.className = 'jp-gpulease-bar-value';
+  value.textContent = text;
+  row.append(name, track, value);
+  return row;
+}
+
+function deviceBlock(d: IDevice): HTMLElement {
+  const el = document.createElement('div');
+  el.className = 'jp-gpulease-device';
+  const head = document.createElement('div');
+  head.className = 'jp-gpulease-device-head';
+  const extra = [
+    typeof d.temperature_c === 'number' ? `${Math.round(d.temperature_c)} °C` : '',
+    typeof d.power_w === 'number' ? `${Math.round(d.power_w)} W` : ''
+  ].filter(Boolean).join(' · ');
+  head.textContent = `${d.model ?? 'GPU'}${d.index !== undefined ? ` #${d.index}` : ''}${d.mig_profile ? ` ${d.mig_profile}` : ''}${extra ? ` — ${extra}` : ''}`;
+  el.appendChild(head);
+  const u = typeof d.utilization_pct === 'number' ? d.utilization_pct : null;
+  el.appendChild(bar('util', u, u === null ? '–' : `${Math.round(u)}%`));
+  const used = d.memory_used_mib;
+  const total = d.memory_total_mib;
+  const memPct = typeof used === 'number' && typeof total === 'number' && total > 0 ? (100 * used) / total : null;
+  el.appendChild(bar('mem', memPct, `${mib(used)} / ${mib(total)}`));
+  return el;
+}
+
+/** The details panel: lease, devices, warnings and the action buttons. */
+export class LeasePanel extends Widget {
+  constructor(private feed: LeaseFeed) {
+    super();
+    this.id = 'jp-gpulease-panel';
+    this.addClass('jp-gpulease-panel');
+    this.hide();
+    feed.changed.connect(() => this.isVisible && this.render(), this);
+  }
+
+  toggle(anchor: HTMLElement): void {
+    if (this.isVisible) {
+      this.hide();
+      return;
+    }
+    if (!this.isAttached) {
+      Widget.attach(this, document.body);
+    }
+    const r = anchor.getBoundingClientRect();
+    this.node.style.right = `${Math.max(8, window.innerWidth - r.right)}px`;
+    this.node.style.bottom = `${window.innerHeight - r.top + 4}px`;
+    this.show();
+    this.render();
+    void this.feed.refresh();
+  }
+
+  render(): void {
+    const s: IStatus | null = this.feed.status;
+    const now = this.feed.now();
+    const node = this.node;
+    node.textContent = '';
+    const title = document.createElement('div');
+    title.className = 'jp-gpulease-panel-title';
+    title.textContent = statusLine(s, now);
+    node.appendChild(title);
+    const lease = s?.lease;
+    const info = document.createElement('div');
+    info.className = 'jp-gpulease-panel-info';
+    if (!lease) {
+      info.textContent = 'No GPU lease. Ask for one with %gpu request in a notebook.';
+    } else if (lease.state === 'queued') {
+      const q = lease.queue ?? {};
+      info.textContent = `Waiting: position ${q.position ?? '?'} of ${q.length ?? '?'}` +
+        (typeof q.eta === 'number' ? `, ${about(q.eta - now)}` : '') + (q.waiting_for ? ` (${q.waiting_for})` : '');
+    } else {
+      info.textContent = `Lease ${lease.id.slice(0, 12)} · tier ${lease.tier ?? '–'} · ` +
+        (typeof lease.expires_at === 'number' ? `${clock(lease.expires_at - now)} left` : 'no time limit');
+    }
+    node.appendChild(info);
+    for (const d of s?.devices ?? []) {
+      node.appendChild(deviceBlock(d));
+    }
+    for (const w of s?.warnings ?? []) {
+      const el = document.createElement('div');
+      el.className = 'jp-gpulease-panel-warning';
+      el.textContent = w.message;
+      node.appendChild(el);
+    }
+    const buttons = document.createElement('div');
+    buttons.className = 'jp-gpulease-panel-actions';
+    const add = (label: string, action: string, body: Record<string, unknown> = {}) => {
+      const b = document.createElement('button');
+      b.className = 'jp-mod-styled jp-gpulease-action';
+      b.dataset.action = action;
+      b.textContent = label;
+      b.addEventListener('click', () => void runAction(this.feed, action, body));
+      buttons.appendChild(b);
+    };
+    if (lease?.state === 'active') {
+      add('Extend 30 min', 'extend', { by_s: 1800 });
+      add('Keep 1 h', 'keep', { for_s: 3600 });
+    }
+    if (s && suspended(s)) {
+      add('Resume', 'resume');
+    }
+    if (lease && (lease.state === 'active' || lease.state === 'queued')) {
+      add(lease.state === 'queued' ? 'Withdraw' : 'Release', 'release');
+    }
+    node.appendChild(buttons);
+  }
+}
