@@ -1,0 +1,270 @@
+"""The `%gpu` line magic and the `%%gpu` cell magic.
+
+Every answer is text (a notebook, IPython in a terminal and a log read the same words); only
+`%gpu watch` shows a widget, where the frontend can draw one. Mistakes in the line get one
+line saying what is wrong and the usage; a missing server or broker, or a refusal, gets one
+line saying so; neither raises a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from . import args as gpu_args
+from . import text
+from ._duration import format_duration
+from .api import connect
+from .endpoint import NoServer, ServerError
+
+log = logging.getLogger(__name__)
+
+# modules that, once imported, may have created a CUDA context with the old device list
+_CUDA_USERS = ("tensorflow", "jax", "cupy", "numba.cuda", "pycuda")
+
+
+def cuda_initialised() -> bool:
+    """Whether this process may already have started CUDA (then new devices need a kernel restart)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return True
+        except Exception as e:  # noqa: BLE001 - a broken torch install says nothing about CUDA
+            log.debug("torch.cuda.is_initialized() failed: %s", e)
+    return any(name in sys.modules for name in _CUDA_USERS)
+
+
+def lease_environment(lease: dict[str, Any]) -> dict[str, str]:
+    """The variables that make CUDA in this process see exactly the lease's devices."""
+    slices = (lease.get("placement") or {}).get("slices") or []
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(s.get("mig_uuid") or s["gpu_uuid"] for s in slices),
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "GPULEASE_LEASE_ID": str(lease.get("id") or ""),
+    }
+    if lease.get("expires_at") is not None:
+        env["GPULEASE_EXPIRES_AT"] = f"{float(lease['expires_at']):.0f}"
+    return env
+
+
+def this_kernel_id() -> str | None:
+    """The kernel id from the connection file's name (kernel-<id>.json), when this is a Jupyter kernel."""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = os.path.basename(get_connection_file())
+    except Exception:  # noqa: BLE001 - not a kernel (plain IPython), or no connection file
+        return None
+    if name.startswith("kernel-") and name.endswith(".json"):
+        return name[len("kernel-"):-len(".json")]
+    return None
+
+
+def in_kernel(shell) -> bool:
+    """Whether a frontend that draws widgets may be listening (an ipykernel shell)."""
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _lease_of(answer: Any) -> dict[str, Any] | None:
+    if isinstance(answer, dict) and isinstance(answer.get("lease"), dict):
+        return answer["lease"]
+    if isinstance(answer, dict) and "state" in answer and "id" in answer:
+        return answer
+    return None
+
+
+@magics_class
+class GPUMagics(Magics):
+    """`%gpu …` and `%%gpu …` (see `%gpu help`)."""
+
+    def __init__(self, shell=None, *, connect: Callable = connect, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep, poll_s: float = 1.0):
+        super().__init__(shell)
+        self._connect = connect
+        self._clock = clock
+        self._sleep = sleep
+        self.poll_s = poll_s
+
+    # ------------------------------------------------------------------ entry points
+    @line_cell_magic
+    def gpu(self, line: str, cell: str | None = None):
+        """GPU lease from the notebook: `%gpu help` lists the subcommands."""
+        try:
+            if cell is not None:
+                return self._cell(gpu_args.parse_cell(line), cell)
+            return self._line(gpu_args.parse(line))
+        except gpu_args.UsageError as e:
+            self._err(str(e))
+        except NoServer as e:
+            self._err(str(e))
+        except ServerError as e:
+            where = f" (field '{e.field}')" if e.field else ""
+            self._err(f"gpulease: {e.message}{where}")
+        return None
+
+    def _out(self, msg: str) -> None:
+        print(msg, flush=True)
+
+    def _err(self, msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def _now(self, status: dict | None = None) -> float:
+        return self._clock()
+
+    # ------------------------------------------------------------------ line magic
+    def _line(self, cmd: gpu_args.Command):
+        if cmd.name == "help":
+            self._out(gpu_args.help_text())
+            return None
+        api = self._connect()
+        if cmd.name == "status":
+            self._out(text.status_text(api.status(), self._now(), kernel_id=this_kernel_id()))
+        elif cmd.name == "watch":
+            return self._watch(api)
+        elif cmd.name == "request":
+            self._request(api, cmd.request, wait=cmd.wait)
+        elif cmd.name == "extend":
+            lease = _lease_of(api.extend(cmd.duration_s))
+            self._out(f"extended by {format_duration(cmd.duration_s)}: " + text.lease_line(lease, self._now()) if lease else "extended")
+        elif cmd.name == "keep":
+            ans = api.keep(cmd.duration_s) or {}
+            until = ans.get("until") or ans.get("keep_until")
+            when = f" (until {time.strftime('%H:%M', time.localtime(float(until)))})" if until else ""
+            self._out(ans.get("message") or f"kept: idle reclaim leaves this server's GPU alone for {format_duration(cmd.duration_s)}{when}")
+        elif cmd.name == "resume":
+            ans = api.resume(this_kernel_id()) or {}
+            lease = _lease_of(ans)
+            self._out(ans.get("message") or ("resumed: " + text.lease_line(lease, self._now()) if lease else "resumed"))
+        elif cmd.name == "release":
+            ans = api.release()
+            lease = _lease_of(ans)
+            if lease and lease.get("state") == "withdrawn":
+                self._out(f"withdrawn: lease {str(lease['id'])[:12]} no longer waits")
+            else:
+                self._out("released: " + (text.lease_line(lease, self._now()) if lease else "the GPU went back to the pool")
+                          + "\nRunning kernels keep their memory of the GPU until restarted; new kernels start without one.")
+        elif cmd.name == "queue":
+            self._out(text.queue_text(api.queue(), self._now()))
+        elif cmd.name == "pool":
+            self._out(text.pool_text(api.pool()))
+        return None
+
+    # ------------------------------------------------------------------ request and wait
+    def _request(self, api, body: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
+        lease = _lease_of(api.request(body))
+        if lease is None:
+            self._out("requested")
+            return None
+        if lease["state"] == "queued":
+            self._out(text.lease_line(lease, self._now()))
+            if not wait:
+                self._out("Not granted yet: %gpu status (or the status bar) shows when it is; %gpu release withdraws it.")
+                return lease
+            lease = self._wait(api, lease)
+            if lease is None:
+                return None
+        if lease["state"] == "active":
+            self._granted(lease)
+        else:
+            self._out(text.lease_line(lease, self._now()))
+        return lease
+
+    def _wait(self, api, lease: dict[str, Any]) -> dict[str, Any] | None:
+        """Follow a queued lease until it is granted or ends; an interrupt withdraws it."""
+        lid = lease["id"]
+        last = text.queue_words(lease, self._now())
+        try:
+            while True:
+                self._sleep(self.poll_s)
+                current = (api.status() or {}).get("lease")
+                if not current or current.get("id") != lid:
+                    self._out(f"lease {lid[:12]} is no longer waiting" + (f"; now: {text.lease_line(current, self._now())}" if current else ""))
+                    return current
+                if current["state"] != "queued":
+                    return current
+                words = text.queue_words(current, self._now())
+                if words.split(",")[0] != last.split(",")[0]:  # the position moved: say so
+                    self._out(f"waiting: {words}")
+                last = words
+        except KeyboardInterrupt:
+            try:
+                api.release("withdrawn: interrupted while waiting")
+                self._err(f"interrupted: lease {lid[:12]} withdrawn from the queue")
+            except ServerError as e:
+                self._err(f"interrupted, but withdrawing lease {lid[:12]} failed: {e.message}; run %gpu release")
+            return None
+
+    def _granted(self, lease: dict[str, Any]) -> None:
+        self._out("granted: " + text.lease_line(lease, self._now()))
+        env = lease_environment(lease)
+        if not env["CUDA_VISIBLE_DEVICES"]:
+            return
+        if cuda_initialised():
+            self._out("This kernel started CUDA before the grant: restart it to use the GPU (new kernels get it by themselves).")
+        else:
+            os.environ.update(env)
+            self._out(f"This kernel uses it from now on (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}).")
+
+    # ------------------------------------------------------------------ watch
+    def _watch(self, api):
+        if in_kernel(self.shell):
+            from .widget import LeaseWidget
+
+            w = LeaseWidget.for_api(api)
+            from IPython.display import display
+
+            display(w)
+            return
+        # a terminal: one status line every 2 s until Ctrl-C
+        try:
+            while True:
+                st = api.status()
+                self._out(time.strftime("%H:%M:%S ") + text.lease_line(st.get("lease"), self._now()) + _devices_brief(st))
+                self._sleep(2)
+        except KeyboardInterrupt:
+            return
+
+    # ------------------------------------------------------------------ %%gpu
+    def _cell(self, cmd: gpu_args.Command, cell: str):
+        api = self._connect()
+        current = (api.status() or {}).get("lease")
+        took = None
+        if current and current.get("state") == "active":
+            self._out("running on " + text.lease_line(current, self._now()))
+        else:
+            if current and current.get("state") == "queued":
+                self._out("already waiting: " + text.lease_line(current, self._now()))
+                lease = self._wait(api, current)
+            else:
+                lease = self._request(api, cmd.request, wait=True)
+            if not lease or lease.get("state") != "active":
+                self._err("the cell did not run: no GPU lease")
+                return
+            took = lease
+        try:
+            self.shell.run_cell(cell, store_history=False)
+        finally:
+            if took is not None and not cmd.keep:
+                try:
+                    api.release("the %%gpu cell finished")
+                    self._out(f"released lease {str(took['id'])[:12]} after the cell")
+                except ServerError as e:
+                    self._err(f"releasing lease {str(took['id'])[:12]} failed: {e.message}; run %gpu release")
+        return
+
+
+def _devices_brief(status: dict[str, Any]) -> str:
+    parts = []
+    for d in status.get("devices") or []:
+        u = d.get("utilization_pct")
+        used, total = d.get("memory_used_mib"), d.get("memory_total_mib")
+        mem = f" {used / 1024:.1f}/{total / 1024:.0f} GiB" if used is not None and total else ""
+        parts.append(f"#{d.get('index', '?')} {'-' if u is None else f'{u:.0f}%'}{mem}")
+    return (" | " + "; ".join(parts)) if parts else ""

@@ -1,0 +1,147 @@
+"""`%gpu` answers as text: the same words in a notebook, in IPython and in a terminal.
+
+Pure functions of the server's JSON (docs/server-api.md) and ``now``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._duration import format_duration
+
+
+def _mib(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1024:.1f} GiB" if v >= 1024 else f"{v:.0f} MiB"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    cols = [headers, *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cols)
+
+
+def describe_request(r: dict[str, Any]) -> str:
+    models = r.get("model") or []
+    if isinstance(models, str):
+        models = [models]
+    of = f" of {'|'.join(models)}" if models else ""
+    if r.get("kind") == "share":
+        return f"a {float(r.get('share') or 0):g} share{of}"
+    if r.get("kind") == "mig":
+        return f"MIG {r.get('mig_profile')}{of}"
+    n = int(r.get("gpus") or 1)
+    return f"{n} GPU{'s' if n != 1 else ''}{of}"
+
+
+def describe_slices(lease: dict[str, Any]) -> str:
+    parts = []
+    for s in (lease.get("placement") or {}).get("slices") or []:
+        if s.get("mig_profile"):
+            parts.append(f"MIG {s['mig_profile']} of {s['model']} #{s['index']}")
+        elif float(s.get("share", 1)) < 1:
+            parts.append(f"a {float(s['share']):g} share of {s['model']} #{s['index']}")
+        else:
+            parts.append(f"{s['model']} #{s['index']}")
+    return ", ".join(parts) or "-"
+
+
+def queue_words(lease: dict[str, Any], now: float) -> str:
+    """'position 2 of 5, about 14 min' (or 'no estimate yet')."""
+    q = lease.get("queue") or {}
+    pos = f"position {q.get('position', '?')} of {q.get('length', '?')}"
+    eta = q.get("eta")
+    if eta is None:
+        return f"{pos}, no estimate yet"
+    left = float(eta) - now
+    return f"{pos}, {'any moment now' if left < 60 else 'about ' + format_duration(left)}"
+
+
+def lease_line(lease: dict[str, Any] | None, now: float) -> str:
+    """One line about the lease: what, state, time left or queue position, or how it ended."""
+    if not lease:
+        return "no GPU lease (ask for one with %gpu request)"
+    lid = str(lease.get("id", ""))[:12]
+    state = lease.get("state")
+    if state == "queued":
+        return f"lease {lid} waits for {describe_request(lease.get('request') or {})}: {queue_words(lease, now)}"
+    if state == "active":
+        left = ""
+        if lease.get("expires_at") is not None:
+            left = f", {format_duration(float(lease['expires_at']) - now)} left"
+        tier = f" (tier {lease['tier']})" if lease.get("tier") else ""
+        return f"lease {lid}: {describe_slices(lease)}{tier}{left}"
+    why = lease.get("end_message") or lease.get("end_reason") or ""
+    return f"lease {lid} {state}" + (f": {why}" if why else "")
+
+
+def status_text(status: dict[str, Any], now: float | None = None, *, kernel_id: str | None = None) -> str:
+    """`%gpu status`: lease, devices, kernels (this one marked), warnings."""
+    now = float(status.get("now") or 0) if now is None else now
+    lines = [lease_line(status.get("lease"), now)]
+    if status.get("suspended"):
+        lines.append("suspended: this server's GPU was reclaimed while idle; the next cell resumes it (or %gpu resume)")
+    devices = status.get("devices") or []
+    if devices:
+        rows = []
+        for d in devices:
+            name = f"{d.get('model', 'GPU')} #{d.get('index', '?')}" + (f" {d['mig_profile']}" if d.get("mig_profile") else "")
+            mem = f"{_mib(d.get('memory_used_mib'))} / {_mib(d.get('memory_total_mib'))}"
+            temp = "-" if d.get("temperature_c") is None else f"{d['temperature_c']:.0f} °C"
+            power = "-" if d.get("power_w") is None else f"{d['power_w']:.0f} W"
+            rows.append([name, _pct(d.get("utilization_pct")), mem, temp, power])
+        lines += ["", table(["DEVICE", "UTIL", "MEMORY", "TEMP", "POWER"], rows)]
+    kernels = status.get("kernels") or []
+    if kernels:
+        rows = []
+        for k in kernels:
+            kid = str(k.get("id") or k.get("kernel_id") or "")
+            me = " (this kernel)" if kernel_id and kid == kernel_id else ""
+            idle = k.get("idle_s")
+            state = k.get("state") or ("idle" if k.get("idle") else "busy" if k.get("executing") else "")
+            if idle is not None and state in ("idle", ""):
+                state = f"idle {format_duration(float(idle))}"
+            rows.append([f"{k.get('name') or kid[:8]}{me}", _mib(k.get("memory_mib")), _pct(k.get("sm_util_pct")), state or "-"])
+        lines += ["", table(["KERNEL", "GPU MEMORY", "UTIL", "STATE"], rows)]
+    warnings = status.get("warnings") or []
+    if warnings:
+        lines.append("")
+        for w in warnings:
+            lines.append(f"! {w.get('message') or w.get('kind')}")
+    return "\n".join(lines)
+
+
+def queue_text(queue: list[dict[str, Any]], now: float) -> str:
+    if not queue:
+        return "the queue is empty"
+    rows = []
+    for i, x in enumerate(queue, 1):
+        q = x.get("queue") or {}
+        eta = q.get("eta")
+        when = "-" if eta is None else ("any moment" if float(eta) - now < 60 else f"~{format_duration(float(eta) - now)}")
+        rows.append([q.get("position", i), x.get("user", "-"), x.get("tier", "-"), describe_request(x.get("request") or {}), when,
+                     q.get("waiting_for") or ""])
+    return table(["#", "USER", "TIER", "ASKS FOR", "ETA", "WAITING FOR"], rows)
+
+
+def pool_text(pool: dict[str, Any]) -> str:
+    cap = pool.get("capacity") or {}
+    rows = [[m, c.get("gpus", ""), c.get("idle_gpus", ""), f"{float(c.get('free_share') or 0):g}",
+             ",".join(f"{k}:{v}" for k, v in (c.get("mig") or {}).items()) or "-"] for m, c in sorted(cap.items())]
+    out = [table(["MODEL", "GPUS", "IDLE", "FREE SHARE", "MIG FREE"], rows)] if rows else ["no GPUs in the pool"]
+    u = pool.get("usage") or {}
+    held = f"you hold {float(u.get('gpus_held') or 0):g} GPU(s)"
+    if u.get("max_gpus") is not None:
+        held += f" of {float(u['max_gpus']):g}"
+    if u.get("gpu_hours_left") is not None:
+        held += f"; {float(u['gpu_hours_left']):g} GPU-hours left"
+    out += ["", f"queue: {pool.get('queue_length', 0)} waiting; {held}"]
+    tiers = pool.get("tiers") or []
+    if tiers:
+        out.append("tiers: " + ", ".join(f"{t['name']} (up to {format_duration(float(t['max_duration_s']))})" for t in tiers if t.get("max_duration_s")))
+    return "\n".join(out)

@@ -1,0 +1,220 @@
+"""`%gpu watch`: an ipywidgets view of the lease that moves while cells run.
+
+Per device a utilization bar, a memory bar and a sparkline of the last minutes; the lease's
+countdown; queue position and ETA while waiting; warnings with Extend, Keep, Resume and
+Release buttons. It follows the kernel's shared :class:`~.feed.StatusFeed` (a thread), so it
+updates during a long blocking cell; ``close()`` (or a kernel restart) stops its updates.
+
+Trait changes made from the feed thread go out as comm messages on IOPub, which ipykernel
+sends from any thread; nothing here prints.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import threading
+from collections import deque
+from typing import Any, ClassVar
+
+import ipywidgets as W
+
+from . import text
+from ._duration import format_duration
+from .endpoint import ServerError
+from .feed import StatusFeed, shared_feed
+
+log = logging.getLogger(__name__)
+
+HISTORY = 300  # samples kept per device for the sparkline (5 min at one a second)
+EXTEND_S = 1800
+KEEP_S = 3600
+
+
+def sparkline(values: list[float | None], width: int = 120, height: int = 24) -> str:
+    """An inline SVG polyline of 0–100 values (None = gap); '' for fewer than two points."""
+    pts = [(i, v) for i, v in enumerate(values) if v is not None]
+    if len(pts) < 2:
+        return f'<svg class="gpulease-spark" width="{width}" height="{height}"></svg>'
+    n = max(len(values) - 1, 1)
+    coords = " ".join(f"{i * width / n:.1f},{height - 1 - max(0.0, min(100.0, v)) * (height - 2) / 100:.1f}" for i, v in pts)
+    return (f'<svg class="gpulease-spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+            f'<polyline fill="none" stroke="var(--jp-brand-color1, #1976d2)" stroke-width="1.5" points="{coords}"/></svg>')
+
+
+def _device_name(d: dict[str, Any]) -> str:
+    return f"{d.get('model', 'GPU')} #{d.get('index', '?')}" + (f" {d['mig_profile']}" if d.get("mig_profile") else "")
+
+
+def _history(d: dict[str, Any]) -> list[float | None] | None:
+    """The server's own utilization history of a device, when it sends one."""
+    h = d.get("history")
+    if isinstance(h, dict):
+        h = h.get("utilization_pct")
+    if isinstance(h, list) and h:
+        return [x.get("utilization_pct") if isinstance(x, dict) else x for x in h][-HISTORY:]
+    return None
+
+
+class DeviceRow(W.HBox):
+    """One device: name, utilization bar, memory bar, sparkline."""
+
+    def __init__(self, uuid: str):
+        self.uuid = uuid
+        self.name = W.HTML(layout=W.Layout(width="150px"))
+        self.util = W.FloatProgress(min=0, max=100, description="util", layout=W.Layout(width="210px"))
+        self.util_text = W.Label(layout=W.Layout(width="44px"))
+        self.mem = W.FloatProgress(min=0, max=1, description="mem", layout=W.Layout(width="210px"))
+        self.mem_text = W.Label(layout=W.Layout(width="130px"))
+        self.spark = W.HTML()
+        self.samples: deque[float | None] = deque(maxlen=HISTORY)
+        super().__init__([self.name, self.util, self.util_text, self.mem, self.mem_text, self.spark])
+        self.add_class("gpulease-device")
+
+    def update(self, d: dict[str, Any]) -> None:
+        u = d.get("utilization_pct")
+        used, total = d.get("memory_used_mib"), d.get("memory_total_mib")
+        extra = " · ".join(x for x in (
+            "" if d.get("temperature_c") is None else f"{d['temperature_c']:.0f} °C",
+            "" if d.get("power_w") is None else f"{d['power_w']:.0f} W") if x)
+        name = f"<b>{html.escape(_device_name(d))}</b>" + (f"<br><small>{html.escape(extra)}</small>" if extra else "")
+        _set(self.name, "value", name)
+        _set(self.util, "value", float(u or 0))
+        _set(self.util_text, "value", "-" if u is None else f"{u:.0f}%")
+        if total:
+            _set(self.mem, "max", float(total))
+            _set(self.mem, "value", float(min(used or 0, total)))
+        _set(self.mem_text, "value", f"{(used or 0) / 1024:.1f} / {total / 1024:.1f} GiB" if total else "-")
+        history = _history(d)
+        if history is None:
+            self.samples.append(u)
+            history = list(self.samples)
+        _set(self.spark, "value", sparkline(history))
+
+
+def _set(widget, name: str, value) -> None:
+    """Set a trait only when it changes: every change is a message to the browser."""
+    if getattr(widget, name) != value:
+        setattr(widget, name, value)
+
+
+class LeaseWidget(W.VBox):
+    """The live lease view (see the module). ``state`` summarises what it shows, for tests and logs."""
+
+    instances: ClassVar[list[LeaseWidget]] = []  # the live ones: tests and `%gpu watch` find them here
+
+    def __init__(self, api, feed: StatusFeed | None = None):
+        self.api = api
+        self.feed = feed or shared_feed(api)
+        self._lock = threading.Lock()
+        self.header = W.HTML()
+        self.countdown = W.HTML()
+        self.queue = W.HTML()
+        self.devices = W.VBox()
+        self.warnings = W.HTML()
+        self.message = W.HTML()
+        self.buttons = {
+            "extend": W.Button(description=f"Extend {format_duration(EXTEND_S)}", icon="clock", tooltip="ask the broker for more time"),
+            "keep": W.Button(description=f"Keep {format_duration(KEEP_S)}", icon="lock", tooltip="no idle reclaim for a while"),
+            "resume": W.Button(description="Resume", icon="play", tooltip="bring the kernel back onto a GPU"),
+            "release": W.Button(description="Release", icon="times", button_style="warning", tooltip="give the GPU back now"),
+        }
+        for name, b in self.buttons.items():
+            b.on_click(lambda _b, name=name: self.act(name))
+        self._rows: dict[str, DeviceRow] = {}
+        self.state: dict[str, Any] = {}
+        self.updates = 0
+        super().__init__([self.header, self.countdown, self.queue, self.devices, self.warnings,
+                          W.HBox(list(self.buttons.values())), self.message])
+        self.add_class("gpulease-widget")
+        LeaseWidget.instances.append(self)
+        self.feed.subscribe(self.update)
+
+    @classmethod
+    def for_api(cls, api) -> LeaseWidget:
+        return cls(api)
+
+    # ------------------------------------------------------------------ feed -> view
+    def update(self, status: dict[str, Any]) -> None:
+        with self._lock:
+            if self.comm is None:  # closed between the feed's read and now
+                return
+            self._render(status)
+            self.updates += 1
+
+    def _render(self, status: dict[str, Any]) -> None:
+        now = float(status.get("now") or status.get("received_at") or 0)
+        lease = status.get("lease")
+        state = (lease or {}).get("state") or "none"
+        suspended = bool(status.get("suspended")) or any(k.get("state") == "suspended" for k in status.get("kernels") or [])
+        _set(self.header, "value", f"<b>GPU</b> {html.escape(text.lease_line(lease, now))}")
+        countdown = ""
+        if lease and state == "active" and lease.get("expires_at") is not None:
+            countdown = format_duration(max(0.0, float(lease["expires_at"]) - now)) + " left"
+        _set(self.countdown, "value", f"⏱ {countdown}" if countdown else "")
+        queue = text.queue_words(lease, now) if state == "queued" else ""
+        _set(self.queue, "value", f"queue: {html.escape(queue)}" if queue else "")
+        devices = status.get("devices") or []
+        for d in devices:
+            uuid = d.get("uuid") or _device_name(d)
+            row = self._rows.get(uuid)
+            if row is None:
+                row = self._rows[uuid] = DeviceRow(uuid)
+            row.update(d)
+        wanted = tuple(self._rows[d.get("uuid") or _device_name(d)] for d in devices)
+        if tuple(self.devices.children) != wanted:
+            self.devices.children = wanted
+        warnings = [w.get("message") or w.get("kind", "") for w in status.get("warnings") or []]
+        if suspended and not any("suspend" in w for w in warnings):
+            warnings.append("suspended: the GPU was reclaimed while idle; the next cell resumes it")
+        if status.get("error"):
+            warnings.append(f"cannot read the lease: {status['error']}")
+        _set(self.warnings, "value", "".join(f'<div class="gpulease-warning">⚠ {html.escape(w)}</div>' for w in warnings))
+        show = {
+            "extend": state == "active",
+            "keep": state == "active",
+            "resume": suspended or (state in ("reclaimed",)),
+            "release": state in ("active", "queued"),
+        }
+        for name, b in self.buttons.items():
+            _set(b.layout, "display", None if show[name] else "none")
+        _set(self.buttons["release"], "description", "Withdraw" if state == "queued" else "Release")
+        self.state = {
+            "lease_id": (lease or {}).get("id"), "lease_state": state, "countdown": countdown, "queue": queue,
+            "warnings": warnings, "suspended": suspended, "buttons": [n for n, v in show.items() if v],
+            "utilization": {r.uuid: r.util.value for r in wanted}, "memory_mib": {r.uuid: r.mem.value for r in wanted},
+        }
+
+    # ------------------------------------------------------------------ buttons -> actions
+    def act(self, name: str) -> dict[str, Any] | None:
+        """What a button does (also callable directly)."""
+        try:
+            if name == "extend":
+                ans = self.api.extend(EXTEND_S)
+                msg = f"extended by {format_duration(EXTEND_S)}"
+            elif name == "keep":
+                ans = self.api.keep(KEEP_S)
+                msg = f"kept for {format_duration(KEEP_S)}: no idle reclaim"
+            elif name == "resume":
+                from .magics import this_kernel_id
+
+                ans = self.api.resume(this_kernel_id())
+                msg = "resumed"
+            elif name == "release":
+                ans = self.api.release("released with the widget's button")
+                msg = "released"
+            else:
+                raise ValueError(f"unknown action {name!r}")
+            _set(self.message, "value", html.escape((ans or {}).get("message") or msg))
+        except ServerError as e:
+            _set(self.message, "value", f'<span class="gpulease-error">{html.escape(name)} failed: {html.escape(e.message)}</span>')
+            ans = None
+        self.feed.refresh()
+        return ans
+
+    def close(self) -> None:
+        self.feed.unsubscribe(self.update)
+        with self._lock:
+            if self in LeaseWidget.instances:
+                LeaseWidget.instances.remove(self)
+            super().close()
