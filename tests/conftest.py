@@ -10,3 +10,6 @@ import sys
 
 # Test helpers (fake_pynvml, the hub harness) live next to the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# pytest-jupyter's jp_serverapp / jp_fetch (those tests are plain `async def`, run by the plugin)
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
