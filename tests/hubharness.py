@@ -14,9 +14,10 @@ Usage::
     hub.stop()
 
 Everything binds to 127.0.0.1 on free ports; the hub's database, cookie secret, proxy pid
-file and log live in ``tmp_path``. configurable-http-proxy is found through the
-``GPULEASE_CHP`` environment variable or ``PATH``; when it is missing, :meth:`start` fails
-with a message saying so (tests must not skip silently).
+file and log live in ``tmp_path``. configurable-http-proxy is found by :func:`tooling.find_chp`
+(``GPULEASE_CHP``, ``PATH``, the project's ``.ci/node_modules``, where it is installed when
+missing); when that fails, :meth:`start` fails with a message saying so (tests must not skip
+silently).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import tooling
 from jupyter_gpulease.hub.demo import pid_alive, terminate  # pid_alive re-exported: tests import it from here
 
 ADMIN_SERVICE = "test-admin"
@@ -49,14 +50,9 @@ def free_port() -> int:
 
 
 def find_chp() -> str:
-    """Path of configurable-http-proxy, or AssertionError saying how to provide it."""
-    path = os.environ.get("GPULEASE_CHP") or shutil.which("configurable-http-proxy")
-    if not path or not os.path.exists(path):
-        raise AssertionError(
-            "configurable-http-proxy not found: install it (npm install configurable-http-proxy) and put "
-            "node_modules/.bin on PATH, or set GPULEASE_CHP to its path"
-        )
-    return path
+    """Path of configurable-http-proxy (see :mod:`tooling`: GPULEASE_CHP, PATH, the project's
+    .ci/node_modules, installed there by npm when missing), or AssertionError saying what to do."""
+    return tooling.find_chp()
 
 
 def wait_for(predicate, timeout: float, message: str, interval: float = 0.1):

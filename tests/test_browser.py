@@ -1,32 +1,24 @@
-"""Headless Chromium against the demo: log in, pick a GPU on the spawn form, reach the server;
-a second user sees the queue message on the spawn page. Screenshots go to test-artifacts/browser/.
+"""Headless Chromium against the demo: log in, pick a GPU on the spawn form, reach JupyterLab and
+run a cell in a real kernel on the leased GPUs; a second user sees the queue on the spawn page.
+Screenshots go to test-artifacts/browser/.
 
-Needs Chromium (/usr/bin/chromium, or GPULEASE_CHROMIUM) and the Python package playwright
-(its own browser download is never used).
+Needs Chromium (found by tests/tooling.py; skipped without it, failed in CI) and the Python
+package playwright (its own browser download is never used).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from test_demo import Demo
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(400)
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "browser"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-
-
-def chromium_path() -> str:
-    path = os.environ.get("GPULEASE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        raise AssertionError("Chromium not found: apt-get install -y chromium (or set GPULEASE_CHROMIUM to its path)")
-    return path
 
 
 def login(page, url: str, user: str, password: str) -> None:
@@ -43,13 +35,38 @@ def start_from_form(page, choice: str) -> None:
     page.click("#spawn_form [type=submit]")
 
 
-def test_log_in_pick_a_gpu_reach_the_server_and_a_second_user_sees_the_queue(tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (into the venv)")
+def run_a_cell_in_jupyterlab(page, code: str, timeout_ms: int = 120_000) -> str:
+    """In an open JupyterLab: a new Python notebook from the launcher, run ``code``, return its output.
+
+    Fails unless JupyterLab really loaded (its shell and launcher drew) and a kernel ran the cell.
+    """
+    page.wait_for_selector("#jp-main-dock-panel", timeout=timeout_ms)
+    # locators, not element handles: JupyterLab redraws the launcher and the cells while it loads
+    page.locator('.jp-LauncherCard[data-category="Notebook"]').first.click(timeout=timeout_ms)
+    # the kernel is up when the notebook's status says idle
+    page.locator('.jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status="idle"]').first.wait_for(timeout=timeout_ms)
+    page.locator(".jp-NotebookPanel .jp-Cell .cm-content").first.click(timeout=timeout_ms)
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")
+    out = page.locator(".jp-NotebookPanel .jp-OutputArea-output").first
+    out.wait_for(timeout=timeout_ms)
+    dismiss_news_question(page)
+    return out.inner_text().strip()
+
+
+def dismiss_news_question(page) -> None:
+    """JupyterLab asks once whether to fetch Jupyter news; answer No so screenshots show the work."""
+    no = page.locator(".jp-Notification-Toast button", has_text="No")
+    if no.count():
+        no.first.click()
+
+
+def test_log_in_pick_a_gpu_run_a_cell_in_jupyterlab_and_a_second_user_sees_the_queue(tmp_path, playwright_sync_api, chromium):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     demo = Demo(tmp_path / "state").start()
     try:
-        with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        with playwright_sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
             try:
                 alice = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
                 login(alice, demo.url, "alice", demo.password)
@@ -59,10 +76,12 @@ def test_log_in_pick_a_gpu_reach_the_server_and_a_second_user_sees_the_queue(tmp
                 alice.screenshot(path=str(ARTIFACTS / "01-spawn-form.png"), full_page=True)
 
                 start_from_form(alice, "gpu:2:L4")  # both L4s
-                alice.wait_for_url("**/user/alice/**", timeout=120_000)
-                alice.wait_for_load_state("load")
-                alice.wait_for_timeout(2000)  # let JupyterLab draw
-                alice.screenshot(path=str(ARTIFACTS / "02-alice-server-running.png"))
+                alice.wait_for_url("**/user/alice/lab**", timeout=120_000)
+                # the kernel sees the two leased GPUs (by UUID) and computes
+                output = run_a_cell_in_jupyterlab(
+                    alice, "import os; print(len(os.environ['CUDA_VISIBLE_DEVICES'].split(',')), 6 * 7)")
+                alice.screenshot(path=str(ARTIFACTS / "02-alice-runs-a-cell-in-jupyterlab.png"))
+                assert output == "2 42"
                 assert demo.leases() == [("alice", "active")]
 
                 bob = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
