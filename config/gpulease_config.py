@@ -79,7 +79,7 @@ c.GPULeaseBroker.tick_interval = 5  # seconds between scheduling passes
 # Every lease ends, even if its holder dies: one never confirmed (its server never came
 # up) is revoked after confirm_timeout; one whose heartbeats stop after heartbeat_timeout.
 c.GPULeaseBroker.confirm_timeout = 900  # 0: never
-c.GPULeaseBroker.heartbeat_timeout = 0  # 0: never (set it when the server extension sends heartbeats)
+c.GPULeaseBroker.heartbeat_timeout = 300  # 0: never; the server extension sends one every 30 s (GPULeaseExtension.heartbeat_interval)
 
 # --------------------------------------------------------------------------- the hub
 # Stop the holder's server when the broker ends its lease (expired, preempted, revoked,

@@ -27,7 +27,7 @@ def test_the_example_config_loads_and_the_command_line_wins(tmp_path):
         assert pol.tiers["learning"].preemptible
         assert pol.user_quotas["alice"].max_gpus == 4
         assert pol.group_quotas["students"].max_gpus == 2
-        assert pol.confirm_timeout_s == 900 and pol.heartbeat_timeout_s is None
+        assert pol.confirm_timeout_s == 900 and pol.heartbeat_timeout_s == 300
         assert len(app.scheduler.inventory) == 4 + 1 + 2
     finally:
         app.store.close()

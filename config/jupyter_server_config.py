@@ -1,0 +1,52 @@
+# The GPU lease extension of each single-user server: an annotated example.
+#
+# The extension is enabled when jupyter-gpulease is installed (a jupyter_server_config.d file in
+# the wheel). Put these lines in the single-user servers' jupyter_server_config.py (e.g.
+# /etc/jupyter/jupyter_server_config.py in the image, or $PREFIX/etc/jupyter/ of the venv).
+# What the spawner passes in the environment (GPULEASE_LEASE_ID, GPULEASE_BROKER_URL,
+# CUDA_VISIBLE_DEVICES, JUPYTERHUB_API_TOKEN) needs no configuration.
+
+c = get_config()  # noqa: F821 - provided by Jupyter
+
+# ------------------------------------------------------------------ the monitor
+# Where GPU figures come from: "nvml" on GPU machines; the demo uses "simulated" (set through
+# GPULEASE_DEVICE_BACKEND / GPULEASE_DEVICE_CONFIG by the demo's hub config).
+# c.GPULeaseExtension.device_backend = "nvml"
+c.GPULeaseExtension.sample_interval = 1.0  # seconds; NVML runs in a worker thread
+c.GPULeaseExtension.history_seconds = 600  # what the GPU panel draws
+
+# ------------------------------------------------------------------ when is a GPU idle
+# A kernel's GPU is idle while its processes keep under 5% of the GPU's compute busy and it
+# runs no cell (reclaim_busy = True: a cell that does not use the GPU does not protect it).
+c.GPULeaseExtension.gpu_idle_threshold = 5.0
+c.GPULeaseExtension.reclaim_busy = False
+# Reclaim after 30 idle minutes; 0 turns idle reclaim off.
+c.GPULeaseExtension.gpu_idle_timeout = 1800
+# Or learn the timeout per user from their own idle gaps, within bounds:
+# c.GPULeaseExtension.gpu_idle_timeout_learn = True
+# c.GPULeaseExtension.gpu_idle_timeout_min = 300
+# c.GPULeaseExtension.gpu_idle_timeout_max = 4 * 3600
+
+# ------------------------------------------------------------------ what reclaim does
+# "suspend" moves an idle kernel's GPU memory to host memory with NVIDIA's cuda-checkpoint
+# (driver >= 550, x86-64, no MIG): nothing is lost, the next cell gets a GPU back and goes on.
+# Where it cannot work, fallback_action is used and the user is told why.
+c.GPULeaseExtension.reclaim_action = "suspend"  # suspend | restart | interrupt | shutdown | notify
+c.GPULeaseExtension.fallback_action = "restart"  # restart | interrupt | shutdown | notify
+# c.GPULeaseExtension.cuda_checkpoint = "/usr/bin/cuda-checkpoint"
+c.GPULeaseExtension.warn_before = 300  # seconds of warning in the notebook before the action
+# When no kernel holds GPU memory, the lease goes back to the pool as "reclaimed"; the server
+# keeps running without a GPU ("keep"), or stops ("stop").
+c.GPULeaseExtension.on_reclaim = "keep"
+# Users may postpone reclaim ("%gpu keep 2h", the widget's Keep button) by at most this much.
+c.GPULeaseExtension.max_keep = 4 * 3600
+# A suspended kernel that starts a cell asks for a GPU again (its former GPU first).
+c.GPULeaseExtension.resume_on_execute = True
+# A process over its share's memory is warned, then acted on after this many seconds.
+c.GPULeaseExtension.share_grace = 60
+
+# ------------------------------------------------------------------ reporting
+# Heartbeats with usage to the broker; keep it well under the broker's heartbeat_timeout.
+c.GPULeaseExtension.heartbeat_interval = 30
+# GPU work counts as server activity for the hub and jupyterhub-idle-culler.
+c.GPULeaseExtension.report_activity = True
