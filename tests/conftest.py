@@ -45,3 +45,7 @@ def playwright_sync_api(chromium):
     except ImportError:
         _missing("the Python package playwright is not installed (pip install -e '.[test]')")
     return api
+
+
+# the server-extension tests load serverutil as a plugin (its fixtures) and import its helpers
+pytest.register_assert_rewrite("serverutil")

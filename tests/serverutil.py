@@ -1,6 +1,11 @@
 """Helpers for tests of the server extension: a real Jupyter server (pytest-jupyter) with real
 ipykernel kernels, simulated GPUs driven through their state file, and a real broker.
 
+Test modules import the fixtures they use from here (``from serverutil import server, ...``):
+``server`` is a pytest-jupyter server whose extension holds alice's lease (granted before it
+starts, as the spawner does) from a real broker in its own thread (fake hub auth: the token
+names the user); ``ext_config`` (parametrize it indirectly) changes extension settings.
+
 The simulated GPUs need one thing a real driver does by itself: when a process exits, its GPU
 memory is freed. :meth:`SimGPUs.prune` removes processes that no longer exist; the waits here
 call it at every turn.
@@ -16,6 +21,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pytest
+
+import standin_cuda_checkpoint as standin
+from brokerutil import broker_in_thread, broker_url, patch_auth
+from jupyter_gpulease.broker.manager import SystemClock
 from jupyter_gpulease.devices.simulated import SimulatedBackend
 
 POOL = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034}]
@@ -143,3 +153,125 @@ async def status(fetch, **params) -> dict:
 
 def kernel_status(st: dict, kid: str) -> dict | None:
     return next((k for k in st["kernels"] if k["id"] == kid), None)
+
+
+# ---------------------------------------------------------------------- fixtures
+IDLE_TIMEOUT = 2.0
+WARN_BEFORE = 1.0
+
+
+@pytest.fixture
+def sim(tmp_path):
+    return SimGPUs(str(tmp_path / "sim-gpus.json"))
+
+
+def run_broker(tmp_path, **kw):
+    """A broker serving from its own thread: returns (app, stop); ``stop()`` may be called early, and again."""
+    cm = broker_in_thread(tmp_path, **kw)
+    app = cm.__enter__()
+    stopped = []
+
+    def stop():
+        if not stopped:
+            stopped.append(True)
+            cm.__exit__(None, None, None)
+
+    return app, stop
+
+
+@pytest.fixture
+def broker_traits(request):
+    """Broker settings (parametrize indirectly to change them)."""
+    return getattr(request, "param", {})
+
+
+@pytest.fixture
+def broker(tmp_path, monkeypatch, broker_traits):
+    patch_auth(monkeypatch)
+    app, stop = run_broker(tmp_path, pool=POOL, clock=SystemClock(), **broker_traits)
+    app.test_stop = stop
+    yield app
+    stop()
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path, sim, monkeypatch):
+    folder = tmp_path / "standin"
+    folder.mkdir()
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_DIR", str(folder))
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_SIM_STATE", sim.state_file)
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_REMAP", "1")
+    standin.install(str(folder))
+    return str(folder)
+
+
+@pytest.fixture
+def ext_config(request):
+    """Per-test extension settings (parametrize indirectly to change them)."""
+    return getattr(request, "param", {})
+
+
+@pytest.fixture
+def lease_request(request):
+    """What alice's lease asks for (parametrize indirectly to change it)."""
+    return getattr(request, "param", None) or {"gpus": 1, "duration_s": 3600}
+
+
+@pytest.fixture
+def lease(broker, lease_request):
+    """alice's lease, granted before her server starts (what the spawner does)."""
+    url = broker_url(broker)
+    status_code, body = broker_call(url, "POST", "api/leases", lease_request)
+    assert status_code == 201 and body["state"] == "active", body
+    broker_call(url, "POST", f"api/leases/{body['id']}/confirm")
+    return body
+
+
+@pytest.fixture
+def jp_server_config(broker, lease, sim, checkpoint_dir, ext_config):
+    cfg = {
+        "device_backend": "simulated",
+        "device_config": sim.config,
+        "broker_url": broker_url(broker),
+        "broker_token": "alice",
+        "lease_id": lease["id"],
+        "sample_interval": 0.25,
+        "gpu_idle_timeout": IDLE_TIMEOUT,
+        "warn_before": WARN_BEFORE,
+        "heartbeat_interval": 1.0,
+        "cuda_checkpoint": os.path.join(checkpoint_dir, "cuda-checkpoint"),
+        "gaps_file": "",
+    }
+    cfg.update(ext_config)
+    return {"ServerApp": {"jpserver_extensions": {"jupyter_gpulease.server": True}}, "GPULeaseExtension": cfg}
+
+
+@pytest.fixture
+def server(jp_serverapp, jp_asyncio_loop):
+    """The server with its extensions started (pytest-jupyter does not run that hook itself)."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+    return jp_serverapp
+
+
+async def active_lease(fetch) -> dict:
+    async def ready():
+        st = await status(fetch)
+        return st if st["lease"] and st["lease"]["state"] == "active" else None
+
+    return await wait_for(ready, message="the server has its lease from the broker")
+
+
+def feed_events(server, kind: str) -> list[dict]:
+    sup = server.web_app.settings["gpulease_supervisor"]
+    return [e.to_dict() for e in sup.feed.recent((kind,), 256)]
+
+
+async def lease_state(broker, lease_id: str) -> str:
+    _, body = await broker_call_async(broker_url(broker), "GET", f"api/leases/{lease_id}")
+    return body["state"]
+
+
+
+
+async def _is(coro, value):
+    return (await coro) == value

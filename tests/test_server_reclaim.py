@@ -12,101 +12,27 @@ These are plain ``async def`` tests: pytest-jupyter runs them on the server's ev
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from tornado.httpclient import HTTPClientError
 
 import standin_cuda_checkpoint as standin
-from brokerutil import broker_in_thread, broker_url, patch_auth
-from jupyter_gpulease.broker.manager import SystemClock
-from serverutil import POOL, SimGPUs, broker_call, broker_call_async, kernel_status, start_kernel, status, wait_for
+from brokerutil import broker_url
+from serverutil import (
+    IDLE_TIMEOUT,
+    WARN_BEFORE,
+    _is,
+    active_lease,
+    broker_call_async,
+    feed_events,
+    kernel_status,
+    lease_state,
+    start_kernel,
+    status,
+    wait_for,
+)
 
-IDLE_TIMEOUT = 2.0
-WARN_BEFORE = 1.0
-
-
-@pytest.fixture
-def sim(tmp_path):
-    return SimGPUs(str(tmp_path / "sim-gpus.json"))
-
-
-@pytest.fixture
-def broker(tmp_path, monkeypatch):
-    patch_auth(monkeypatch)
-    with broker_in_thread(tmp_path, pool=POOL, clock=SystemClock()) as app:
-        yield app
-
-
-@pytest.fixture
-def checkpoint_dir(tmp_path, sim, monkeypatch):
-    folder = tmp_path / "standin"
-    folder.mkdir()
-    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_DIR", str(folder))
-    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_SIM_STATE", sim.state_file)
-    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_REMAP", "1")
-    standin.install(str(folder))
-    return str(folder)
-
-
-@pytest.fixture
-def ext_config(request):
-    """Per-test extension settings (parametrize indirectly to change them)."""
-    return getattr(request, "param", {})
-
-
-@pytest.fixture
-def lease(broker):
-    """alice's lease, granted before her server starts (what the spawner does)."""
-    url = broker_url(broker)
-    status_code, body = broker_call(url, "POST", "api/leases", {"gpus": 1, "duration_s": 3600})
-    assert status_code == 201 and body["state"] == "active", body
-    broker_call(url, "POST", f"api/leases/{body['id']}/confirm")
-    return body
-
-
-@pytest.fixture
-def jp_server_config(broker, lease, sim, checkpoint_dir, ext_config):
-    cfg = {
-        "device_backend": "simulated",
-        "device_config": sim.config,
-        "broker_url": broker_url(broker),
-        "broker_token": "alice",
-        "lease_id": lease["id"],
-        "sample_interval": 0.25,
-        "gpu_idle_timeout": IDLE_TIMEOUT,
-        "warn_before": WARN_BEFORE,
-        "heartbeat_interval": 1.0,
-        "cuda_checkpoint": os.path.join(checkpoint_dir, "cuda-checkpoint"),
-        "gaps_file": "",
-    }
-    cfg.update(ext_config)
-    return {"ServerApp": {"jpserver_extensions": {"jupyter_gpulease.server": True}}, "GPULeaseExtension": cfg}
-
-
-@pytest.fixture
-def server(jp_serverapp, jp_asyncio_loop):
-    """The server with its extensions started (pytest-jupyter does not run that hook itself)."""
-    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
-    return jp_serverapp
-
-
-async def active_lease(fetch) -> dict:
-    async def ready():
-        st = await status(fetch)
-        return st if st["lease"] and st["lease"]["state"] == "active" else None
-
-    return await wait_for(ready, message="the server has its lease from the broker")
-
-
-def feed_events(server, kind: str) -> list[dict]:
-    sup = server.web_app.settings["gpulease_supervisor"]
-    return [e.to_dict() for e in sup.feed.recent((kind,), 256)]
-
-
-async def lease_state(broker, lease_id: str) -> str:
-    _, body = await broker_call_async(broker_url(broker), "GET", f"api/leases/{lease_id}")
-    return body["state"]
+pytest_plugins = ["serverutil"]  # its fixtures: server, sim, broker, lease, checkpoint_dir, ext_config
 
 
 # ---------------------------------------------------------------------- warned, then reclaimed, by each action
@@ -160,10 +86,6 @@ async def test_an_idle_kernel_holding_gpu_memory_is_warned_then_reclaimed(server
     assert st["last_lease"]["state"] == "reclaimed" and st["last_lease"]["id"] == lease["id"]
     assert st["kernel_env"]["cuda_visible_devices"] == ""  # kernels started now get no GPU
     assert server.web_app.settings["gpulease_supervisor"] is not None  # the server keeps running
-
-
-async def _is(coro, value):
-    return (await coro) == value
 
 
 async def test_a_busy_kernel_is_not_reclaimed(server, jp_fetch, sim, broker, lease):

@@ -36,7 +36,7 @@ class FeedEvent:
         return {"id": self.id, "kind": self.kind, "time": self.time, **self.data}
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set: hashed by identity
 class Subscription:
     queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(maxsize=512))
     dropped: bool = False

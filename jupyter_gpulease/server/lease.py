@@ -182,7 +182,7 @@ class LeaseKeeper:
     async def request(self, body: dict[str, Any]) -> dict[str, Any]:
         """Ask the broker for a lease for this server; follow it until granted. Raises BrokerError."""
         if self.client is None:
-            raise BrokerError(0, "this server has no broker to ask (GPULEASE_BROKER_URL is not set)")
+            raise BrokerError(409, "this server has no lease broker to ask (GPULEASE_BROKER_URL is not set)", "broker")
         async with self._lock:
             if self.lease is not None:
                 raise BrokerError(409, f"this server already holds lease {self.lease['id']} ({self.lease['state']}): release it first", "lease")
@@ -279,7 +279,7 @@ class LeaseKeeper:
 
     def _need_active(self) -> dict[str, Any]:
         if self.client is None:
-            raise BrokerError(0, "this server has no broker to ask (GPULEASE_BROKER_URL is not set)")
+            raise BrokerError(409, "this server has no lease broker to ask (GPULEASE_BROKER_URL is not set)", "broker")
         if not self.active:
             raise BrokerError(409, "this server holds no active GPU lease", "lease")
         return self.active

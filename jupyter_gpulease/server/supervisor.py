@@ -93,6 +93,7 @@ class KernelRecord:
     idle_s: float = 0.0
     memory_peak_mib: int = 0
     share_warned_at: float | None = None
+    busy_since: float | None = None  # executing since (None while idle)
     task: asyncio.Task | None = None
 
     @property
@@ -232,7 +233,7 @@ class GPUSupervisor:
                 self._decide(d, now)
             self._check_shares(snap, now)
         self._check_preemption(now)
-        self._check_resume()
+        self._check_resume(now)
         self.feed.publish("sample", self.sample_json(snap))
         return snap
 
@@ -263,6 +264,10 @@ class GPUSupervisor:
             rec.pgid = _int_or_none(getattr(prov, "pgid", None))
             rec.name = getattr(kernel, "kernel_name", "") or ""
             rec.execution_state = getattr(kernel, "execution_state", "") or ""
+            if rec.executing:
+                rec.busy_since = rec.busy_since or self.clock()
+            else:
+                rec.busy_since = None
             last = getattr(kernel, "last_activity", None)
             rec.last_activity = last.timestamp() if isinstance(last, datetime.datetime) else None
             try:
@@ -664,11 +669,13 @@ class GPUSupervisor:
         return rec.env_devices
 
     # ------------------------------------------------------------------ resume
-    def _check_resume(self) -> None:
+    def _check_resume(self, now: float) -> None:
         if not self.settings.resume_on_execute:
             return
+        # busy for a moment only (a frontend asking for kernel_info) is not a cell that needs the GPU
+        settle = max(2 * self.settings.sample_interval, 1.0)
         for rec in self.kernels.values():
-            if rec.state == "suspended" and rec.executing and not (rec.task and not rec.task.done()):
+            if rec.state == "suspended" and rec.executing and now - (rec.busy_since or now) >= settle and not (rec.task and not rec.task.done()):
                 rec.task = self._spawn(self.resume_kernel(rec, why="it started a cell"))
 
     async def resume_kernel(self, rec: KernelRecord, why: str = "asked") -> bool:
@@ -808,12 +815,10 @@ class GPUSupervisor:
 
     def _resume_event(self, rec: KernelRecord, stage: str, message: str, *, quiet: bool = False, **extra: Any) -> None:
         data = {"kernel_id": rec.id, "stage": stage, "message": message, **{k: v for k, v in extra.items() if v is not None}}
-        if stage in ("waiting", "restoring"):
-            self.resume = data
-        if quiet and self.resume and self.resume.get("position") == data.get("position") and self.resume.get("stage") == stage:
-            self.resume = data
-            return
+        before = self.resume
         self.resume = data if stage in ("waiting", "restoring") else None
+        if quiet and before and before.get("position") == data.get("position") and before.get("stage") == stage:
+            return  # nothing new to say: only the status changes
         self.feed.publish("resume", data)
 
     # ------------------------------------------------------------------ JSON

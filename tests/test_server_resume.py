@@ -1,0 +1,152 @@
+"""Suspend and resume in a real Jupyter server, against a stand-in ``cuda-checkpoint``.
+
+The stand-in (standin_cuda_checkpoint.py, written for these tests) takes the real tool's
+command line, records each call, moves the process's simulated GPU memory out of the device on
+checkpoint and back (onto the mapped device) on restore, and fails on request
+(``STANDIN_CUDA_CHECKPOINT_FAIL``). The broker is real; the kernels are real ipykernel kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import standin_cuda_checkpoint as standin
+from brokerutil import broker_url
+from serverutil import (
+    _is,
+    active_lease,
+    broker_call_async,
+    feed_events,
+    kernel_status,
+    lease_state,
+    start_kernel,
+    status,
+    wait_for,
+)
+
+pytest_plugins = ["serverutil"]  # its fixtures: server, sim, broker, lease, checkpoint_dir, ext_config
+
+
+async def suspended(server, fetch, sim, broker, lease, checkpoint_dir, mib=6000):
+    """A kernel holding ``mib`` MiB, suspended after its idle timeout, its lease returned."""
+    await active_lease(fetch)
+    k = await start_kernel(server, fetch)
+    sim.run(k.pid, mib, sm=0.0)
+
+    async def is_suspended():
+        st = await status(fetch)
+        ks = kernel_status(st, k.id)
+        return ks and ks["state"] == "suspended"
+
+    await wait_for(is_suspended, sim=sim, message="the kernel is suspended")
+    await wait_for(lambda: _is(lease_state(broker, lease["id"]), "reclaimed"), sim=sim, message="the lease went back")
+    return k
+
+
+def resume_events(server, kid):
+    return [e for e in feed_events(server, "resume") if e["kernel_id"] == kid]
+
+
+async def test_a_suspended_kernel_that_starts_a_cell_gets_a_new_lease_and_is_restored(server, jp_fetch, sim, broker, lease, checkpoint_dir):
+    k = await suspended(server, jp_fetch, sim, broker, lease, checkpoint_dir)
+    pid = k.pid
+    assert pid not in sim.processes()
+    # the next cell: its CUDA calls would block until the GPU state is back
+    await k.execute("import time; time.sleep(6)")
+    done = await wait_for(lambda: [e for e in resume_events(server, k.id) if e["stage"] in ("done", "failed")], sim=sim, timeout=60,
+                          message="the resume finished")
+    assert done[-1]["stage"] == "done", done
+    stages = [e["stage"] for e in resume_events(server, k.id)]
+    assert stages[0] == "waiting" and "restoring" in stages
+    st = await status(jp_fetch)
+    new = st["lease"]
+    assert new["state"] == "active" and new["id"] != lease["id"] and st["lease_origin"] == "server"
+    assert new["request"] == lease["request"] and new["tier"] == lease["tier"]  # the same shape
+    assert await lease_state(broker, new["id"]) == "active"
+    # restored onto the GPU it had (free again): the same process holds its memory there again
+    assert sim.processes()[pid] == (lease["placement"]["slices"][0]["gpu_uuid"], 6000)
+    assert k.pid == pid and kernel_status(st, k.id)["state"] == "ok"
+    actions = [c["action"] for c in standin.calls(checkpoint_dir) if c["pid"] == pid]
+    assert actions == ["lock", "checkpoint", "restore", "unlock"]
+    assert st["kernel_env"]["lease_id"] == new["id"]  # kernels started now get the new lease's GPU
+    reply = await k.run("print('still here')")
+    assert reply["status"] == "ok"
+    k.close()
+
+
+async def test_a_resuming_kernel_waits_in_the_queue_with_its_position_then_is_restored_on_another_gpu(
+        server, jp_fetch, sim, broker, lease, checkpoint_dir):
+    url = broker_url(broker)
+    k = await suspended(server, jp_fetch, sim, broker, lease, checkpoint_dir)
+    # both GPUs are taken now (alice's former one by bob)
+    _, bob = await broker_call_async(url, "POST", "api/leases", {"gpus": 1}, token="bob")
+    _, carol = await broker_call_async(url, "POST", "api/leases", {"gpus": 1}, token="carol")
+    assert bob["state"] == carol["state"] == "active"
+    await k.execute("import time; time.sleep(30)")
+    waiting = await wait_for(lambda: [e for e in resume_events(server, k.id) if e["stage"] == "waiting" and e.get("position")],
+                             timeout=60, message="the feed says where the kernel waits")
+    assert waiting[-1]["position"] == 1 and "waits for a GPU" in waiting[-1]["message"]
+    st = await status(jp_fetch)
+    assert st["lease"]["state"] == "queued" and st["resume"]["stage"] == "waiting" and st["resume"]["position"] == 1
+    # carol gives her GPU back: alice's kernel gets it and is restored there (the driver can remap)
+    await broker_call_async(url, "POST", f"api/leases/{carol['id']}/release", {}, token="carol")
+    done = await wait_for(lambda: [e for e in resume_events(server, k.id) if e["stage"] in ("done", "failed")], sim=sim, timeout=60,
+                          message="the resume finished")
+    assert done[-1]["stage"] == "done", done
+    carol_gpu = carol["placement"]["slices"][0]["gpu_uuid"]
+    assert sim.processes()[k.pid][0] == carol_gpu
+    restore = [c for c in standin.calls(checkpoint_dir) if c["action"] == "restore"][-1]
+    old_gpu = lease["placement"]["slices"][0]["gpu_uuid"]
+    assert restore["argv"][-2:] == ["--device-map", f"{old_gpu}={carol_gpu}"]
+    k.close()
+
+
+async def test_a_failed_restore_restarts_the_kernel_and_tells_the_user(server, jp_fetch, sim, broker, lease, checkpoint_dir, monkeypatch):
+    k = await suspended(server, jp_fetch, sim, broker, lease, checkpoint_dir)
+    pid = k.pid
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_FAIL", "restore")
+    await k.execute("import time; time.sleep(5)")
+    failed = await wait_for(lambda: [e for e in resume_events(server, k.id) if e["stage"] == "failed"], sim=sim, timeout=60,
+                            message="the resume failed")
+    assert "could not get its GPU state back" in failed[0]["message"] and "restarted" in failed[0]["message"]
+    assert "the stand-in was asked to fail" in failed[0]["message"]
+    await wait_for(lambda: k.pid != pid, message="the kernel was restarted")
+    st = await status(jp_fetch)
+    assert kernel_status(st, k.id)["state"] == "ok" and "restarted" in kernel_status(st, k.id)["message"]
+
+
+@pytest.mark.parametrize("ext_config", [{"fallback_action": "restart"}], indirect=True)
+async def test_a_failed_checkpoint_leaves_the_kernel_running_and_falls_back_saying_why(
+        server, jp_fetch, sim, broker, lease, checkpoint_dir, monkeypatch, ext_config):
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_FAIL", "checkpoint")
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    pid = k.pid
+    sim.run(pid, 4096, sm=0.0)
+    events = await wait_for(lambda: [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id and e["outcome"] == "done"],
+                            sim=sim, message="the fallback ran")
+    reclaims = [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id]
+    assert reclaims[0]["action"] == "suspend" and reclaims[0]["outcome"] == "failed"
+    assert "Suspending kernel" in reclaims[0]["message"] and "doing 'restart' instead" in reclaims[0]["message"]
+    assert events[-1]["action"] == "restart"
+    # what was locked was unlocked again before the fallback: nothing left half-suspended
+    assert [c["action"] for c in standin.calls(checkpoint_dir) if c["pid"] == pid] == ["lock", "checkpoint", "unlock"]
+    await wait_for(lambda: _is(lease_state(broker, lease["id"]), "reclaimed"), sim=sim, message="the lease went back")
+
+
+@pytest.mark.parametrize("ext_config", [{"cuda_checkpoint": "no-such-cuda-checkpoint", "fallback_action": "shutdown"}], indirect=True)
+async def test_without_cuda_checkpoint_the_fallback_runs_and_the_user_is_told_why(server, jp_fetch, sim, broker, lease, ext_config):
+    await active_lease(jp_fetch)
+    st = await status(jp_fetch)
+    assert st["reclaim"]["suspend_available"] is False
+    assert "cuda-checkpoint was not found" in st["reclaim"]["suspend_unavailable_reason"]
+    k = await start_kernel(server, jp_fetch)
+    sim.run(k.pid, 4096, sm=0.0)
+    warned = await wait_for(lambda: [e for e in feed_events(server, "warning") if e.get("kernel_id") == k.id], sim=sim, message="warned")
+    assert "shut down" in warned[0]["message"]  # the warning names what will really happen
+    reclaims = await wait_for(lambda: [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id and e["outcome"] == "done"],
+                              sim=sim, message="reclaimed")
+    first = next(e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id)
+    assert first["outcome"] == "fallback" and "cannot be suspended (NVIDIA's cuda-checkpoint was not found" in first["message"]
+    assert reclaims[-1]["action"] == "shutdown"
+    await wait_for(lambda: k.id not in server.kernel_manager.list_kernel_ids(), message="the kernel was shut down")
