@@ -148,8 +148,9 @@ async def test_the_brokers_refusal_keeps_its_status_and_words(server, jp_fetch, 
 
 
 # ---------------------------------------------------------------------- lease changes from the server
+@pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 0}], indirect=True)  # no idle reclaim in the way
 async def test_release_and_request_from_the_server_change_what_new_kernels_get_and_running_ones_are_told(
-        server, jp_fetch, sim, broker, lease):
+        server, jp_fetch, sim, broker, lease, ext_config):
     await active_lease(jp_fetch)
     old = await start_kernel(server, jp_fetch)
     sim.run(old.pid, 1000, sm=50.0)
@@ -198,7 +199,8 @@ def kernel_status_sync(server, kid, what):
     return rec is not None and rec.gpu is not None and rec.gpu.holds_memory
 
 
-async def test_a_queued_request_reports_its_position_and_is_followed_until_granted(server, jp_fetch, broker, lease):
+@pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 0}], indirect=True)
+async def test_a_queued_request_reports_its_position_and_is_followed_until_granted(server, jp_fetch, broker, lease, ext_config):
     url = broker_url(broker)
     await active_lease(jp_fetch)
     await jp_fetch("gpulease", "api", "lease", "release", method="POST", body="{}")
