@@ -100,7 +100,8 @@ class GPULeaseBroker(Application):
         "auto",
         help="""Where the pool's GPUs come from: 'nvml' (the GPUs of this machine), 'static' (a
         declared inventory, e.g. for several nodes), 'simulated' (fake GPUs, for demos and
-        tests), or 'auto' (NVML when it finds GPUs, else simulated).
+        tests), 'auto' (NVML when it finds GPUs, else simulated), 'kubernetes' (the cluster's
+        GPU nodes, from their labels and capacity) or 'slurm' (the GRES of ``scontrol show node``).
         """,
     ).tag(config=True)
 
@@ -113,6 +114,16 @@ class GPULeaseBroker(Application):
                 {"node": "gpu-2", "model": "A100-SXM4-80GB", "memory_mib": 81920, "mig": {"1g.10gb": 7}},
                 {"node": "gpu-2", "model": "L4", "count": 2, "memory_mib": 23034},
             ]}
+        """,
+    ).tag(config=True)
+
+    inventory_interval = Float(
+        0.0,
+        help="""Seconds between re-reads of the pool from the device backend. A change (a node
+        added, drained or lost, a GPU reported unhealthy) is applied at once: leases on GPUs that
+        left the pool end, GPUs that came are granted. A failed read keeps the pool as it was.
+        0: the backend's own period (15 s for 'kubernetes' and 'slurm'; 'static', 'simulated'
+        and 'nvml' are read once at start). Example: 30.
         """,
     ).tag(config=True)
 
@@ -321,6 +332,7 @@ class GPULeaseBroker(Application):
 
         self.backend = get_backend(self.device_backend, self.devices)
         inventory = self.backend.inventory()
+        self._inventory = list(inventory)
         self.log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
         self.scheduler = Scheduler(inventory, self.policy)
         self.store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous)
@@ -493,6 +505,12 @@ class GPULeaseBroker(Application):
             self.reconciler = PeriodicCallback(self._reconcile, self.reconcile_interval * 1000)
             self.reconciler.start()
             self._background(self._reconcile())  # once at start
+        self.inventory_refresher = None
+        interval = self.inventory_interval or float(getattr(self.backend, "inventory_refresh_s", 0) or 0)
+        if interval > 0:
+            self._refreshing = False
+            self.inventory_refresher = PeriodicCallback(self._refresh_inventory, interval * 1000)
+            self.inventory_refresher.start()
         self.log.info("GPU lease broker %s listening on %s%s", __version__, self.bind_url.rstrip("/"), self.base_url)
 
     async def _tick(self) -> None:
@@ -501,7 +519,34 @@ class GPULeaseBroker(Application):
         except Exception:
             self.log.exception("scheduling pass failed")
 
+    async def _refresh_inventory(self) -> None:
+        """Read the pool again (off the loop: backends may block) and apply it if it changed."""
+        if self._refreshing:
+            return
+        self._refreshing = True
+        try:
+            try:
+                gpus = await asyncio.get_running_loop().run_in_executor(None, self.backend.inventory)
+            except Exception as e:  # noqa: BLE001 - any backend failure: keep the pool, say why
+                self.log.warning("Pool not re-read from the %r device backend (kept as it was): %s", self.device_backend, e)
+                return
+            if gpus == self._inventory:
+                return
+            before = {g.uuid for g in self._inventory}
+            events = await self.manager.set_inventory(gpus)
+            self._inventory = list(gpus)
+            ended = sum(1 for e in events if e.kind == ENDED)
+            self.log.info("Pool changed: %d GPU(s) (%d new, %d gone, %d unhealthy); %d lease(s) ended", len(gpus),
+                          len({g.uuid for g in gpus} - before), len(before - {g.uuid for g in gpus}),
+                          sum(1 for g in gpus if not g.healthy), ended)
+        except Exception:
+            self.log.exception("applying the re-read pool failed")
+        finally:
+            self._refreshing = False
+
     async def stop_async(self) -> None:
+        if getattr(self, "inventory_refresher", None):
+            self.inventory_refresher.stop()
         if getattr(self, "ticker", None):
             self.ticker.stop()
         if getattr(self, "reconciler", None):

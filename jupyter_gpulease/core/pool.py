@@ -194,7 +194,9 @@ class Pool:
         if not models:
             where = f" among {'|'.join(req.models)}" if req.models else ""
             return "min_memory_mib", f"no GPU has at least {req.min_memory_mib} MiB of memory{where}"
-        cands = [s for m in models for s in self.by_model[m] if s.gpu.healthy and s.gpu.memory_mib >= req.min_memory_mib]
+        # unhealthy GPUs count: they may come back (a drained or cordoned node, a GPU being reset),
+        # so a request that only they could hold waits instead of failing
+        cands = [s for m in models for s in self.by_model[m] if s.gpu.memory_mib >= req.min_memory_mib]
         if req.kind is SliceKind.GPU:
             per_node: dict[str, int] = defaultdict(int)
             for s in cands:

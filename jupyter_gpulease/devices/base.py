@@ -187,7 +187,7 @@ class DeviceBackend(abc.ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-BACKEND_NAMES = ("simulated", "static", "nvml", "auto")
+BACKEND_NAMES = ("simulated", "static", "nvml", "auto", "kubernetes", "slurm")
 
 
 def get_backend(name: str, config: dict[str, Any] | None = None, *, clock: Clock | None = None) -> DeviceBackend:
@@ -213,6 +213,14 @@ def get_backend(name: str, config: dict[str, Any] | None = None, *, clock: Clock
         return NvmlBackend(config, clock=clock)
     if key == "auto":
         return _auto_backend(config, clock)
+    if key == "kubernetes":
+        from .kubernetes import KubernetesBackend
+
+        return KubernetesBackend(config, clock=clock)
+    if key == "slurm":
+        from .slurm import SlurmBackend
+
+        return SlurmBackend(config, clock=clock)
     raise ValueError(f"unknown device backend {name!r}: choose one of {', '.join(BACKEND_NAMES)}")
 
 

@@ -199,7 +199,7 @@ def pool_models(pool: dict) -> dict[str, dict]:
         m["gpus"] += 1
         if d.get("mig"):
             m["mig_profiles"].update(i["profile"] for i in d["mig"])
-        elif d.get("healthy", True):
+        else:  # unhealthy GPUs too: a drained node comes back, and the request waits for it
             m["per_node"][d["node"]] = m["per_node"].get(d["node"], 0) + 1
             m["shareable"] += 1
     return out

@@ -593,6 +593,10 @@ class GPULeaseSpawner(Spawner):
         self._lease_env = {}
 
     # ------------------------------------------------------------------ the running lease
+    async def on_lease_event(self, event: dict) -> None:
+        """Called with every broker event of the running server's lease (``extended``, ``warned``,
+        ``ended``…). Engines override it, e.g. to move a batch job's time limit; the default does nothing."""
+
     def _start_watcher(self) -> None:
         if self.lease_id and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.ensure_future(self._watch_lease(self.lease_id))
@@ -617,6 +621,10 @@ class GPULeaseSpawner(Spawner):
             since = int(feed.get("last_id") or since)
             for ev in feed.get("events") or []:
                 kind = ev.get("kind")
+                try:
+                    await self.on_lease_event(ev)
+                except Exception:
+                    self.log.exception("Handling event %s of lease %s of %s failed", kind, lease_id, self._log_name)
                 if kind in ("warned", "preempt-warned"):
                     self.last_warning = ev
                     self.log.warning("Lease %s of %s: %s %s", lease_id, self._log_name, kind, ev.get("reason", ""))

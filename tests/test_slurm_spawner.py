@@ -1,0 +1,361 @@
+"""The Slurm engine: GPULeaseSlurmSpawner through a real JupyterHub onto a real slurmctld/slurmd.
+
+A single-node Slurm cluster (tests/slurmharness.py: munged, slurmctld, slurmd with four GPU
+GRES of type ``l4``) runs the jobs; the broker's pool comes from it through the ``slurm``
+device backend (``scontrol show node``); the hub spawns through batchspawner's machinery
+(sbatch, squeue, scancel, batchspawner-singleuser reporting its port). Asserted on Slurm's own
+answers: the job's node, GRES, time limit and ``CUDA_VISIBLE_DEVICES``, and on the broker's
+leases. The unit tests at the top check the job spec for every kind of lease.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hubharness import HubHarness, free_port, wait_for
+from slurmharness import SlurmCluster
+from test_spawner_e2e import broker_call, server_model, spawn, wait_gone, wait_ready
+
+from jupyter_gpulease.hub.slurm import (
+    SlurmPlacementError,
+    job_field,
+    minutes_until,
+    parse_job_gpu_indices,
+    slurm_job_spec,
+    slurm_time,
+)
+
+VENV_BIN = Path(sys.executable).parent
+SPAWNER_SERVICE = "gpulease-spawner"
+T0 = 1_800_000_000.0
+
+# The hub's users are not system users on a test machine: their home directories live under
+# GPULEASE_TEST_HOMES, and the server binds to 127.0.0.1 (batchspawner resets ``ip`` to the class
+# default before each start, so the default is what counts). Nothing about GPUs changes.
+TEST_SPAWNER = '''
+import os
+from pathlib import Path
+
+from traitlets import Unicode, default
+
+from jupyter_gpulease.hub.slurm import GPULeaseSlurmSpawner
+
+
+class TestSlurmSpawner(GPULeaseSlurmSpawner):
+    ip = Unicode("127.0.0.1")
+
+    @default("req_homedir")
+    def _homedir_default(self):
+        home = Path(os.environ["GPULEASE_TEST_HOMES"]) / self.user.name
+        home.mkdir(parents=True, exist_ok=True)
+        return str(home)
+
+    def user_env(self, env):
+        env["USER"] = self.user.name
+        env["HOME"] = self.req_homedir
+        env["SHELL"] = "/bin/bash"
+        return env
+'''
+
+
+# --------------------------------------------------------------------------- the job spec (unit)
+def lease(slices, *, expires_in=3600.0, lease_id="L1"):
+    return {"id": lease_id, "state": "active", "tier": "experiment", "expires_at": T0 + expires_in,
+            "placement": {"node": slices[0]["node"], "slices": slices}}
+
+
+def gpu_slice(index, node="gpu-07", model="a100", **kw):
+    return {"gpu_uuid": f"GPU-slurm-{index}", "node": node, "index": index, "model": model, "memory_mib": 81920, "share": 1.0, **kw}
+
+
+def test_whole_gpus_become_nodelist_gres_of_their_type_and_time_with_a_margin():
+    spec = slurm_job_spec(lease([gpu_slice(1), gpu_slice(2)], expires_in=3600), now=T0, margin_s=120)
+    assert spec.nodelist == "gpu-07"
+    assert spec.gres == "gpu:a100:2"
+    assert spec.time_limit_min == 62  # 60 min of lease + 2 min margin
+    assert spec.gpu_indices == (1, 2)
+    assert slurm_time(spec.time_limit_min) == "0-01:02:00"
+
+
+def test_a_mig_lease_asks_for_the_typed_mig_gres_as_slurm_names_it():
+    s = gpu_slice(0, memory_mib=40960, share=0.428, mig_uuid="MIG-slurm-0", mig_profile="3g.40gb")
+    spec = slurm_job_spec(lease([s]), now=T0)
+    assert spec.gres == "gpu:a100_3g.40gb:1"
+    assert spec.gpu_indices == ()
+
+
+def test_a_share_is_refused_without_shards_and_becomes_shards_with_them():
+    s = gpu_slice(0, share=0.5, memory_mib=40960)
+    with pytest.raises(SlurmPlacementError, match="does not offer shares of a GPU on Slurm"):
+        slurm_job_spec(lease([s]), now=T0)
+    assert slurm_job_spec(lease([s]), now=T0, shard_gres="shard", shards_per_gpu=8).gres == "shard:a100:4"
+    tiny = gpu_slice(0, share=0.1, memory_mib=8192)
+    assert slurm_job_spec(lease([tiny]), now=T0, shard_gres="shard", shards_per_gpu=8).gres == "shard:a100:1"
+
+
+def test_slurm_times_round_up_to_whole_minutes_and_days():
+    assert minutes_until(T0 + 61, T0, 0) == 2
+    assert minutes_until(T0 + 60, T0, 0) == 1
+    assert minutes_until(T0 - 500, T0, 0) == 1  # already past: the shortest limit, never 0 (= unlimited)
+    assert slurm_time(1) == "0-00:01:00"
+    assert slurm_time(25 * 60 + 7) == "1-01:07:00"
+
+
+def test_the_gpus_slurm_gave_a_job_are_read_from_scontrol():
+    show = ("JobId=7 JobName=spawner-jupyterhub\n   JOB_GRES=gpu:l4:3\n"
+            "     Nodes=localhost CPU_IDs=1 Mem=0 GRES=gpu:l4:3(IDX:0,2-3)\n   TimeLimit=01:02:00 StartTime=2026-11-30T09:50:00\n")
+    assert parse_job_gpu_indices(show) == (0, 2, 3)
+    assert job_field(show, "TimeLimit") == "01:02:00"
+    assert job_field(show, "StartTime") == "2026-11-30T09:50:00"
+    assert parse_job_gpu_indices("JobId=8 GRES=(null)") == ()
+
+
+# --------------------------------------------------------------------------- a real hub on real Slurm
+def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"), config_lines=(), spawner="slurm_test_spawner.TestSlurmSpawner"):
+    """A hub whose spawner runs servers as Slurm jobs, with the broker's pool read from Slurm."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "slurm_test_spawner.py").write_text(TEST_SPAWNER)
+    bport = free_port()
+    token = "spawner-" + str(free_port())
+    conf = tmp_path / "gpulease_config.py"
+    conf.write_text(
+        "c = get_config()  # noqa\n"
+        "c.GPULeaseBroker.device_backend = 'slurm'\n"
+        f"c.GPULeaseBroker.devices = {{'slurm_conf': {str(slurm.conf)!r}, 'memory_mib': {{'l4': 23034}}}}\n"
+        "c.GPULeaseBroker.tick_interval = 0.5\n"
+        "c.GPULeaseBroker.inventory_interval = 1\n"
+        "c.GPULeaseBroker.warn_before = 10\n"
+        "c.GPULeaseBroker.tiers = {\n"
+        "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
+        "    'short': {'priority': 20, 'max_duration_s': 60, 'default_duration_s': 25},\n"
+        "}\n"
+        "c.GPULeaseBroker.default_tier = 'experiment'\n"
+    )
+    broker = {"name": "gpulease", "url": f"http://127.0.0.1:{bport}",
+              "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={conf}",
+                          f"--db-url=sqlite:///{tmp_path / 'gpulease.sqlite'}"], "cwd": str(tmp_path)}
+    broker_url = f"http://127.0.0.1:{bport}/services/gpulease/"
+    hub = HubHarness(
+        tmp_path,
+        users=list(users),
+        services=[broker, {"name": SPAWNER_SERVICE, "api_token": token}],
+        custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
+        roles=[
+            {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
+            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+        ],
+        user_scopes=["access:services!service=gpulease"],
+        spawner_class=spawner,
+        env={"GPULEASE_TEST_HOMES": str(tmp_path / "homes"), "SLURM_CONF": str(slurm.conf)},
+        config_lines=[
+            f"c.GPULeaseSpawner.broker_url = {broker_url!r}",
+            f"c.GPULeaseSpawner.broker_api_token = {token!r}",
+            "c.GPULeaseSpawner.queue_refresh_interval = 0.5",
+            "c.GPULeaseSpawner.lease_wait_timeout = 300",
+            "c.Spawner.poll_interval = 1",
+            "c.Spawner.http_timeout = 60",
+            "c.Spawner.start_timeout = 120",
+            f"c.Spawner.environment = {{'SLURM_CONF': {str(slurm.conf)!r}}}",
+            "c.BatchSpawnerBase.exec_prefix = ''",
+            f"c.BatchSpawnerBase.batchspawner_singleuser_cmd = {str(VENV_BIN / 'batchspawner-singleuser')!r}",
+            "c.BatchSpawnerBase.startup_poll_interval = 0.2",
+            "c.BatchSpawnerRegexStates.state_exechost_exp = '127.0.0.1'",
+            "c.JupyterHub.log_level = 'INFO'",
+            *config_lines,
+        ],
+    )
+    hub.start()
+    wait_for(lambda: broker_call(broker_url, token, "pool"), 60, f"the broker did not answer\n{hub.log_tail(30)}")
+    return hub, broker_url, token
+
+
+def job_of(slurm: SlurmCluster, user: str) -> str | None:
+    """The id of ``user``'s server job (the one whose working directory is the user's home), or None."""
+    out = slurm.run("squeue", "-h", "-o", "%i %Z %T", check=False).stdout
+    for line in out.splitlines():
+        job, workdir, _state = line.split(None, 2)
+        if workdir.rstrip("/").endswith("/" + user):
+            return job
+    return None
+
+
+def job_env(slurm: SlurmCluster, job: str, user: str) -> dict[str, str]:
+    """The environment of the single-user server process running in ``job`` (from /proc)."""
+    out = slurm.run("scontrol", "listpids", job, check=False).stdout
+    for line in out.splitlines()[1:]:
+        pid = line.split()[0]
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if "jupyterhub-singleuser" not in cmd:
+            continue
+        env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+        if env.get("JUPYTERHUB_USER") == user:
+            return env
+    raise AssertionError(f"no single-user server of {user} in job {job}: {out}")
+
+
+def time_limit_minutes(slurm: SlurmCluster, job: str) -> int:
+    value = job_field(slurm.show_job(job), "TimeLimit")  # [D-]HH:MM:SS
+    days, _, hms = value.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return int(days or 0) * 1440 + h * 60 + m + (1 if s else 0)
+
+
+@pytest.fixture(scope="module")
+def slurm_hub(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slurmhub")
+    slurm = SlurmCluster(tmp / "slurm", gpus=4, gpu_type="l4").start()
+    hub = None
+    try:
+        hub, url, token = make_slurm_hub(tmp / "hub", slurm)
+        yield hub, url, token, slurm
+    finally:
+        if hub is not None:
+            for user in ("alice", "bob"):
+                if server_model(hub, user) is not None:
+                    hub.api("DELETE", f"users/{user}/server")
+            hub.stop()
+        slurm.stop()
+
+
+@pytest.fixture
+def shub(slurm_hub):
+    hub, url, token, slurm = slurm_hub
+    yield slurm_hub
+    for user in ("alice", "bob"):
+        if server_model(hub, user) is not None:
+            hub.api("DELETE", f"users/{user}/server")
+            wait_gone(hub, user)
+    wait_for(lambda: not broker_call(url, token, "list_leases", state="live"), 30, "leases left live after a test")
+    wait_for(lambda: not slurm.jobs(), 30, "jobs left in Slurm after a test")
+
+
+e2e = pytest.mark.timeout(600)
+
+
+def the_lease(url, token, user, state="active"):
+    leases = broker_call(url, token, "list_leases", state=state, user=user)
+    assert len(leases) == 1, leases
+    return leases[0]
+
+
+@e2e
+def test_a_gpu_spawn_runs_as_a_slurm_job_on_the_leased_node_and_gpus_and_stopping_it_cancels_the_job(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "alice", {"gpus": 2, "model": "l4"})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice", timeout=120)
+    lease = the_lease(url, token, "alice")
+    job = job_of(slurm, "alice")
+    assert job, slurm.run("squeue").stdout
+    show = slurm.show_job(job)
+    assert "JobState=RUNNING" in show
+    assert job_field(show, "NodeList") == lease["placement"]["node"] == "localhost"
+    assert "gpu:l4:2" in job_field(show, "TresPerNode")
+    # the server process in the job sees the GPUs Slurm gave it, and those are the leased ones
+    env = job_env(slurm, job, "alice")
+    given = parse_job_gpu_indices(show)
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join(str(i) for i in given)
+    assert sorted(given) == sorted(s["index"] for s in lease["placement"]["slices"])
+    assert env["GPULEASE_LEASE_ID"] == lease["id"] and env["GPULEASE_DEVICE_CHOICE"] == "engine"
+    # the job's time limit is the lease's time left plus the margin (rounded up to minutes)
+    left = (lease["expires_at"] - time.time()) / 60
+    assert left + 1 <= time_limit_minutes(slurm, job) <= left + 4
+    # the server answers through the proxy
+    user_token = hub.create_token("alice")
+    status, _ = hub.request("GET", f"{hub.url}/user/alice/api/status", token=user_token)
+    assert status == 200
+
+    status, _ = hub.api("DELETE", "users/alice/server")
+    assert status in (202, 204)
+    wait_gone(hub, "alice")
+    wait_for(lambda: job not in slurm.jobs(), 30, f"job {job} still in Slurm after the server stopped")
+    assert the_lease(url, token, "alice", state="all")["state"] == "released"
+
+
+@e2e
+def test_extending_the_lease_moves_the_jobs_time_limit_in_slurm(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "alice", {"gpus": 1})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice", timeout=120)
+    lease = the_lease(url, token, "alice")
+    job = job_of(slurm, "alice")
+    before = time_limit_minutes(slurm, job)
+
+    user_token = hub.create_token("alice")
+    extended = broker_call(url, user_token, "extend", lease["id"], by_s=1800)
+    assert extended["expires_at"] == pytest.approx(lease["expires_at"] + 1800, abs=1)
+    wait_for(lambda: time_limit_minutes(slurm, job) >= before + 30, 30,
+             f"the job's TimeLimit stayed at {before} min after a 30-min extension")
+    assert time_limit_minutes(slurm, job) <= before + 31
+
+
+@e2e
+def test_a_job_that_ends_in_slurm_ends_its_lease(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "bob", {"gpus": 1})
+    assert status in (201, 202), body
+    wait_ready(hub, "bob", timeout=120)
+    lease = the_lease(url, token, "bob")
+    job = job_of(slurm, "bob")
+    slurm.run("scancel", job)  # an admin cancels it, or it hits its time limit, or the node dies
+    wait_for(lambda: server_model(hub, "bob") is None, 60, "the hub did not notice the job ended")
+    wait_for(lambda: broker_call(url, token, "get_lease", lease["id"])["state"] not in ("active", "queued"), 30,
+             "the lease outlived its job")
+
+
+@e2e
+def test_an_expired_lease_cancels_its_job_after_the_warning(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "alice", {"gpus": 1, "tier": "short"})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice", timeout=120)
+    lease = the_lease(url, token, "alice")
+    job = job_of(slurm, "alice")
+    # Slurm's own limit is minutes away: if the job goes now, the lease's end did it
+    assert time_limit_minutes(slurm, job) >= 2
+    wait_for(lambda: job not in slurm.jobs(), 90, f"job {job} still runs after its lease expired")
+    ended = broker_call(url, token, "get_lease", lease["id"])
+    assert ended["state"] == "expired"
+    assert ended["warned_at"] is not None and ended["warned_at"] < ended["ended_at"]
+    wait_gone(hub, "alice")
+
+
+@e2e
+def test_the_broker_pool_is_slurms_gres_and_a_drained_node_takes_no_new_lease(shub):
+    hub, url, token, slurm = shub
+    pool = broker_call(url, token, "pool")
+    devices = pool["devices"]
+    assert [(d["node"], d["index"], d["model"], d["memory_mib"]) for d in devices] == [("localhost", i, "l4", 23034) for i in range(4)]
+    slurm.run("scontrol", "update", "NodeName=localhost", "State=DRAIN", "Reason=maintenance")
+    try:
+        wait_for(lambda: not any(d.get("healthy", True) for d in broker_call(url, token, "pool")["devices"]), 40,
+                 "the broker did not see the drained node")
+        status, body = spawn(hub, "alice", {"gpus": 1})
+        assert status == 202, body  # waits: no healthy GPU
+        time.sleep(2)
+        assert the_lease(url, token, "alice", state="queued")["state"] == "queued"
+        assert job_of(slurm, "alice") is None
+    finally:
+        slurm.run("scontrol", "update", "NodeName=localhost", "State=RESUME")
+    wait_ready(hub, "alice", timeout=120)  # the node came back: the queued lease is granted, the job runs
+    assert job_of(slurm, "alice")
+
+
+def test_slurm_harness_runs_a_gpu_job_with_cuda_visible_devices(tmp_path):
+    """The test cluster itself: a GRES job sees CUDA_VISIBLE_DEVICES (the recipe's File= trick)."""
+    with SlurmCluster(tmp_path, gpus=2) as slurm:
+        out = tmp_path / "out.txt"
+        job = slurm.run("sbatch", "--parsable", "--gres=gpu:l4:2", f"--output={out}", "--wrap", "echo CVD=$CUDA_VISIBLE_DEVICES").stdout.strip()
+        wait_for(lambda: out.exists() and "CVD=" in out.read_text() and job not in slurm.jobs(), 60, "the job did not run")
+        assert out.read_text().strip() == "CVD=0,1"
+
