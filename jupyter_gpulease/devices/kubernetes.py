@@ -338,8 +338,12 @@ def gpus_from_labels(node: dict, memory_overrides: dict[str, int] | None = None)
             out.problems.append(f"MIG instance labels with {LABEL_MIG_STRATEGY}={strategy!r}; read as 'mixed'")
         return out
 
+    if cap_units == 0:
+        out.problems.append(f"GPU labels but no {GPU_RESOURCE} capacity: the device plugin does not serve this node "
+                            "(with NVIDIA's DRA driver, set 'dra': true in the device config); its GPUs are left out")
+        return out
     physical = _int(labels.get(LABEL_COUNT))
-    if physical is None or (cap_units and physical > cap_units):
+    if physical is None or physical > cap_units:
         physical = whole
     out.gpus = [_gpu(name, i, model, memory) for i in range(physical)]
     out.gpus = _mark_unhealthy_tail(out.gpus, math.ceil(max(cap_units - alloc_units, 0) / replicas))

@@ -178,7 +178,10 @@ def pod_gpu_spec(lease: dict, opts: KubeGPUOptions, *, claim_name: str = "", nam
 
     env = {"GPULEASE_DEVICE_CHOICE": "broker" if exact else "engine"}
     drop = () if exact else ("CUDA_VISIBLE_DEVICES",)
-    products = product_label_values(model, mig_profile=mig_profile, shared=shared) if opts.select_product and model else ()
+    # the model by GFD's product label where the device plugin picks the GPU; a claim or HAMi's
+    # UUID annotation names the device itself (and HAMi nodes often run no GFD)
+    by_product = opts.select_product and model and not exact and opts.share_mode != "hami"
+    products = product_label_values(model, mig_profile=mig_profile, shared=shared) if by_product else ()
     return PodGPUSpec(node=node, resources=resources, product_values=products, tolerations=tuple(opts.tolerations),
                       annotations=annotations, env=env, drop_env=drop, claim=claim,
                       scheduler_name=opts.scheduler_name)
