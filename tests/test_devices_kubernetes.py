@@ -332,3 +332,12 @@ def test_broker_ends_leases_on_a_lost_node_and_queues_requests_for_a_cordoned_on
             await app.stop_async()
 
     asyncio.run(main())
+
+
+def test_a_uuid_seen_on_two_nodes_is_kept_once_and_reported():
+    twin = node("gpu-a10-hami-0")
+    twin["metadata"]["name"] = "gpu-a10-hami-1"  # e.g. a node image cloned with HAMi's annotation
+    problems: list[str] = []
+    gpus = inventory_from_nodes([node("gpu-a10-hami-0"), twin], now=NOW, problems=problems)
+    assert [g.node for g in gpus] == ["gpu-a10-hami-0", "gpu-a10-hami-0"]
+    assert len(problems) == 2 and all("already in the pool" in p for p in problems)

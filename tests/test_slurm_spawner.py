@@ -104,6 +104,22 @@ def test_slurm_times_round_up_to_whole_minutes_and_days():
     assert slurm_time(25 * 60 + 7) == "1-01:07:00"
 
 
+def test_shares_and_keeping_servers_are_refused_on_slurm_with_a_message():
+    from traitlets import TraitError
+
+    from jupyter_gpulease.hub.slurm import GPULeaseSlurmSpawner
+
+    sp = GPULeaseSlurmSpawner()
+    with pytest.raises(Exception) as info:
+        sp.lease_choice({"share": 0.5})
+    assert getattr(info.value, "status_code", None) == 400 and "does not offer shares of a GPU on Slurm" in str(info.value)
+    assert sp.lease_choice({"gpus": 1}).request["gpus"] == 1
+    sp.share_gres, sp.shards_per_gpu = "shard", 8
+    assert sp.lease_choice({"share": 0.5}).request["kind"] == "share"
+    with pytest.raises(TraitError, match="on_lease_end must be 'stop' on Slurm"):
+        sp.on_lease_end = "keep"
+
+
 def test_the_gpus_slurm_gave_a_job_are_read_from_scontrol():
     show = ("JobId=7 JobName=spawner-jupyterhub\n   JOB_GRES=gpu:l4:3\n"
             "     Nodes=localhost CPU_IDs=1 Mem=0 GRES=gpu:l4:3(IDX:0,2-3)\n   TimeLimit=01:02:00 StartTime=2026-11-30T09:50:00\n")
@@ -279,6 +295,31 @@ def test_a_gpu_spawn_runs_as_a_slurm_job_on_the_leased_node_and_gpus_and_stoppin
     wait_gone(hub, "alice")
     wait_for(lambda: job not in slurm.jobs(), 30, f"job {job} still in Slurm after the server stopped")
     assert the_lease(url, token, "alice", state="all")["state"] == "released"
+
+
+@e2e
+def test_a_cpu_only_server_is_a_job_without_gpus_and_a_later_gpu_spawn_gets_its_lease(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "bob", {"kind": "cpu"})
+    assert status in (201, 202), body
+    wait_ready(hub, "bob", timeout=120)
+    job = job_of(slurm, "bob")
+    assert "gpu" not in job_field(slurm.show_job(job), "TresPerNode")
+    env = job_env(slurm, job, "bob")
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GPULEASE_LEASE_ID"] == ""
+    assert not broker_call(url, token, "list_leases", state="live", user="bob")
+    hub.api("DELETE", "users/bob/server")
+    wait_gone(hub, "bob")
+    # the same spawner object, now with a lease: every GPULEASE_* variable reaches the job
+    status, body = spawn(hub, "bob", {"gpus": 1})
+    assert status in (201, 202), body
+    wait_ready(hub, "bob", timeout=120)
+    lease = the_lease(url, token, "bob")
+    job = job_of(slurm, "bob")
+    env = job_env(slurm, job, "bob")
+    assert env["GPULEASE_LEASE_ID"] == lease["id"]
+    assert env["GPULEASE_EXPIRES_AT"] and env["GPULEASE_PLACEMENT"] and env["GPULEASE_DEVICE_CHOICE"] == "engine"
+    assert env["CUDA_VISIBLE_DEVICES"] == ",".join(str(i) for i in parse_job_gpu_indices(slurm.show_job(job)))
 
 
 @e2e

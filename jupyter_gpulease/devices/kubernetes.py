@@ -467,20 +467,31 @@ def _with_health(gpus: list[GPU], healthy: bool) -> list[GPU]:
 
 def inventory_from_nodes(nodes: Iterable[dict], *, now: float, slices: Iterable[dict] = (), lost_after_s: float = 300,
                          memory_overrides: dict[str, int] | None = None, dra_driver: str = DRA_DRIVER,
-                         problems: list[str] | None = None) -> list[GPU]:
+                         problems: list[str] | None = None, cache: dict | None = None) -> list[GPU]:
     """The pool from node objects (``kubectl get nodes -o json`` items) and, with DRA, ResourceSlices.
 
     Problems worth an admin's attention (a node without a memory label…) are appended to
-    ``problems`` when given. Nodes are sorted by name so the pool's order is stable.
+    ``problems`` when given. Nodes are sorted by name so the pool's order is stable. ``cache``
+    (a dict the caller keeps) remembers each node's GPUs by its ``resourceVersion`` and its
+    slices' versions, so a refresh parses only the nodes that changed.
     """
     slices = list(slices)
     by_node: dict[str, list[dict]] = {}
     for s in slices:
         by_node.setdefault((s.get("spec") or {}).get("nodeName") or "", []).append(s)
     out: list[GPU] = []
+    seen: dict[str, str] = {}  # device UUID -> node
     for node in sorted(nodes, key=lambda n: (n.get("metadata") or {}).get("name") or ""):
-        found = node_gpus(node, slices=by_node.get((node.get("metadata") or {}).get("name") or "", ()),
-                          memory_overrides=memory_overrides, dra_driver=dra_driver)
+        meta = node.get("metadata") or {}
+        own = by_node.get(meta.get("name") or "", ())
+        key = (meta.get("resourceVersion"), tuple((s.get("metadata") or {}).get("resourceVersion") for s in own))
+        hit = cache.get(meta.get("name")) if cache is not None and key[0] else None
+        if hit is not None and hit[0] == key:
+            found = hit[1]
+        else:
+            found = node_gpus(node, slices=own, memory_overrides=memory_overrides, dra_driver=dra_driver)
+            if cache is not None and key[0]:
+                cache[meta.get("name")] = (key, found)
         if found is None:
             continue
         if problems is not None:
@@ -490,7 +501,15 @@ def inventory_from_nodes(nodes: Iterable[dict], *, now: float, slices: Iterable[
             if problems is not None and found.gpus:
                 problems.append(f"node {found.node}: {state.why}; its {len(found.gpus)} GPU(s) left the pool")
             continue
-        out.extend(_with_health(found.gpus, state.schedulable))
+        for g in _with_health(found.gpus, state.schedulable):
+            ids = [g.uuid, *(m.uuid for m in g.mig)]
+            dup = next((u for u in ids if u in seen), None)
+            if dup is not None:  # a copied annotation, a renamed node: never two GPUs with one UUID
+                if problems is not None:
+                    problems.append(f"node {g.node}: device {dup} is already in the pool (on node {seen[dup]}); left out")
+                continue
+            seen.update((u, g.node) for u in ids)
+            out.append(g)
     return out
 
 
@@ -545,6 +564,7 @@ class KubernetesBackend(DeviceBackend):
         self._stop = threading.Event()
         self._warned: set[str] = set()
         self._last: list[GPU] = []
+        self._parsed: dict = {}  # node name -> ((resourceVersion, slices' versions), NodeGPUs)
 
     # ------------------------------------------------------------------ the interface
     def inventory(self) -> list[GPU]:
@@ -555,8 +575,11 @@ class KubernetesBackend(DeviceBackend):
         with self._lock:
             nodes, slices = list(self._nodes.values()), list(self._slices)
         problems: list[str] = []
+        if len(self._parsed) > 2 * len(nodes) + 100:  # forget nodes that left
+            self._parsed.clear()
         gpus = inventory_from_nodes(nodes, now=self._clock(), slices=slices if self.dra else (), lost_after_s=self.lost_after_s,
-                                    memory_overrides=self.memory_overrides, dra_driver=self.dra_driver, problems=problems)
+                                    memory_overrides=self.memory_overrides, dra_driver=self.dra_driver, problems=problems,
+                                    cache=self._parsed)
         for p in problems:
             if p not in self._warned:  # once per distinct problem, not every refresh
                 self._warned.add(p)

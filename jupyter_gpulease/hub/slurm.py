@@ -183,6 +183,14 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
 
     def get_req_subvars(self):
         subvars = super().get_req_subvars()
+        # batchspawner fixes the exported variable names at the first spawn of this server; a
+        # later spawn (a lease after a CPU-only start) has more GPULEASE_* variables to pass on
+        names = [n for n in (subvars.get("keepvars") or "").split(",") if n]
+        subvars["keepvars"] = ",".join(dict.fromkeys([*names, *self.get_env()]))
+        if self._lease_env.get("CUDA_VISIBLE_DEVICES") == "":
+            # a server without a lease sees no GPU, also where Slurm does not fence devices with
+            # cgroups (sbatch drops an empty variable from --export, so set it in the script)
+            subvars["prologue"] = "\n".join(p for p in ("export CUDA_VISIBLE_DEVICES=", subvars.get("prologue")) if p)
         spec = self._job_spec
         if spec is not None:
             subvars["gres"] = ",".join(g for g in (subvars.get("gres"), spec.gres) if g)

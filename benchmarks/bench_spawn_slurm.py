@@ -1,0 +1,152 @@
+"""Spawn-to-ready on Slurm: GPULeaseSlurmSpawner against plain batchspawner SlurmSpawner, same hub, same cluster.
+
+A real single-node Slurm cluster (munged, slurmctld, slurmd with four ``l4`` GPU GRES; see
+tests/slurmharness.py), one real JupyterHub + configurable-http-proxy + broker whose pool is
+read from Slurm. User "plain" spawns through batchspawner's SlurmSpawner methods alone, asking
+Slurm for the same thing (``--gres=gpu:l4:1 --nodelist=localhost``, a one-hour limit); user
+"leased" through the lease spawner (lease request, grant, job spec from the placement, confirm,
+the job's GPUs read back). Spawns alternate so both see the same machine load; both servers are
+real jupyterhub-singleuser processes in Slurm jobs. Reports the medians and their ratio
+(target: within 5%) and saves them to benchmarks/results/bench_spawn_slurm.json.
+
+As in bench_spawn.py the hub polls a new server every 20-50 ms instead of its exponential
+back-off (0.2 s up to 5 s), and batchspawner polls squeue every 0.2 s, for both users alike, so
+the figures show the spawners' own cost rather than polling granularity.
+
+    .venv/bin/python benchmarks/bench_spawn_slurm.py [--rounds 8]
+
+Needs root, Slurm (apt-get install slurm-wlm munge) and configurable-http-proxy (GPULEASE_CHP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from hubharness import wait_for  # noqa: E402
+from slurmharness import SlurmCluster  # noqa: E402
+from test_slurm_spawner import make_slurm_hub  # noqa: E402
+from test_spawner_e2e import broker_call, server_model, wait_gone  # noqa: E402
+
+BENCH_SPAWNER = '''
+import jupyterhub.utils as _hub_utils
+from batchspawner import SlurmSpawner
+
+from slurm_test_spawner import TestSlurmSpawner
+
+_backoff = _hub_utils.exponential_backoff
+
+
+async def _fine_backoff(pass_func, fail_message, start_wait=0.2, scale_factor=2, max_wait=5, timeout=10, timeout_tolerance=0.1, *args, **kwargs):
+    return await _backoff(pass_func, fail_message, 0.02, 1.0, 0.05, timeout, timeout_tolerance, *args, **kwargs)
+
+
+_hub_utils.exponential_backoff = _fine_backoff
+
+
+class BenchSlurmSpawner(TestSlurmSpawner):
+    """User 'plain' bypasses the lease layer: batchspawner's SlurmSpawner with the same request."""
+
+    def _plain(self):
+        return self.user.name == "plain"
+
+    async def start(self):
+        if self._plain():
+            self.req_gres, self.req_options, self.req_runtime = "gpu:l4:1", "--nodelist=localhost", "0-01:02:00"
+            return await SlurmSpawner.start(self)
+        return await super().start()
+
+    async def stop(self, now=False):
+        if self._plain():
+            return await SlurmSpawner.stop(self, now=now)
+        return await super().stop(now=now)
+
+    async def poll(self):
+        if self._plain():
+            return await SlurmSpawner.poll(self)
+        return await super().poll()
+'''
+
+
+def spawn_to_ready(hub, user: str, options: dict, timeout: float = 180) -> float:
+    t0 = time.perf_counter()
+    status, body = hub.api("POST", f"users/{user}/server", options)
+    if status not in (201, 202):
+        raise RuntimeError(f"spawn of {user} failed: {status} {body}")
+    while True:
+        s = server_model(hub, user)
+        if s and s.get("ready"):
+            return time.perf_counter() - t0
+        if s is None:
+            raise RuntimeError(f"{user}'s spawn failed:\n{hub.log_tail(30)}")
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"{user} not ready after {timeout} s")
+        time.sleep(0.02)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8, help="spawns per spawner (default 8)")
+    ap.add_argument("--out", default=str(HERE / "results" / "bench_spawn_slurm.json"))
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
+        tmp = Path(tmp)
+        slurm = SlurmCluster(tmp / "slurm", gpus=4, gpu_type="l4").start()
+        hub = None
+        times: dict[str, list[float]] = {"plain": [], "leased": []}
+        try:
+            (tmp / "hub").mkdir()
+            (tmp / "hub" / "bench_slurm_spawner.py").write_text(BENCH_SPAWNER)
+            hub, url, token = make_slurm_hub(tmp / "hub", slurm, users=("plain", "leased"),
+                                             config_lines=["c.BatchSpawnerBase.startup_poll_interval = 0.2"],
+                                             spawner="bench_slurm_spawner.BenchSlurmSpawner")
+            order = (("plain", {"kind": "cpu"}), ("leased", {"gpus": 1, "model": "l4"}))
+            for user, opts in order:  # warm-up, not counted
+                spawn_to_ready(hub, user, opts)
+                hub.api("DELETE", f"users/{user}/server")
+                wait_gone(hub, user)
+            for i in range(args.rounds):
+                for user, opts in (order if i % 2 == 0 else order[::-1]):
+                    times[user].append(spawn_to_ready(hub, user, opts))
+                    hub.api("DELETE", f"users/{user}/server")
+                    wait_gone(hub, user)
+                    wait_for(lambda: not slurm.jobs(), 60, "a job outlived its server")
+                    assert not broker_call(url, token, "list_leases", state="live"), "a lease outlived its server"
+                print(f"round {i + 1}: plain {times['plain'][-1]:.3f} s, leased {times['leased'][-1]:.3f} s", flush=True)
+        finally:
+            if hub is not None:
+                hub.stop()
+            slurm.stop()
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["leased"] / med["plain"]
+    result = {
+        "what": "spawn-to-ready on Slurm (POST /users/{name}/server until ready: sbatch, job start, "
+                "batchspawner-singleuser, hub check), same hub and cluster, GPU free; hub polls every 20-50 ms, squeue every 0.2 s",
+        "command": "python benchmarks/bench_spawn_slurm.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
+        "rounds": args.rounds,
+        "seconds": times,
+        "median_s": med,
+        "ratio_leased_to_plain": ratio,
+        "target_ratio": 1.05,
+        "within_target": ratio <= 1.05,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nmedian spawn-to-ready on Slurm: plain SlurmSpawner {med['plain']:.3f} s, lease spawner {med['leased']:.3f} s, "
+          f"ratio {ratio:.3f} (target <= 1.05: {'met' if ratio <= 1.05 else 'NOT met'})")
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
