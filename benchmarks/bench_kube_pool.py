@@ -76,9 +76,9 @@ def many_nodes(n: int) -> tuple[list[dict], list[dict]]:
             if c["type"] == "Ready":
                 c["status"], c["reason"] = "True", "KubeletReady"
         out.append(node)
-        for sl in base_slices:
-            if sl["spec"]["nodeName"] == base[i % len(base)]["metadata"]["name"]:
-                sl = copy.deepcopy(sl)
+        for base_slice in base_slices:
+            if base_slice["spec"]["nodeName"] == base[i % len(base)]["metadata"]["name"]:
+                sl = copy.deepcopy(base_slice)
                 sl["metadata"]["name"] = f"{name}-gpu.nvidia.com"
                 sl["spec"]["nodeName"] = sl["spec"]["pool"]["name"] = name
                 for d in sl["spec"]["devices"]:
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "kube_pool.json"))
     args = ap.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="bench-kube-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-kube-") as tmp_dir:
+        tmp = Path(tmp_dir)
         rss0 = rss_mib()
         tracemalloc.start()
         nodes, slices = many_nodes(args.nodes)

@@ -98,8 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "bench_spawn_slurm.json"))
     args = ap.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-slurm-") as tmp_dir:
+        tmp = Path(tmp_dir)
         slurm = SlurmCluster(tmp / "slurm", gpus=4, gpu_type="l4").start()
         hub = None
         times: dict[str, list[float]] = {"plain": [], "leased": []}

@@ -11,8 +11,9 @@ Everything lives in ``tmp_path`` (the munge key and socket in a short folder of 
 state, spool, logs. The node is ``localhost`` with ``gpus`` GPU GRES of type ``gpu_type``;
 each GPU's ``File=`` is a symlink to a distinct character device (Slurm drops file-less GPUs
 and drains the node), so jobs get ``CUDA_VISIBLE_DEVICES`` like on a GPU node. Needs root and
-Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/run`` installs them); :meth:`start` says so
-when they are missing.
+Debian's ``slurm-wlm`` and ``munge`` packages (``.ci/run`` installs them): tests call
+:func:`require_slurm` first, which skips them with the reason where Slurm cannot run (and fails
+them in CI); :meth:`start` says what is missing.
 
 Teardown follows the order that never hangs slurmd: cancel every job, wait until the queue is
 empty, stop slurmd, then slurmctld, then munged, each by PID (SIGKILL after a timeout).
@@ -46,6 +47,19 @@ def missing_slurm() -> str:
     except KeyError:
         return "the 'munge' system user is missing: apt-get install munge"
     return ""
+
+
+def require_slurm() -> None:
+    """In a test: skip with the reason when Slurm cannot run here; in CI (``CI`` set) fail instead."""
+    import pytest
+
+    import tooling
+
+    why = missing_slurm()
+    if why:
+        if tooling.in_ci():
+            pytest.fail(f"{why} (CI is set: the Slurm tests must run)", pytrace=False)
+        pytest.skip(why)
 
 
 class SlurmCluster:

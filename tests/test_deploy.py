@@ -39,8 +39,8 @@ def chart_config(values: dict) -> Config:
         assert section[:1].isupper(), f"hub.config.{section} is not a Configurable class name"
         c[section].update(cfg)
     services = []
-    for key, service in (values["hub"].get("services") or {}).items():
-        service = dict(service)
+    for key, declared in (values["hub"].get("services") or {}).items():
+        service = dict(declared)
         service.setdefault("name", key)
         service.pop("apiToken", None)
         service["api_token"] = SECRETS.get(f"hub.services.{key}.apiToken", "generated")
@@ -53,7 +53,7 @@ def chart_config(values: dict) -> Config:
     try:
         for _key, config_py in sorted((values["hub"].get("extraConfig") or {}).items()):
             # the chart runs each snippet with exec() in its config namespace; so does this test
-            exec(compile(config_py, "extraConfig", "exec"), {"c": c, "get_secret_value": z2jh.get_secret_value})  # noqa: S102
+            exec(compile(config_py, "extraConfig", "exec"), {"c": c, "get_secret_value": z2jh.get_secret_value})
     finally:
         del sys.modules["z2jh"]
     return c

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from brokerutil import broker_url, make_broker, patch_auth
 
+from brokerutil import broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.devices import DeviceUnavailable, get_backend

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hubharness import wait_for
-from slurmharness import SlurmCluster
 
+from hubharness import wait_for
 from jupyter_gpulease.devices import DeviceUnavailable, get_backend
 from jupyter_gpulease.devices.slurm import inventory_from_scontrol, node_health, parse_gres, parse_scontrol_nodes
+from slurmharness import SlurmCluster, require_slurm
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slurm"
 
@@ -104,6 +104,7 @@ def test_backend_config_errors_are_clear():
 
 
 def test_backend_reads_a_real_slurmctld_and_follows_drain_and_down(tmp_path):
+    require_slurm()
     with SlurmCluster(tmp_path, gpus=3, gpu_type="l4") as slurm:
         backend = get_backend("slurm", {"slurm_conf": str(slurm.conf), "memory_mib": {"l4": 23034}})
         assert backend.inventory_refresh_s == 15

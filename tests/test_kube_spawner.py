@@ -19,11 +19,11 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from brokerutil import broker_url, make_broker, patch_auth
 from kubernetes_asyncio.client import ApiClient
 from traitlets import TraitError
 from traitlets.config import Config
 
+from brokerutil import broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.devices.kubernetes import items_of

@@ -15,10 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hubharness import HubHarness, free_port, wait_for
-from slurmharness import SlurmCluster
-from test_spawner_e2e import broker_call, server_model, spawn, wait_gone, wait_ready
 
+from hubharness import HubHarness, free_port, wait_for
 from jupyter_gpulease.hub.slurm import (
     SlurmPlacementError,
     job_field,
@@ -27,6 +25,8 @@ from jupyter_gpulease.hub.slurm import (
     slurm_job_spec,
     slurm_time,
 )
+from slurmharness import SlurmCluster, require_slurm
+from test_spawner_e2e import broker_call, server_model, spawn, wait_gone, wait_ready
 
 VENV_BIN = Path(sys.executable).parent
 SPAWNER_SERVICE = "gpulease-spawner"
@@ -227,6 +227,7 @@ def time_limit_minutes(slurm: SlurmCluster, job: str) -> int:
 
 @pytest.fixture(scope="module")
 def slurm_hub(tmp_path_factory):
+    require_slurm()
     tmp = tmp_path_factory.mktemp("slurmhub")
     slurm = SlurmCluster(tmp / "slurm", gpus=4, gpu_type="l4").start()
     hub = None
@@ -394,6 +395,7 @@ def test_the_broker_pool_is_slurms_gres_and_a_drained_node_takes_no_new_lease(sh
 
 def test_slurm_harness_runs_a_gpu_job_with_cuda_visible_devices(tmp_path):
     """The test cluster itself: a GRES job sees CUDA_VISIBLE_DEVICES (the recipe's File= trick)."""
+    require_slurm()
     with SlurmCluster(tmp_path, gpus=2) as slurm:
         out = tmp_path / "out.txt"
         job = slurm.run("sbatch", "--parsable", "--gres=gpu:l4:2", f"--output={out}", "--wrap", "echo CVD=$CUDA_VISIBLE_DEVICES").stdout.strip()

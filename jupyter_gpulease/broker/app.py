@@ -527,7 +527,7 @@ class GPULeaseBroker(Application):
         try:
             try:
                 gpus = await asyncio.get_running_loop().run_in_executor(None, self.backend.inventory)
-            except Exception as e:  # noqa: BLE001 - any backend failure: keep the pool, say why
+            except Exception as e:
                 self.log.warning("Pool not re-read from the %r device backend (kept as it was): %s", self.device_backend, e)
                 return
             if gpus == self._inventory:

@@ -672,7 +672,7 @@ class KubernetesBackend(DeviceBackend):
                 raise
             except DeviceUnavailable as e:
                 self._error = str(e)
-            except Exception as e:  # noqa: BLE001 - any failure: say why, retry with back-off
+            except Exception as e:
                 self._error = f"{type(e).__name__}: {e}"
                 log.warning("Kubernetes GPU pool: %s; retrying in %.0f s", self._error, backoff)
             await asyncio.sleep(backoff)

@@ -63,8 +63,8 @@ def parse_scontrol_nodes(text: str) -> list[dict[str, str]]:
     without ``=`` belongs to the value before it.
     """
     nodes = []
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         if not line.startswith("NodeName="):
             continue
         fields: dict[str, str] = {}

@@ -231,10 +231,11 @@ def apply_gpu_spec(pod, spec: PodGPUSpec, *, pinning: str = "affinity", hide_gpu
         required = na.required_during_scheduling_ignored_during_execution or k8s.V1NodeSelector(node_selector_terms=[])
         terms = list(required.node_selector_terms or []) or [k8s.V1NodeSelectorTerm()]
         new_terms = []
-        for t in terms:
-            if isinstance(t, dict):  # KubeSpawner passes configured terms through as dicts
-                t = k8s.V1NodeSelectorTerm(match_expressions=t.get("matchExpressions") or t.get("match_expressions"),
-                                           match_fields=t.get("matchFields") or t.get("match_fields"))
+        for term in terms:
+            t = term
+            if isinstance(term, dict):  # KubeSpawner passes configured terms through as dicts
+                t = k8s.V1NodeSelectorTerm(match_expressions=term.get("matchExpressions") or term.get("match_expressions"),
+                                           match_fields=term.get("matchFields") or term.get("match_fields"))
             t.match_fields = [*(t.match_fields or []), *fields] or None
             t.match_expressions = [*(t.match_expressions or []), *exprs] or None
             new_terms.append(t)
@@ -445,7 +446,7 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
         try:
             await asyncio.wait_for(self._resource_api().patch_namespaced_resource_claim(
                 self.claim_name, self.namespace, {"metadata": {"ownerReferences": [ref]}}), self.k8s_api_request_timeout)
-        except Exception as e:  # noqa: BLE001 - best effort: stop() deletes the claim too
+        except Exception as e:
             self.log.warning("Could not make pod %s own ResourceClaim %s: %s", self.pod_name, self.claim_name, e)
 
     async def _delete_claim(self) -> None:
@@ -455,5 +456,5 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
         except ApiException as e:
             if e.status != 404:
                 self.log.warning("Could not delete ResourceClaim %s/%s: %s", self.namespace, self.claim_name, e.reason)
-        except Exception as e:  # noqa: BLE001 - best effort; an unused claim holds no device
+        except Exception as e:
             self.log.warning("Could not delete ResourceClaim %s/%s: %s", self.namespace, self.claim_name, e)

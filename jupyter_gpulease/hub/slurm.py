@@ -222,7 +222,7 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
     async def _check_job_gpus(self, spec: SlurmJobSpec) -> None:
         try:
             show = await self.scontrol("-d", "show", "job", self.job_id)
-        except Exception as e:  # noqa: BLE001 - a diagnostic only
+        except Exception as e:
             self.log.debug("Could not read the GPUs of job %s: %s", self.job_id, e)
             return
         got = parse_job_gpu_indices(show)
