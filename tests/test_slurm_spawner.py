@@ -147,6 +147,8 @@ def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"
         "c.GPULeaseBroker.tiers = {\n"
         "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
         "    'short': {'priority': 20, 'max_duration_s': 120, 'default_duration_s': 45},\n"
+        "    'learning': {'priority': 10, 'max_duration_s': 3600, 'default_duration_s': 3600, 'preemptible': True, 'grace_s': 15},\n"
+        "    'urgent': {'priority': 40, 'max_duration_s': 3600, 'default_duration_s': 1800},\n"
         "}\n"
         "c.GPULeaseBroker.default_tier = 'experiment'\n"
     )
@@ -368,6 +370,28 @@ def test_an_expired_lease_cancels_its_job_after_the_warning(shub):
     ended = broker_call(url, token, "get_lease", lease["id"])
     assert ended["state"] == "expired"
     assert ended["warned_at"] is not None and ended["warned_at"] < ended["ended_at"]
+    wait_gone(hub, "alice")
+
+
+@e2e
+def test_a_preempted_lease_cancels_its_job_after_the_grace_and_the_gpus_go_to_the_higher_tier(shub):
+    hub, url, token, slurm = shub
+    status, body = spawn(hub, "alice", {"gpus": 4, "tier": "learning"})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice", timeout=120)
+    alice_lease = the_lease(url, token, "alice")
+    alice_job = job_of(slurm, "alice")
+    status, body = spawn(hub, "bob", {"gpus": 2, "tier": "urgent"})
+    assert status == 202, body  # every GPU is alice's: bob waits while she is warned
+    warned = wait_for(lambda: broker_call(url, token, "get_lease", alice_lease["id"]).get("preempt_at"), 30,
+                      "alice's lease was not marked for preemption")
+    assert alice_job in slurm.jobs()  # during the grace period her job still runs
+    wait_for(lambda: alice_job not in slurm.jobs(), 90, f"alice's job {alice_job} outlived her preempted lease")
+    ended = broker_call(url, token, "get_lease", alice_lease["id"])
+    assert ended["state"] == "preempted" and ended["ended_at"] >= warned - 1
+    wait_ready(hub, "bob", timeout=120)
+    bob_job = job_of(slurm, "bob")
+    assert "gpu:l4:2" in job_field(slurm.show_job(bob_job), "TresPerNode")
     wait_gone(hub, "alice")
 
 
