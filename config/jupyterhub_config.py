@@ -18,6 +18,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from jupyter_gpulease.hub.pages import TEMPLATE_PATH
+
 c = get_config()  # noqa: F821 - provided by JupyterHub
 
 env = os.environ.get
@@ -71,8 +73,10 @@ c.JupyterHub.services = [
         "url": broker_url,
         "command": broker_cmd,
         "cwd": str(state),
-        "oauth_no_confirm": True,  # the admin page logs in through the hub without a consent page
-        "display": True,  # listed in the hub's Services menu: the admin page
+        "oauth_no_confirm": True,  # the broker's pages log browsers in through the hub without a consent page
+        # the login to the broker's pages may carry the admin scope of those who hold it
+        "oauth_client_allowed_scopes": ["custom:gpulease:admin"],
+        "display": True,  # listed in the hub's Services menu: each user's leases; the admin page for admins
     },
     {"name": "gpulease-spawner", "api_token": spawner_token},
 ]
@@ -91,7 +95,8 @@ c.JupyterHub.load_roles = [
     {"name": "user", "scopes": ["self", "access:services!service=gpulease"]},
     # The spawner asks for leases for users; only the hub process holds this token.
     {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
-    # The broker reads users' groups (group tiers and quotas; read:users), checks every
+    # The broker reads users' groups (group tiers and quotas; read:users), the hub's group
+    # names to check the ones in its config (read:groups), checks every
     # GPULeaseBroker.reconcile_interval seconds that each leased server still exists
     # (read:users + read:servers: a lease whose server is gone is revoked, e.g. after the hub
     # stopped its servers while the broker was down), and may stop a server whose lease ended
@@ -102,6 +107,11 @@ c.JupyterHub.load_roles = [
 ]
 if env("GPULEASE_DEMO_ADMIN_TOKEN"):
     c.JupyterHub.load_roles.append({"name": "gpulease-demo", "scopes": ["list:users", "read:users", "admin:servers"], "services": ["gpulease-demo"]})
+
+# ------------------------------------------------------------------ the hub's pages
+# The home page shows each server's GPU lease (what it holds, time left, place in the queue,
+# why the last one ended); the spawn page shows the place in the queue while a spawn waits.
+c.JupyterHub.template_paths = [TEMPLATE_PATH]
 
 # ------------------------------------------------------------------ the spawner
 c.JupyterHub.spawner_class = "gpulease-simple" if env("GPULEASE_DEMO_DIR") else "gpulease-local"

@@ -171,6 +171,10 @@ class BrokerClient:
     async def heartbeat(self, lease_id: str, usage: dict | None = None) -> dict:
         return await self._call("POST", f"api/leases/{lease_id}/heartbeat", {"usage": usage or {}})
 
+    async def estimate(self, asks: list[dict]) -> list[dict]:
+        """What each ask (a body of ``POST api/leases``) would get now, without asking: one estimate per ask, in order."""
+        return (await self._call("POST", "api/estimate", {"asks": list(asks)}))["estimates"]
+
     async def queue(self) -> list[dict]:
         return (await self._call("GET", "api/queue"))["queue"]
 

@@ -138,6 +138,7 @@ class HubHarness:
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.log_level = log_level
+        self.python = sys.executable  # the Python whose JupyterHub runs (a test may point it at another venv)
 
         self.port = free_port()
         self.hub_port = free_port()
@@ -209,7 +210,7 @@ class HubHarness:
         self._log_handle.write(b"\n===== starting hub =====\n")
         self._log_handle.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyterhub", "-f", str(self.config_file)],
+            [self.python, "-m", "jupyterhub", "-f", str(self.config_file)],
             cwd=self.dir,
             env=env,
             stdout=self._log_handle,

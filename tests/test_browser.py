@@ -29,9 +29,13 @@ def login(page, url: str, user: str, password: str) -> None:
     page.wait_for_url("**/hub/spawn**")
 
 
+def card(page, choice: str):
+    """The spawn form's card for ``choice`` (e.g. 'gpu:2:L4')."""
+    return page.locator(f'label.gpulease-card:has(input[name=choice][value="{choice}"])')
+
+
 def start_from_form(page, choice: str) -> None:
-    page.wait_for_selector("#gpulease-choice")
-    page.select_option("#gpulease-choice", choice)
+    page.check(f'input[name=choice][value="{choice}"]')
     page.click("#spawn_form [type=submit]")
 
 
@@ -61,7 +65,7 @@ def dismiss_news_question(page) -> None:
         no.first.click()
 
 
-def test_log_in_pick_a_gpu_run_a_cell_in_jupyterlab_and_a_second_user_sees_the_queue(tmp_path, playwright_sync_api, chromium):
+def test_log_in_pick_a_gpu_run_a_cell_see_the_lease_on_the_home_page_while_a_second_user_queues(tmp_path, playwright_sync_api, chromium):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     demo = Demo(tmp_path / "state").start()
     try:
@@ -70,9 +74,9 @@ def test_log_in_pick_a_gpu_run_a_cell_in_jupyterlab_and_a_second_user_sees_the_q
             try:
                 alice = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
                 login(alice, demo.url, "alice", demo.password)
-                alice.wait_for_selector("#gpulease-choice")
-                form_text = alice.inner_text("#spawn_form")
-                assert "2 × L4 (22 GB) — free now" in form_text
+                two_l4 = card(alice, "gpu:2:L4").inner_text()
+                assert "22 GB of GPU memory each" in two_l4 and "2 of 2 idle" in two_l4
+                assert "starts now" in two_l4 or "free now" in two_l4
                 alice.screenshot(path=str(ARTIFACTS / "01-spawn-form.png"), full_page=True)
 
                 start_from_form(alice, "gpu:2:L4")  # both L4s
@@ -84,15 +88,29 @@ def test_log_in_pick_a_gpu_run_a_cell_in_jupyterlab_and_a_second_user_sees_the_q
                 assert output == "2 42"
                 assert demo.leases() == [("alice", "active")]
 
+                # the hub's home page shows what the server holds and for how long
+                alice.goto(f"{demo.url}/hub/home")
+                panel = alice.locator("#gpulease-lease")
+                assert panel.get_attribute("data-kind") == "active"
+                text = panel.inner_text()
+                assert "Your server holds 2 × L4 on sim-node-1" in text and "Time left: 1 h " in text and "(until " in text
+                alice.screenshot(path=str(ARTIFACTS / "03-home-page-shows-the-lease.png"), full_page=True)
+
                 bob = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
                 login(bob, demo.url, "bob", demo.password)
-                assert "1 × L4 (22 GB) — all in use" in bob.inner_text("#spawn_form")
+                one_l4 = card(bob, "gpu:1:L4").inner_text()
+                assert "0 of 2 idle" in one_l4 and ("in the queue" in one_l4 or "all in use" in one_l4)
                 start_from_form(bob, "gpu:1:L4")
                 bob.wait_for_url("**/hub/spawn-pending/bob**")
-                message = bob.wait_for_selector("text=Waiting for 1 × L4 (22 GB): position 1 of 1", timeout=60_000)
-                assert "about" in message.inner_text()
-                bob.screenshot(path=str(ARTIFACTS / "03-bob-waits-in-the-queue.png"), full_page=True)
+                # while queued the page shows the place in the queue, not a progress bar
+                position = bob.locator("#gpulease-queue .gpulease-queue-position")
+                position.wait_for(timeout=60_000)
+                assert position.inner_text() == "Position 1 of 1 in the queue"
+                assert bob.locator(".progress").is_hidden()
+                assert bob.locator("#gpulease-queue .gpulease-queue-what").inner_text() == "Waiting for 1 × L4 (22 GB)"
+                bob.screenshot(path=str(ARTIFACTS / "04-bob-waits-in-the-queue.png"), full_page=True)
                 assert ("bob", "queued") in demo.leases()
+
             finally:
                 browser.close()
     finally:

@@ -312,7 +312,7 @@ def test_cancelled_pending_spawn_withdraws_its_lease(hub1):
         ({"gpus": 0}, "'gpus' must be at least 1"),
         ({"gpus": 1000}, "'gpus' is 1000, but at most 1 GPU"),
         ({"gpus": 1, "tier": "staff"}, "staff"),
-        ({"gpus": 1, "tier": "short", "duration_s": 3600}, "over the 'short' tier's limit of 1 min"),
+        ({"gpus": 1, "tier": "short", "duration_s": 3600}, "over the 'short' tier's limit of 60 s (1 min)"),
     ],
 )
 def test_bad_user_options_fail_the_spawn_with_what_to_change(hub1, options, words):

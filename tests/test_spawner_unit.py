@@ -15,7 +15,6 @@ from jupyterhub.objects import Hub
 from jupyterhub.spawner import Spawner
 
 from jupyter_gpulease.client import BrokerError
-from jupyter_gpulease.hub import form as spawn_form
 from jupyter_gpulease.hub.options import OptionsError, parse_presets, parse_user_options
 from jupyter_gpulease.hub.placement import describe_request, granted_message, lease_environment, queue_message
 from jupyter_gpulease.hub.spawner import GPULeaseSpawner
@@ -74,7 +73,7 @@ def test_good_options_become_a_broker_body():
         ({"gpus": 0}, "gpus", "at least 1"),
         ({"gpus": 1000}, "gpus", "ask for 1 to 2"),
         ({"gpus": 1, "tier": "production"}, "tier", "choose one of: experiment, learning"),
-        ({"gpus": 1, "tier": "learning", "duration_h": 48}, "duration_s", "over the 'learning' tier's limit of 4 h"),
+        ({"gpus": 1, "tier": "learning", "duration_h": 48}, "duration_h", "over the 'learning' tier's limit of 4 h"),
         ({"mig_profile": "1g.10gb"}, "mig_profile", "available profiles: 3g.40gb"),
         ({"gpus": 1, "colour": "red"}, "colour", "unknown option"),
         ({"preset": "h100"}, "preset", "choose one of: cpu, l4-half, a100"),
@@ -112,39 +111,7 @@ def test_bad_presets_are_refused_at_config_time(bad, words):
         GPULeaseSpawner(lease_presets=bad)
 
 
-# --------------------------------------------------------------------------- form
-def test_form_shows_what_is_free_and_what_waits():
-    queue = [{"id": "q1", "state": "queued", "request": {"kind": "gpu", "gpus": 1, "model": ["A100*"]}}]
-    active = [{"id": "a1", "state": "active", "expires_at": 1000 + 25 * 60,
-               "placement": {"slices": [{"model": A100, "gpu_uuid": "GPU-a1"}]}}]
-    html = spawn_form.render_form(POOL, queue=queue, active=active, now=1000)
-    assert "1 × L4 (22 GB) — free now" in html
-    assert "1 × A100-SXM4-80GB — 1 waiting; one frees in about 25 min" in html
-    assert "MIG 3g.40gb of A100-SXM4-80GB — free now" in html
-    assert "a 0.5 share of one A100-SXM4-80GB — all in use; one frees in about 25 min" in html
-    assert "No GPU (CPU only)" in html
-    assert "Your quota: 0.5 GPUs held of at most 2." in html
-    assert "learning — up to 4 h, may be preempted" in html
-    # values read back into the REST API's shape
-    assert spawn_form.options_from_form({"choice": ["gpu:1:L4"], "tier": ["learning"], "duration_h": ["2"], "max_wait_min": [""]}) == {
-        "gpus": 1, "model": "L4", "tier": "learning", "duration_h": 2.0}
-    assert spawn_form.options_from_form({"choice": ["cpu"], "duration_h": ["2"]}) == {"kind": "cpu"}
-    assert spawn_form.options_from_form({"choice": ["share:0.5:L4"]}) == {"share": 0.5, "model": "L4"}
-    assert spawn_form.options_from_form({"choice": ["mig:3g.40gb:" + A100]}) == {"mig_profile": "3g.40gb", "model": A100}
-
-
-def test_every_form_choice_parses_as_valid_options():
-    for value, _label, _req in spawn_form.custom_choices(POOL):
-        opts = spawn_form.options_from_form({"choice": [value], "tier": ["experiment"], "duration_h": ["1"]})
-        parse_user_options(opts, pool=POOL)
-
-
-def test_form_with_presets_and_without_a_broker():
-    html = spawn_form.render_form(POOL, presets=parse_presets(PRESETS), previous={"preset": "a100"})
-    assert 'value="preset:a100" checked' in html
-    assert "Half an L4</strong> — <span class=\"gpulease-free\">free now" in html
-    html = spawn_form.render_form(None, error="broker down")
-    assert "broker down" in html and 'value="cpu"' in html
+# the spawn form's own tests: test_form.py
 
 
 # --------------------------------------------------------------------------- words and env

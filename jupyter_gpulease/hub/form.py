@@ -1,45 +1,59 @@
-"""The spawn form: built from the broker's live pool, the user's tiers and quota.
+"""The spawn form: a card per choice, built from the broker's live pool, the user's tiers and quota.
 
-Each option says what it costs in waiting: free now, or how many wait for it and when a GPU
-of that kind frees up, so a researcher can pick "a 1/2 share now" over "a whole A100 in about
-40 minutes". Pure functions over the broker's JSON: :func:`render_form` writes the HTML,
-:func:`options_from_form` reads the posted form back into ``user_options`` of the same shape
-as the REST API takes (see :mod:`.options`).
+Like KubeSpawner's ``profile_list`` form, each choice is a card with what it gives (GPUs,
+memory per GPU or share) and what it costs in waiting: how many of its kind are free, and the
+broker's own estimate for exactly this request (start now, or the queue position and ETA it
+would get), for each tier the user may pick. Choices the user's quota can never allow are not
+offered. Above the cards: what is free and what waits in the whole pool.
+
+Pure functions over the broker's JSON plus one async gatherer (:func:`render_for`):
+:func:`render_form` writes the HTML from a Jinja2 template (autoescaped), and
+:func:`options_from_form` reads the posted form back into ``user_options`` of the same shape as
+the REST API takes (see :mod:`.options`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
-import html
+import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
 from ..core.text import format_duration
-from .options import Preset, default_preset
+from .options import Preset, default_preset, pool_models
 from .placement import describe_request, display_model
 
-DURATION_CHOICES_H = (0.5, 1, 2, 4, 8, 12, 24, 48)
+DURATION_CHOICES_H = (0.25, 0.5, 1, 2, 4, 8, 12, 24, 48)
 SHARE_CHOICES = (0.5, 0.25)
+WAIT_CHOICES_MIN = (5, 15, 30, 60, 120)
+ESTIMATES_PER_CALL = 32  # the broker's limit per POST api/estimate
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+_env = Environment(loader=FileSystemLoader(str(TEMPLATES / "gpulease")), autoescape=select_autoescape(default=True),
+                   trim_blocks=True, lstrip_blocks=True)
 
 
+# --------------------------------------------------------------------------- what is free
 @dataclass(frozen=True)
 class Availability:
+    """What the pool says about a kind of slice right now (no promise about when: that is the estimate's job)."""
+
     free_now: bool
     waiting: int  # queued leases that want the same kind of GPU
-    frees_at: float | None  # earliest end of an active lease on that kind of GPU
     possible: bool = True  # False: the pool has nothing of this kind at all
 
-    def text(self, now: float) -> str:
+    def text(self) -> str:
         if not self.possible:
             return "not in the pool"
         if self.free_now:
             return "free now" if not self.waiting else f"free now, {self.waiting} waiting"
-        parts = [f"{self.waiting} waiting" if self.waiting else "all in use"]
-        if self.frees_at is not None:
-            left = self.frees_at - now
-            parts.append("one frees any moment" if left < 60 else f"one frees in about {format_duration(left)}")
-        return "; ".join(parts)
+        return f"all in use, {self.waiting} waiting" if self.waiting else "all in use"
 
 
 def _models(request: dict) -> list[str]:
@@ -61,13 +75,13 @@ def _kind(request: dict) -> str:
     return "gpu"
 
 
-def availability(request: dict, pool: dict, *, queue: list[dict] = (), active: list[dict] = ()) -> Availability:
-    """How soon ``request`` (user_options request fields) could start, from the pool's capacity."""
+def availability(request: dict, pool: dict, *, queue: list[dict] = ()) -> Availability:
+    """Whether ``request`` (user_options request fields) fits the pool's free capacity now, and who waits for its kind."""
     capacity = pool.get("capacity") or {}
     patterns = _models(request)
     models = [m for m in capacity if _matches(m, patterns)]
     if not models:
-        return Availability(False, 0, None, possible=False)
+        return Availability(False, 0, possible=False)
     kind = _kind(request)
     free = False
     for m in models:
@@ -84,37 +98,169 @@ def availability(request: dict, pool: dict, *, queue: list[dict] = (), active: l
         qm = _models(qr)
         if _kind(qr) == kind and (not qm or any(_matches(m, qm) for m in models)):
             waiting += 1
-    ends = []
-    for a in active:
-        slices = (a.get("placement") or {}).get("slices") or []
-        if a.get("expires_at") and any(s.get("model") in models for s in slices):
-            ends.append(float(a["expires_at"]))
-    return Availability(free, waiting, min(ends) if ends else None)
+    return Availability(free, waiting)
 
 
-def custom_choices(pool: dict) -> list[tuple[str, str, dict]]:
-    """The free-choice options: (value, label, request) for whole GPUs, shares and MIG profiles."""
-    out: list[tuple[str, str, dict]] = []
-    per: dict[str, dict] = {}
-    for d in pool.get("devices") or []:
-        p = per.setdefault(d["model"], {"memory_mib": 0, "nodes": {}, "mig": set(), "plain": 0})
-        p["memory_mib"] = max(p["memory_mib"], int(d.get("memory_mib") or 0))
-        if d.get("mig"):
-            p["mig"].update(i["profile"] for i in d["mig"])
-        elif d.get("healthy", True):
-            p["plain"] += 1
-            p["nodes"][d["node"]] = p["nodes"].get(d["node"], 0) + 1
-    for model in sorted(per):
-        p = per[model]
+def overview(pool: dict, queue: list[dict] = ()) -> list[dict]:
+    """One row per model: whole GPUs idle of total, free share compute, MIG slices free, requests waiting for it."""
+    rows = []
+    for model, c in sorted((pool.get("capacity") or {}).items()):
+        mig = [f"{p}: {d.get('free', 0)} of {d.get('total', 0)} free" for p, d in sorted((c.get("mig") or {}).items())]
+        plain = sum(1 for d in pool.get("devices") or [] if d.get("model") == model and not d.get("mig"))
+        waiting = sum(1 for q in queue if _matches(model, _models(q.get("request") or {})))
+        rows.append({
+            "model": display_model(model, c.get("memory_mib")),
+            "whole": f"{int(c.get('idle_gpus', 0))} of {plain} idle" if plain else "",
+            "shares": _share_room(c) if plain else "",
+            "mig": ", ".join(mig),
+            "waiting": waiting,
+        })
+    return rows
+
+
+def _share_room(c: dict) -> str:
+    total, largest = float(c.get("free_share", 0)), float(c.get("largest_free_share", 0))
+    if total <= 0:
+        return "none free"
+    return f"{total:g} GPU free, up to {largest:g} on one GPU"
+
+
+def period_words(seconds: float) -> str:
+    """604800 → 'week', 86400 → 'day', 30 days → '30 days', else a duration."""
+    days = seconds / 86400
+    if abs(days - 7) < 1e-6:
+        return "week"
+    if abs(days - 1) < 1e-6:
+        return "day"
+    if days >= 2 and abs(days - round(days)) < 1e-6:
+        return f"{round(days)} days"
+    return format_duration(seconds)
+
+
+# --------------------------------------------------------------------------- quota
+def gpu_cap(usage: dict | None) -> float | None:
+    """The most GPUs the user may ever hold at once: the smallest of their own and their groups' ``max_gpus``."""
+    usage = usage or {}
+    caps = [usage.get("max_gpus")]
+    caps += [(g or {}).get("max_gpus") for g in (usage.get("group_quotas") or {}).values()]
+    nums = [float(c) for c in caps if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    return min(nums) if nums else None
+
+
+def quota_text(usage: dict | None) -> str:
+    """The caller's quota in words: 'You hold 0.5 of at most 2 GPUs (group students: 1 of 2 held); 3.0 of 100 GPU-hours used this week.'"""
+    if not usage:
+        return ""
+    parts = []
+    held = usage.get("gpus_held")
+    cap = usage.get("max_gpus")
+    if held is not None:
+        s = f"You hold {float(held):g} GPU{'' if float(held) == 1 else 's'}"
+        if cap is not None:
+            s += f" of at most {float(cap):g}"
+        groups = [f"group {name}: {float(g.get('gpus_held') or 0):g} of {float(g['max_gpus']):g} held by its members"
+                  for name, g in sorted((usage.get("group_quotas") or {}).items()) if (g or {}).get("max_gpus") is not None]
+        if groups:
+            s += f" ({'; '.join(groups)})"
+        parts.append(s)
+    used, hours = usage.get("gpu_hours_used"), usage.get("gpu_hours")
+    period = usage.get("period_s")
+    per = f" per {period_words(float(period))}" if period else ""
+    if hours is not None and used is not None:
+        parts.append(f"{float(used):.1f} of {float(hours):g} GPU-hours used{per}")
+    return "; ".join(parts) + "." if parts else ""
+
+
+# --------------------------------------------------------------------------- the choices
+@dataclass
+class Choice:
+    """One card of the form."""
+
+    value: str  # the radio value: 'gpu:2:L4', 'share:0.5:L4', 'mig:3g.40gb:A100…', 'preset:a100', 'cpu'
+    title: str  # '2 × L4'
+    detail: str  # '22 GB of GPU memory each'
+    request: dict | None  # None: CPU only
+    group: str = ""  # the heading it goes under (the model)
+    description: str = ""
+    free: str = ""  # '3 of 4 free'
+    free_now: bool = False
+    tier: str | None = None  # a preset's fixed tier
+    duration_s: float | None = None  # a preset's fixed duration
+    estimates: dict[str, dict] = field(default_factory=dict)  # tier ('' for a preset) -> the estimate shown
+    disabled: str = ""  # why it cannot be picked (from the broker's estimate)
+
+    @property
+    def dom_id(self) -> str:
+        return "gpulease-choice-" + "".join(c if c.isalnum() else "-" for c in self.value)
+
+
+def _gb(mib: float) -> str:
+    gb = mib / 1024
+    return f"{gb:.0f} GB" if gb >= 10 else f"{gb:.1f} GB".replace(".0 GB", " GB")
+
+
+def custom_choices(pool: dict, *, cap: float | None = None) -> list[Choice]:
+    """The free-choice cards for whole GPUs, shares and MIG profiles, per model; none over ``cap`` GPUs."""
+    out: list[Choice] = []
+    capacity = pool.get("capacity") or {}
+    for model, p in sorted(pool_models(pool).items()):
         name = display_model(model, p["memory_mib"])
-        most = max(p["nodes"].values(), default=0)
+        c = capacity.get(model) or {}
+        most = max(p["per_node"].values(), default=0)
+        if cap is not None:
+            most = min(most, math.floor(cap + 1e-9))
+        idle = int(c.get("idle_gpus", 0))
         for n in range(1, most + 1):
-            out.append((f"gpu:{n}:{model}", f"{n} × {name}", {"kind": "gpu", "gpus": n, "model": model}))
-        if p["plain"]:
+            out.append(Choice(
+                value=f"gpu:{n}:{model}", title=f"{n} × {model}", group=name, request={"kind": "gpu", "gpus": n, "model": model},
+                detail=f"{_gb(p['memory_mib'])} of GPU memory{' each' if n > 1 else ''}, the whole GPU{'s' if n > 1 else ''}",
+                free=f"{idle} of {p['shareable']} idle", free_now=idle >= n))
+        if p["shareable"]:
+            largest = float(c.get("largest_free_share", 0))
             for s in SHARE_CHOICES:
-                out.append((f"share:{s:g}:{model}", f"a {s:g} share of one {name}", {"kind": "share", "share": s, "model": model}))
-        for prof in sorted(p["mig"]):
-            out.append((f"mig:{prof}:{model}", f"MIG {prof} of {name}", {"kind": "mig", "mig_profile": prof, "model": model}))
+                if cap is not None and s > cap + 1e-9:
+                    continue
+                out.append(Choice(
+                    value=f"share:{s:g}:{model}", title=f"{_share_words(s)} of one {model}", group=name,
+                    request={"kind": "share", "share": s, "model": model},
+                    detail=f"{_gb(p['memory_mib'] * s)} of GPU memory and {s:.0%} of its compute, sharing the GPU with others",
+                    free=f"up to a {largest:g} share free on one GPU" if largest else "no share free now", free_now=largest >= s))
+        for prof in sorted(p["mig_profiles"]):
+            m = (c.get("mig") or {}).get(prof) or {}
+            free = int(m.get("free", 0))
+            out.append(Choice(
+                value=f"mig:{prof}:{model}", title=f"MIG {prof} of {model}", group=name,
+                request={"kind": "mig", "mig_profile": prof, "model": model},
+                detail=f"{_mig_memory(prof)} of GPU memory in a MIG slice (isolated by the GPU)",
+                free=f"{free} of {int(m.get('total', 0))} free", free_now=free > 0))
+    return out
+
+
+def _share_words(s: float) -> str:
+    return {0.5: "Half", 0.25: "A quarter"}.get(s, f"A {s:g} share")
+
+
+def _mig_memory(profile: str) -> str:
+    tail = profile.split(".")[-1].lower()
+    return tail[:-2] + " GB" if tail.endswith("gb") else "its profile's share"
+
+
+def preset_choices(presets: list[Preset], pool: dict | None, queue: list[dict]) -> list[Choice]:
+    out = []
+    for p in presets:
+        if p.cpu_only:
+            out.append(Choice(value=f"preset:{p.slug}", title=p.display_name, detail="no GPU", request=None,
+                              description=p.description, free="starts now", free_now=True))
+            continue
+        a = availability(p.request, pool, queue=queue) if pool is not None else None
+        detail = [describe_request(p.request, pool)]
+        if p.tier:
+            detail.append(f"tier {p.tier}")
+        if p.duration_s:
+            detail.append(f"for {format_duration(p.duration_s)}")
+        out.append(Choice(value=f"preset:{p.slug}", title=p.display_name, detail=" · ".join(detail), request=dict(p.request),
+                          description=p.description, free=a.text() if a else "availability unknown", free_now=bool(a and a.free_now),
+                          tier=p.tier, duration_s=p.duration_s))
     return out
 
 
@@ -147,7 +293,7 @@ def options_from_form(form: dict[str, list[str]]) -> dict[str, Any]:
     if out.get("kind") != "cpu":
         if first.get("tier") and "preset" not in out:
             out["tier"] = first["tier"]
-        if first.get("duration_h"):
+        if first.get("duration_h") and "preset" not in out:
             out["duration_h"] = first["duration_h"]
         if first.get("max_wait_min"):
             out["max_wait_min"] = first["max_wait_min"]
@@ -162,56 +308,77 @@ def options_from_form(form: dict[str, list[str]]) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- HTML
-_STYLE = """
-<style>
-.gpulease-form .gpulease-option { display:block; padding:.45em .6em; margin:.25em 0; border:1px solid #ddd; border-radius:4px; cursor:pointer; }
-.gpulease-form .gpulease-option:hover { background:#f6f8fa; }
-.gpulease-form .gpulease-free { color:#1a7f37; font-weight:600; }
-.gpulease-form .gpulease-wait { color:#9a6700; font-weight:600; }
-.gpulease-form .gpulease-none { color:#888; }
-.gpulease-form .gpulease-desc { color:#555; font-size:90%; display:block; margin-left:1.6em; }
-.gpulease-form .gpulease-quota, .gpulease-form .gpulease-error { margin:.5em 0 1em; }
-.gpulease-form .gpulease-error { color:#b35900; }
-.gpulease-form select { max-width:100%; }
-</style>
-"""
+# --------------------------------------------------------------------------- estimates
+def estimate_words(est: dict | None, now: float) -> tuple[str, str]:
+    """The broker's estimate for one ask → (css kind 'now'|'wait'|'never'|'unknown', words)."""
+    if not est:
+        return "unknown", ""
+    start = est.get("start")
+    if start == "now":
+        return "now", "starts now"
+    if start == "never":
+        refused = est.get("refused") or {}
+        return "never", refused.get("message") or "this request cannot be granted"
+    pos, length = est.get("position"), est.get("length")
+    where = f"you would be {_ordinal(pos)} in the queue" if pos else "you would wait in the queue"
+    if length:
+        where += f" ({length} waiting now)" if not pos else ""
+    eta = est.get("eta")
+    if eta is None:
+        when = "no estimate of the start yet"
+    elif float(eta) - now < 60:
+        when = "starts within a minute"
+    else:
+        when = f"starts in about {format_duration(float(eta) - now)}"
+    return "wait", f"{where}; {when}"
 
 
-def _esc(s: Any) -> str:
-    return html.escape(str(s), quote=True)
+def _ordinal(n: int) -> str:
+    n = int(n)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
-def format_usage(usage: dict | None) -> str:
-    """The caller's quota in words, from whatever the broker reports (keys it knows are named)."""
-    if not usage:
-        return ""
-    parts = []
-    held = usage.get("gpus_held", usage.get("gpus"))
-    mx = usage.get("max_gpus")
-    if held is not None:
-        parts.append(f"{float(held):g} GPU{'s' if float(held) != 1 else ''} held" + (f" of at most {float(mx):g}" if mx is not None else ""))
-    used = usage.get("gpu_hours_used", usage.get("gpu_hours_in_period"))
-    cap = usage.get("gpu_hours", usage.get("gpu_hours_quota"))
-    if isinstance(cap, (int, float)) and used is not None:
-        parts.append(f"{float(used):.1f} of {float(cap):g} GPU-hours used this period")
-    elif used is not None:
-        parts.append(f"{float(used):.1f} GPU-hours used this period")
-    left = usage.get("quota_left") or usage.get("left")
-    if isinstance(left, dict):
-        bits = []
-        if left.get("gpus") is not None:
-            bits.append(f"{float(left['gpus']):g} GPUs")
-        if left.get("gpu_hours") is not None:
-            bits.append(f"{float(left['gpu_hours']):.1f} GPU-hours")
-        if bits:
-            parts.append("left: " + ", ".join(bits))
-    return "; ".join(parts)
+def estimate_asks(choices: list[Choice], tiers: list[dict], *, user: str, groups: list[str]) -> list[tuple[str, str, dict]]:
+    """(choice value, tier or '', body of POST api/estimate's ask) for every card and every tier it can be asked in."""
+    out = []
+    for c in choices:
+        if c.request is None:
+            continue
+        base = {**c.request, "user": user}
+        if groups:
+            base["groups"] = list(groups)
+        if c.value.startswith("preset:"):
+            body = dict(base)
+            if c.tier:
+                body["tier"] = c.tier
+            if c.duration_s:
+                body["duration_s"] = c.duration_s
+            out.append((c.value, "", body))
+            continue
+        for t in tiers or [{"name": ""}]:
+            body = dict(base)
+            if t["name"]:
+                body["tier"] = t["name"]
+            out.append((c.value, t["name"], body))
+    return out
 
 
-def _avail_span(a: Availability, now: float) -> str:
-    cls = "gpulease-free" if a.free_now else ("gpulease-none" if not a.possible else "gpulease-wait")
-    return f'<span class="{cls}">{_esc(a.text(now))}</span>'
+# --------------------------------------------------------------------------- the page
+def tier_rows(pool: dict | None) -> list[dict]:
+    """The tiers the user may pick, highest priority first, with their limits in words."""
+    rows = []
+    for t in sorted((pool or {}).get("tiers") or [], key=lambda t: -int(t.get("priority", 0))):
+        limits = [f"up to {format_duration(float(t.get('max_duration_s') or 0))}"]
+        if t.get("default_duration_s"):
+            limits.append(f"{format_duration(float(t['default_duration_s']))} unless you choose")
+        if t.get("preemptible"):
+            by = ", ".join(t.get("preempted_by") or []) or "higher tiers"
+            grace = f" after a {format_duration(float(t['grace_s']))} warning" if t.get("grace_s") else ""
+            limits.append(f"{by} may preempt it{grace}")
+        rows.append({"name": t["name"], "limits": "; ".join(limits), "description": t.get("description") or "",
+                     "max_duration_s": float(t.get("max_duration_s") or 0), "default_duration_s": float(t.get("default_duration_s") or 0)})
+    return rows
 
 
 def render_form(
@@ -221,127 +388,140 @@ def render_form(
     allow_custom: bool = True,
     allow_cpu_only: bool = True,
     queue: list[dict] = (),
-    active: list[dict] = (),
+    estimates: dict[tuple[str, str], dict] | None = None,
     previous: dict | None = None,
     error: str = "",
     now: float | None = None,
 ) -> str:
-    """The HTML of the spawn form (JupyterHub wraps it in a <form> with the Start button)."""
+    """The HTML of the spawn form (JupyterHub wraps it in a <form> with the Start button).
+
+    ``estimates``: the broker's estimate per (choice value, tier name or '' for a preset); None
+    when the broker gave none (the cards then say only what is free now).
+    """
     now = time.time() if now is None else now
     previous = previous or {}
-    out = [_STYLE, '<div class="gpulease-form">']
-    if error:
-        out.append(f'<div class="gpulease-error alert alert-warning">{_esc(error)}</div>')
-    if pool is not None:
-        usage_text = format_usage(pool.get("usage"))
-        qlen = pool.get("queue_length")
-        line = []
-        if usage_text:
-            line.append(f"Your quota: {usage_text}.")
-        if qlen is not None:
-            line.append(f"{qlen} request{'s' if qlen != 1 else ''} in the queue.")
-        if line:
-            out.append(f'<div class="gpulease-quota">{_esc(" ".join(line))}</div>')
-
-    prev_choice = ""
-    if previous.get("preset"):
-        prev_choice = f"preset:{previous['preset']}"
-    elif previous.get("kind") == "cpu":
-        prev_choice = "cpu"
-
     presets = list(presets)
-    if presets:
-        default = default_preset(presets)
-        checked = prev_choice if prev_choice.startswith("preset:") and any(prev_choice == f"preset:{p.slug}" for p in presets) else f"preset:{default.slug}"
-        out.append("<fieldset><legend>Choose a GPU option</legend>")
-        for p in presets:
-            value = f"preset:{p.slug}"
-            if p.cpu_only:
-                status = '<span class="gpulease-free">no GPU, starts now</span>'
-            elif pool is not None:
-                status = _avail_span(availability(p.request, pool, queue=queue, active=active), now)
-            else:
-                status = '<span class="gpulease-none">availability unknown</span>'
-            detail = []
-            if not p.cpu_only:
-                detail.append(describe_request(p.request, pool))
-                if p.tier:
-                    detail.append(f"tier {p.tier}")
-                if p.duration_s:
-                    detail.append(format_duration(p.duration_s))
-            desc = " · ".join(detail)
-            if p.description:
-                desc = f"{p.description} ({desc})" if desc else p.description
-            out.append(
-                f'<label class="gpulease-option"><input type="radio" name="choice" value="{_esc(value)}"'
-                f'{" checked" if value == checked else ""}> <strong>{_esc(p.display_name)}</strong> — {status}'
-                f'<span class="gpulease-desc">{_esc(desc)}</span></label>'
-            )
-        out.append("</fieldset>")
+    usage = (pool or {}).get("usage") or {}
+    cap = gpu_cap(usage)
+    tiers = tier_rows(pool)
+    default_tier = (pool or {}).get("default_tier")
+    if tiers and default_tier not in [t["name"] for t in tiers]:
+        default_tier = tiers[0]["name"]
+    chosen_tier = previous.get("tier") if previous.get("tier") in [t["name"] for t in tiers] else default_tier
 
-    if allow_custom and (not presets or pool is not None):
-        choices = custom_choices(pool) if pool is not None else []
-        prev_req = {k: previous[k] for k in ("gpus", "share", "mig_profile", "model") if k in previous}
-        sel_value = ""
-        for value, _label, req in choices:
-            if prev_req and all(str(req.get(k)) == str(v) for k, v in prev_req.items() if k != "kind"):
-                sel_value = value
-        if presets:
-            out.append('<details><summary>Or choose freely</summary>')
-        out.append('<div class="form-group mb-2"><label for="gpulease-choice">GPU</label>')
-        out.append('<select class="form-select form-control" id="gpulease-choice" name="choice">' if not presets else
-                   '<select class="form-select form-control" id="gpulease-choice" name="choice" disabled>')
+    cards: list[Choice] = preset_choices(presets, pool, list(queue))
+    custom: list[Choice] = []
+    if allow_custom and pool is not None:
+        custom = custom_choices(pool, cap=cap)
         if allow_cpu_only and not any(p.cpu_only for p in presets):
-            out.append(f'<option value="cpu"{" selected" if prev_choice == "cpu" else ""}>No GPU (CPU only) — starts now</option>')
-        first_free = None
-        for value, _label, req in choices:
-            a = availability(req, pool, queue=queue, active=active)
-            if first_free is None and a.free_now:
-                first_free = value
-        pick = sel_value or (first_free if prev_choice != "cpu" else "") or (choices[0][0] if choices and prev_choice != "cpu" else "")
-        for value, label, req in choices:
-            a = availability(req, pool, queue=queue, active=active)
-            out.append(f'<option value="{_esc(value)}"{" selected" if value == pick else ""}>{_esc(label)} — {_esc(a.text(now))}</option>')
-        out.append("</select></div>")
-        tiers = (pool or {}).get("tiers") or []
-        if tiers:
-            out.append('<div class="form-group mb-2"><label for="gpulease-tier">Tier</label>')
-            out.append('<select class="form-select form-control" id="gpulease-tier" name="tier"' + (" disabled" if presets else "") + ">")
-            prev_tier = previous.get("tier") or (pool or {}).get("default_tier")
-            for t in sorted(tiers, key=lambda t: -int(t.get("priority", 0))):
-                label = f"{t['name']} — up to {format_duration(t.get('max_duration_s') or 0)}"
-                if t.get("preemptible"):
-                    label += ", may be preempted"
-                if t.get("description"):
-                    label += f" ({t['description']})"
-                out.append(f'<option value="{_esc(t["name"])}"{" selected" if t["name"] == prev_tier else ""}>{_esc(label)}</option>')
-            out.append("</select></div>")
-        longest = max((float(t.get("max_duration_s") or 0) for t in tiers), default=max(DURATION_CHOICES_H) * 3600)
-        out.append('<div class="form-group mb-2"><label for="gpulease-duration">Duration</label>')
-        out.append('<select class="form-select form-control" id="gpulease-duration" name="duration_h"' + (" disabled" if presets else "") + ">")
-        out.append('<option value="">the tier\'s default</option>')
-        for h in DURATION_CHOICES_H:
-            if h * 3600 <= longest:
-                sel = " selected" if str(previous.get("duration_h")) in (str(h), f"{h:g}") else ""
-                out.append(f'<option value="{h:g}"{sel}>{_esc(format_duration(h * 3600))}</option>')
-        out.append("</select></div>")
-        if presets:
-            out.append("</details>")
-            # the free-choice fields are only sent when the user opens them
-            out.append(
-                "<script>(function(){var d=document.querySelector('.gpulease-form details');if(!d)return;"
-                "d.addEventListener('toggle',function(){var on=d.open;d.querySelectorAll('select').forEach(function(s){s.disabled=!on;});"
-                "document.querySelectorAll('.gpulease-form input[name=choice]').forEach(function(r){r.disabled=on;});});})();</script>"
-            )
-    elif not presets:
-        out.append('<input type="hidden" name="choice" value="cpu">' if allow_cpu_only else "")
-        if allow_cpu_only:
-            out.append("<p>Without the lease broker only a CPU-only server can start.</p>")
-    out.append('<div class="form-group mb-2"><label for="gpulease-wait">Wait at most</label>')
-    out.append('<select class="form-select form-control" id="gpulease-wait" name="max_wait_min">')
-    out.append('<option value="">as long as it takes (up to the hub\'s limit)</option>')
-    for m in (5, 15, 30, 60, 120):
-        out.append(f'<option value="{m}">{_esc(format_duration(m * 60))}</option>')
-    out.append("</select></div>")
-    out.append("</div>")
-    return "\n".join(out)
+            custom.append(Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None,
+                                    free="starts now", free_now=True, group="Without a GPU"))
+    elif not presets and allow_cpu_only:
+        custom = [Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None, free="starts now", free_now=True,
+                         group="Without a GPU")]
+    for c in cards + custom:
+        for key_tier in ([""] if c.value.startswith("preset:") else [t["name"] for t in tiers] or [""]):
+            est = (estimates or {}).get((c.value, key_tier))
+            kind, words = estimate_words(est, now)
+            c.estimates[key_tier] = {"kind": kind, "words": words}
+        if c.value.startswith("preset:") and c.estimates.get("", {}).get("kind") == "never":
+            c.disabled = c.estimates[""]["words"]
+
+    # which card starts checked: the previous choice, else the default preset, else the first free GPU
+    values = [c.value for c in cards + custom if not c.disabled]
+    prev_value = ""
+    if previous.get("preset"):
+        prev_value = f"preset:{previous['preset']}"
+    elif previous.get("kind") == "cpu":
+        prev_value = "cpu"
+    elif any(k in previous for k in ("gpus", "share", "mig_profile")):
+        want = {k: str(previous[k]) for k in ("gpus", "share", "mig_profile") if k in previous}
+        for c in custom:
+            if c.request and all(str(c.request.get(k)) == v for k, v in want.items()) and (
+                    not previous.get("model") or str(c.request.get("model")) == str(previous.get("model"))):
+                prev_value = c.value
+                break
+    checked = prev_value if prev_value in values else ""
+    if not checked and presets:
+        d = default_preset(presets)
+        checked = f"preset:{d.slug}" if f"preset:{d.slug}" in values else ""
+    if not checked:
+        checked = next((c.value for c in custom if c.request is not None and c.free_now), values[0] if values else "")
+
+    groups: list[tuple[str, list[Choice]]] = []
+    for c in custom:
+        if not groups or groups[-1][0] != c.group:
+            groups.append((c.group, []))
+        groups[-1][1].append(c)
+
+    min_s = float((pool or {}).get("min_duration_s") or 0)
+    longest = max((t["max_duration_s"] for t in tiers), default=max(DURATION_CHOICES_H) * 3600)
+    durations = [{"hours": f"{h:g}", "words": format_duration(h * 3600), "seconds": h * 3600}
+                 for h in DURATION_CHOICES_H if min_s <= h * 3600 <= longest]
+    prev_duration = str(previous.get("duration_h") or "")
+    default_words = ""
+    for t in tiers:
+        if t["name"] == chosen_tier and t["default_duration_s"]:
+            default_words = format_duration(t["default_duration_s"])
+
+    over_cap = cap is not None and cap < 1 and not any(c.request and c.request.get("kind") == "gpu" for c in custom)
+    return _env.get_template("spawn_form.html").render(
+        error=error,
+        pool=pool,
+        quota=quota_text(usage),
+        cap=cap,
+        over_cap=over_cap,
+        queue_length=(pool or {}).get("queue_length"),
+        overview=overview(pool, list(queue)) if pool is not None else [],
+        presets=cards,
+        groups=groups,
+        allow_custom=allow_custom,
+        checked=checked,
+        tiers=tiers,
+        chosen_tier=chosen_tier,
+        durations=durations,
+        prev_duration=prev_duration,
+        default_words=default_words,
+        min_duration=format_duration(min_s) if min_s else "",
+        waits=[{"minutes": m, "words": format_duration(m * 60)} for m in WAIT_CHOICES_MIN],
+        prev_wait=str(previous.get("max_wait_min") or ""),
+        has_estimates=bool(estimates),
+    )
+
+
+async def render_for(broker, *, user: str, groups: list[str], presets: list[Preset], allow_custom: bool, allow_cpu_only: bool,
+                     previous: dict | None = None, log: logging.Logger | None = None, now: float | None = None) -> str:
+    """Fetch the pool, the queue and the broker's estimates for every card, and render the form.
+
+    ``broker`` is a :class:`~jupyter_gpulease.client.BrokerClient` acting for ``user`` (admin token), or None
+    when the hub has no broker configured.
+    Without the broker the form still renders (CPU only, or the presets without availability).
+    """
+    from ..client import BrokerError
+
+    log = log or logging.getLogger(__name__)
+    pool, queue, estimates, error = None, [], None, ""
+    if broker is None:
+        error = "GPU leases are not configured on this hub (the administrator sets c.GPULeaseSpawner.broker_url)."
+    else:
+        try:
+            pool, queue = await asyncio.gather(broker.pool(user=user, groups=groups), broker.queue())
+        except BrokerError as e:
+            log.warning("Spawn form for %s without the pool: %s", user, e)
+            error = "The GPU lease broker is not answering right now, so availability is unknown."
+    if pool is not None:
+        cards = preset_choices(list(presets), pool, queue)
+        if allow_custom:
+            cards += custom_choices(pool, cap=gpu_cap(pool.get("usage")))
+        asks = estimate_asks(cards, pool.get("tiers") or [], user=user, groups=groups)
+        if asks:
+            bodies = [a[2] for a in asks]
+            try:
+                parts = await asyncio.gather(*(broker.estimate(bodies[i:i + ESTIMATES_PER_CALL])
+                                               for i in range(0, len(bodies), ESTIMATES_PER_CALL)))
+                answers = [est for part in parts for est in part]
+                estimates = {(value, tier): est for (value, tier, _), est in zip(asks, answers, strict=False)}
+            except BrokerError as e:
+                log.warning("Spawn form for %s without estimates: %s", user, e)
+    return render_form(pool, presets=presets, allow_custom=allow_custom, allow_cpu_only=allow_cpu_only, queue=queue,
+                       estimates=estimates, previous=previous, error=error, now=now)

@@ -213,7 +213,8 @@ def _matching_models(patterns: list[str], models: dict[str, dict]) -> list[str]:
     return [m for m in models if any(fnmatch.fnmatchcase(m.lower(), p.lower()) for p in patterns)]
 
 
-def check_against_pool(request: dict, tier: str | None, duration_s: float | None, pool: dict) -> None:
+def check_against_pool(request: dict, tier: str | None, duration_s: float | None, pool: dict, *,
+                       duration_field: str = "duration_s") -> None:
     """Catch what can never work with this pool and these tiers, with a message saying what to change.
 
     The broker decides in the end (quotas, who may use a tier); this only gives early, clear answers.
@@ -234,7 +235,9 @@ def check_against_pool(request: dict, tier: str | None, duration_s: float | None
             raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be leased whole (all are in MIG mode); ask for a MIG profile", "gpus")
         if req.gpus > most:
             where = f" of model {'|'.join(req.models)}" if req.models else ""
-            raise OptionsError(f"'gpus' is {req.gpus}, but at most {most} GPU{'s' if most > 1 else ''}{where} sit on one node; ask for 1 to {most}", "gpus")
+            ask = "ask for 1" if most == 1 else f"ask for 1 to {most}"
+            raise OptionsError(f"'gpus' is {req.gpus}, but at most {most} GPU{'s' if most > 1 else ''}{where} "
+                               f"{'sits' if most == 1 else 'sit'} on one node; {ask}", "gpus")
     elif kind == "share":
         if not any(c["shareable"] for c in cands.values()):
             raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be shared (all are in MIG mode); ask for a MIG profile", "share")
@@ -247,21 +250,48 @@ def check_against_pool(request: dict, tier: str | None, duration_s: float | None
             raise OptionsError(f"MIG profile {req.mig_profile!r} is not in the pool; available profiles: {have}", "mig_profile")
     if req.min_memory_mib and not any(c["memory_mib"] >= req.min_memory_mib for c in cands.values()):
         raise OptionsError(f"no GPU has {req.min_memory_mib} MiB of memory; the largest has {max(c['memory_mib'] for c in cands.values())} MiB", "min_memory_mib")
-    check_tier(tier, duration_s, pool)
+    check_tier(tier, duration_s, pool, duration_field=duration_field)
 
 
-def check_tier(tier: str | None, duration_s: float | None, pool: dict) -> None:
+def in_units(seconds: float, field: str) -> str:
+    """A duration in the unit of the option the user gave it in: 'duration_h' → '100 h', 'duration_s' → '360000 s (4 d 4 h)'."""
+    if field.endswith("_h"):
+        hours = seconds / 3600
+        return f"{hours:g} h" if (seconds % 900) == 0 else f"{hours:.3g} h ({format_duration(seconds)})"
+    if field.endswith("_min"):
+        return f"{seconds / 60:g} min"
+    words = format_duration(seconds)
+    return f"{seconds:g} s" + ("" if words == f"{seconds:g} s" else f" ({words})")
+
+
+def check_tier(tier: str | None, duration_s: float | None, pool: dict, *, duration_field: str = "duration_s") -> None:
+    """The tier is one the user may pick, and the duration within its limit and the hub's minimum.
+
+    ``tier`` None means the broker's default tier; ``duration_field`` is the option the user
+    gave the duration in, so the message names it ('duration_h') and speaks in hours or minutes.
+    """
     tiers = {t["name"]: t for t in pool.get("tiers", []) or []}
     if not tiers:
         return  # the broker will say
     if tier is not None and tier not in tiers:
         raise OptionsError(f"tier {tier!r} is not one you may use; choose one of: {', '.join(tiers)}", "tier")
-    if duration_s is not None and tier is not None:
-        limit = tiers[tier].get("max_duration_s")
+    name = tier if tier is not None else pool.get("default_tier")
+    if duration_s is None:
+        return
+    def u(seconds):
+        return in_units(float(seconds), duration_field)
+
+    least = pool.get("min_duration_s")
+    if least and duration_s < float(least):
+        raise OptionsError(f"a duration of {u(duration_s)} is shorter than this hub's shortest lease, "
+                           f"{u(least)}; ask for at least {u(least)}", duration_field)
+    if name in tiers:
+        limit = tiers[name].get("max_duration_s")
         if limit and duration_s > limit:
+            which = f"the {name!r} tier's limit of" if tier is not None else f"the limit of the default tier, {name!r}:"
             raise OptionsError(
-                f"a duration of {format_duration(duration_s)} is over the {tier!r} tier's limit of {format_duration(limit)}; "
-                f"ask for at most {format_duration(limit)}, or pick another tier", "duration_s")
+                f"a duration of {u(duration_s)} is over {which} {u(limit)}; ask for at most {u(limit)}, or pick another tier",
+                duration_field)
 
 
 # --------------------------------------------------------------------------- parse
@@ -301,14 +331,17 @@ def parse_user_options(
             opts = {"gpus": 1}
 
     duration_s = _duration(opts)
+    duration_field = "duration_h" if opts.get("duration_h") is not None and opts.get("duration_s") is None else "duration_s"
     max_wait_s = _max_wait(opts)
 
     if "preset" in opts:
         slug = opts["preset"]
         by_slug = {p.slug: p for p in presets}
         if not isinstance(slug, str) or slug not in by_slug:
-            choices = ", ".join(by_slug) or "none are configured"
-            raise OptionsError(f"unknown preset {slug!r}; choose one of: {choices}", "preset")
+            if not by_slug:
+                raise OptionsError(f"unknown preset {slug!r}: this hub has no presets; ask with 'gpus', 'share' or "
+                                   "'mig_profile' instead", "preset")
+            raise OptionsError(f"unknown preset {slug!r}; choose one of: {', '.join(by_slug)}", "preset")
         extra = sorted(set(opts) & set(REQUEST_KEYS + ("tier",)))
         if extra:
             raise OptionsError(f"a preset fixes what you get; drop {', '.join(map(repr, extra))} or drop 'preset'", extra[0])
@@ -319,7 +352,7 @@ def parse_user_options(
             return LeaseChoice(request=None, preset=p.slug, label=p.display_name)
         duration_s = duration_s if duration_s is not None else p.duration_s
         if pool is not None:
-            check_tier(p.tier, duration_s, pool)
+            check_tier(p.tier, duration_s, pool, duration_field=duration_field)
         waits = [w for w in (max_wait_s, p.max_wait_s) if w is not None]
         return LeaseChoice(request=dict(p.request), tier=p.tier, duration_s=duration_s, max_wait_s=min(waits) if waits else None,
                            preset=p.slug, label=p.display_name)
@@ -342,19 +375,24 @@ def parse_user_options(
     try:
         req = parse_request(request)
     except BadRequest as e:
-        raise OptionsError(_explain(e), e.field) from None
+        raise OptionsError(_explain(e, allow_cpu_only=allow_cpu_only), e.field) from None
     tier = opts.get("tier")
     if tier is not None and not isinstance(tier, str):
         raise OptionsError(f"'tier' must be a tier name, got {tier!r}", "tier")
     if pool is not None:
-        check_against_pool(request, tier, duration_s, pool)
+        check_against_pool(request, tier, duration_s, pool, duration_field=duration_field)
     normal = req.to_dict()
     if not normal.get("memory_mib"):
         normal.pop("memory_mib", None)  # 0: sized by the share (the broker wants a positive value or none)
     return LeaseChoice(request=normal, tier=tier, duration_s=duration_s, max_wait_s=max_wait_s, label=req.describe())
 
 
-def _explain(e: BadRequest) -> str:
+def _explain(e: BadRequest, *, allow_cpu_only: bool = True) -> str:
+    no_gpu = ', or {"kind": "cpu"} for no GPU' if allow_cpu_only else ""
     if e.field == "gpus" and "at least" in e.message:
-        return f"{e.message}: ask for 1 or more whole GPUs, a 'share' of one GPU, or {{\"kind\": \"cpu\"}} for no GPU"
+        return f"{e.message}: ask for 1 or more whole GPUs, a 'share' of one GPU{no_gpu}"
+    if e.field == "kind":
+        kinds = "'gpu', 'share', 'mig' or 'cpu' (no GPU)" if allow_cpu_only else "'gpu', 'share' or 'mig'"
+        got = e.message.rsplit("got ", 1)[-1] if "got " in e.message else ""
+        return f"'kind' must be {kinds}" + (f", got {got}" if got else "")
     return e.message

@@ -32,6 +32,7 @@ from traitlets import Bool, Dict, Float, List, TraitError, Unicode, default, val
 from ..client import BrokerClient, BrokerError
 from ..core.text import format_duration
 from . import form as spawn_form
+from . import pages
 from .options import LeaseChoice, OptionsError, parse_presets, parse_user_options
 from .placement import cpu_only_environment, describe_request, granted_message, lease_environment, queue_message
 
@@ -48,7 +49,10 @@ ACTIVE_STATES = ("queued", "active")
 def spawn_error(message: str, *, reason: str, status_code: int = 400) -> web.HTTPError:
     """A spawn failure whose message the user reads on the spawn page and in the REST API."""
     if SpawnException is not None:
-        return SpawnException(message, reason=reason, status_code=status_code)
+        e = SpawnException(message, reason=reason, status_code=status_code)
+        # the spawn page shows str(e) ("400 SpawnException(reason=…): …") unless this is set
+        e.jupyterhub_message = message
+        return e
     e = web.HTTPError(status_code, "%s", message)  # pragma: no cover - JupyterHub 5
     e.jupyterhub_message = message
     return e
@@ -222,32 +226,36 @@ class GPULeaseSpawner(Spawner):
         return _check_user_options
 
     async def render_options_form(self) -> str:
-        """The spawn form, from the broker's live pool, queue and leases."""
-        pool = None
-        queue: list[dict] = []
-        active: list[dict] = []
-        error = ""
-        try:
-            pool, queue, active = await asyncio.gather(
-                self.fetch_pool(), self.broker.queue(), self.broker.list_leases(state="active"))
-        except (BrokerError, web.HTTPError) as e:
-            self.log.warning("Spawn form for %s without the pool: %s", self._log_name, e)
-            error = "The GPU lease broker is not answering right now, so availability is unknown."
-        previous = {}
+        """The spawn form, from the broker's live pool, queue and estimates (see :mod:`.form`)."""
         try:
             previous = dict(self.orm_spawner.user_options or {})
         except Exception:  # no orm spawner (tests)
             previous = dict(self.user_options or {})
-        return spawn_form.render_form(
-            pool,
+        return await spawn_form.render_for(
+            self.broker if self.broker_url else None,
+            user=self.user.name,
+            groups=self._user_groups(),
             presets=self.presets,
             allow_custom=self.allow_custom_request,
             allow_cpu_only=self.allow_cpu_only,
-            queue=queue,
-            active=active,
             previous=previous,
-            error=error,
+            log=self.log,
         )
+
+    async def lease_status(self) -> dict:
+        """What the hub's home page shows about this server's lease (see :mod:`.pages`): fresh from
+        the broker when it answers within a few seconds, else the lease last seen."""
+        lease = self.lease if self.lease_id else None
+        if self.lease_id and self.broker_url:
+            try:
+                lease = self.lease = await asyncio.wait_for(self.broker.get_lease(self.lease_id), 3)
+            except (TimeoutError, BrokerError) as e:
+                self.log.debug("Lease %s of %s for the home page: %s", self.lease_id, self._log_name, e)
+        last_end = getattr(self, "last_lease_end", None)
+        if not last_end and not self.lease_id and (self.lease or {}).get("state") not in (None, "active", "queued"):
+            last_end = self.lease  # the ended lease poll() found
+        return pages.lease_status(lease=lease, last_end=last_end, server_active=self.active, server_ready=self.ready,
+                                  cpu_only=not self.lease_id, broker_url=self.broker_url, warning=self.last_warning)
 
     def lease_choice(self, user_options: dict | None, pool: dict | None = None) -> LeaseChoice:
         """``user_options`` checked into what to ask the broker for; spawn failure with a message if bad."""
@@ -453,8 +461,7 @@ class GPULeaseSpawner(Spawner):
             return spawn_error("The hub could not authenticate to the GPU lease broker; tell the administrator "
                                "(GPULeaseSpawner.broker_api_token needs the custom:gpulease:admin scope).",
                                reason="gpulease_config", status_code=500)
-        field = f" ({e.field})" if e.field else ""
-        return spawn_error(f"The GPU lease was refused{field}: {e.message}", reason="gpulease_refused",
+        return spawn_error(f"The GPU lease was refused: {e.message}", reason="gpulease_refused",
                            status_code=403 if e.status == 403 else 400)
 
     async def _withdraw_orphans(self, client: BrokerClient) -> None:
