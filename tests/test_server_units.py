@@ -139,3 +139,22 @@ def _ppid(pid: int) -> int:
         return int(data[data.rfind(b")") + 2:].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+def test_where_the_engine_chose_the_devices_every_device_the_server_sees_is_watched():
+    import asyncio
+
+    from jupyter_gpulease.devices.simulated import SimulatedBackend
+    from jupyter_gpulease.server.monitor import Monitor
+
+    backend = SimulatedBackend()  # the default pool: an A100 in MIG mode (two instances), an A100, two L4
+    gpus = backend.inventory()
+    monitor = Monitor(backend, interval=1.0)
+    monitor.watch(["GPU-k8s-0"])  # the broker's name for it: not a device NVML knows
+    snap = asyncio.run(monitor.sample([]))
+    assert snap.devices == {} and "not visible" in snap.error
+    monitor.watch_all = True
+    snap = asyncio.run(monitor.sample([]))
+    expected = {m.uuid for m in gpus[0].mig} | {g.uuid for g in gpus[1:]}
+    assert set(snap.devices) == expected and not snap.error
+    monitor.close()

@@ -48,6 +48,9 @@ class Monitor:
         self.interval = interval
         self.history_s = history_s
         self.devices: set[str] = set()
+        # the engine chose the devices inside the node (Kubernetes without DRA, Slurm): the lease
+        # names the broker's devices, not these; every device this server sees is the leased one
+        self.watch_all = False
         self.unavailable = unavailable  # why there is no telemetry ("" when the backend works)
         self._clock = clock
         self._tree = ProcessTree()
@@ -79,7 +82,7 @@ class Monitor:
         cpu0 = time.thread_time()
         now = self._clock()
         snap = Snapshot(now)
-        if self.backend is not None and self.devices:
+        if self.backend is not None and (self.devices or self.watch_all):
             try:
                 samples = self.backend.sample()
             except DeviceUnavailable as e:
@@ -88,7 +91,11 @@ class Monitor:
                 log.exception("GPU sampling failed")
                 snap.error = f"sampling the GPUs failed: {e}"
             else:
-                snap.devices = {u: s for u, s in samples.items() if u in self.devices}
+                if self.watch_all:
+                    split = {s.parent_uuid for s in samples.values() if s.parent_uuid}  # GPUs seen through their MIG instances
+                    snap.devices = {u: s for u, s in samples.items() if u not in split}
+                else:
+                    snap.devices = {u: s for u, s in samples.items() if u in self.devices}
                 missing = self.devices - set(snap.devices)
                 if missing and not snap.devices:
                     snap.error = f"the leased device(s) {', '.join(sorted(missing))} are not visible to this server"

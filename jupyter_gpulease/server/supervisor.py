@@ -161,6 +161,7 @@ class GPUSupervisor:
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
+        self.monitor.watch_all = os.environ.get("GPULEASE_DEVICE_CHOICE") == "engine"
         await self.keeper.start()
         if self.keeper.lease_id and not self.monitor.devices:
             placement = os.environ.get("GPULEASE_PLACEMENT")
@@ -625,6 +626,7 @@ class GPUSupervisor:
             self.feed.publish("lease", {"event": "updated", "lease": self.lease_json(lease), "message": ""})
         elif kind == "ended":
             self.monitor.watch([])
+            self.monitor.watch_all = False  # the engine's devices went with the lease
             self._preempt_suspend_at = None
             self._broker_warned.clear()
             if not self.returning:

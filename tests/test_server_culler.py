@@ -1,0 +1,68 @@
+"""The cull_arbiter_hook for jupyterhub-idle-culler 2, against a real broker holding real leases."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+
+from brokerutil import broker_in_thread, broker_url, patch_auth
+from jupyter_gpulease.broker.manager import SystemClock
+from jupyter_gpulease.client import BrokerClient
+from jupyter_gpulease.server.culler import GPUCullArbiter
+from serverutil import POOL, broker_call
+
+
+def server(user, name=""):
+    """A server model as the hub's API gives it to the culler."""
+    return {"name": name, "full_name": f"{user}/{name}", "last_activity": None, "ready": True}
+
+
+def minutes(m):
+    return datetime.timedelta(minutes=m)
+
+
+def test_gpu_work_keeps_a_server_and_an_idle_lease_lets_it_go_sooner(tmp_path, monkeypatch):
+    patch_auth(monkeypatch)
+    with broker_in_thread(tmp_path, pool=POOL, clock=SystemClock()) as app:
+        url = broker_url(app)
+        leases = {}
+        for user in ("alice", "bob"):
+            _, leases[user] = broker_call(url, "POST", "api/leases", {"gpus": 1}, token=user)
+        # what the users' server extensions report in their heartbeats
+        now = time.time()
+        broker_call(url, "POST", f"api/leases/{leases['alice']['id']}/heartbeat",
+                    {"usage": {"gpu_busy": True, "last_gpu_activity": now}}, token="alice")
+        broker_call(url, "POST", f"api/leases/{leases['bob']['id']}/heartbeat",
+                    {"usage": {"gpu_busy": False, "last_gpu_activity": now - 3 * 3600}}, token="bob")
+        calls = []
+
+        class CountingClient(BrokerClient):
+            async def list_leases(self, *a, **kw):
+                calls.append(1)
+                return await super().list_leases(*a, **kw)
+
+        arbiter = GPUCullArbiter(gpu_idle_limit=1800, client=CountingClient(url, "admin-culler"))
+        limit = 3600  # the culler's --timeout
+
+        async def decide():
+            return await asyncio.gather(
+                arbiter(inactive=minutes(300), inactive_limit=limit, server=server("alice")),  # silent for the hub, computing on the GPU
+                arbiter(inactive=minutes(40), inactive_limit=limit, server=server("bob")),  # idle lease, 40 min inactive
+                arbiter(inactive=minutes(20), inactive_limit=limit, server=server("bob")),
+                arbiter(inactive=minutes(40), inactive_limit=limit, server=server("carol")),  # no lease: the culler's rule
+                arbiter(inactive=minutes(61), inactive_limit=limit, server=server("carol")),
+                arbiter(inactive=minutes(61), inactive_limit=limit, server=server("alice", "other")),  # another server of hers
+            )
+
+        assert asyncio.run(decide()) == [False, True, False, False, True, True]
+        assert len(calls) == 1  # one listing for the whole pass
+
+
+def test_without_the_broker_the_culler_decides_by_activity_alone():
+    arbiter = GPUCullArbiter(client=BrokerClient("http://127.0.0.1:9/services/gpulease/", "t"))
+
+    async def decide():
+        return [await arbiter(inactive=minutes(m), inactive_limit=3600, server=server("alice")) for m in (30, 90)]
+
+    assert asyncio.run(decide()) == [False, True]
