@@ -38,8 +38,8 @@ class ServerLease:
     def where(self) -> str:
         return self.api.server.url
 
-    def status(self) -> dict[str, Any]:
-        return self.api.get("status")
+    def status(self, *, history_s: float | None = 300) -> dict[str, Any]:
+        return self.api.get("status" + ("?history=0" if not history_s else f"?seconds={history_s:g}"))
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.api.post("lease", body)
@@ -53,8 +53,8 @@ class ServerLease:
     def resume(self, kernel_id: str | None = None) -> dict[str, Any]:
         return self.api.post("resume", {"kernel_id": kernel_id} if kernel_id else {})
 
-    def release(self, reason: str = "released from the notebook") -> dict[str, Any]:
-        return self.api.post("lease/release", {"reason": reason})
+    def release(self, reason: str = "released from the notebook", *, force: bool = False) -> dict[str, Any]:
+        return self.api.post("lease/release", {"reason": reason, "force": force})
 
     def queue(self) -> list[dict[str, Any]]:
         d = self.api.get("queue")
@@ -100,7 +100,7 @@ class BrokerLease:
         active = [x for x in leases if x["state"] == "active"]
         return (active or leases or [None])[0]
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, history_s: float | None = None) -> dict[str, Any]:
         return {"now": time.time(), "lease": self._live(), "devices": [], "kernels": [], "warnings": [], "source": "broker"}
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +121,7 @@ class BrokerLease:
     def resume(self, kernel_id: str | None = None) -> dict[str, Any]:
         raise ServerError(400, "resuming needs the gpulease server extension (it suspends and resumes kernels)")
 
-    def release(self, reason: str = "released from IPython") -> dict[str, Any]:
+    def release(self, reason: str = "released from IPython", *, force: bool = False) -> dict[str, Any]:
         return self._call("release", self._lease_id(), reason)
 
     def queue(self) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extend": ("DURATION", "ask for more time, e.g. %gpu extend 30m"),
     "keep": ("DURATION", "keep the GPU although it sits idle (no idle reclaim) for a while, e.g. %gpu keep 1h"),
     "resume": ("", "bring a suspended or reclaimed kernel back onto a GPU now"),
-    "release": ("", "give the GPU back now (a queued request is withdrawn)"),
+    "release": ("[--force]", "give the GPU back now (a queued request is withdrawn); --force even while kernels hold GPU memory"),
     "queue": ("", "the queue: positions, ETAs, who waits for what"),
     "pool": ("", "the GPU pool: models, what is free, your quota, the tiers"),
     "help": ("", "this help"),
@@ -55,6 +55,7 @@ class Command:
     request: dict[str, Any] = field(default_factory=dict)  # request / %%gpu: the lease request body
     wait: bool = False  # request --wait
     keep: bool = False  # %%gpu --keep
+    force: bool = False  # release --force
 
 
 def usage(name: str) -> str:
@@ -192,6 +193,8 @@ def parse(line: str) -> Command:
             return Command(name, duration_s=_duration(rest[0]))
         except argparse.ArgumentTypeError as e:
             raise UsageError(str(e), u) from None
+    if name == "release" and rest == ["--force"]:
+        return Command("release", force=True)
     if rest:
         raise UsageError(f"%gpu {name} takes no arguments, got {' '.join(rest)!r}", u)
     return Command(name)

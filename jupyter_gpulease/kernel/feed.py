@@ -85,7 +85,7 @@ class StatusFeed:
             status.setdefault("now", self._clock())
         except ServerError as e:
             status = dict(self.last or {}, error=e.message)
-        except Exception as e:  # noqa: BLE001 - the feed keeps going whatever one read does
+        except Exception as e:
             log.warning("gpulease: status read failed: %s", e)
             status = dict(self.last or {}, error=str(e))
         status["received_at"] = self._clock()

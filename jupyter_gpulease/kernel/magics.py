@@ -36,7 +36,7 @@ def cuda_initialised() -> bool:
         try:
             if torch.cuda.is_initialized():
                 return True
-        except Exception as e:  # noqa: BLE001 - a broken torch install says nothing about CUDA
+        except Exception as e:
             log.debug("torch.cuda.is_initialized() failed: %s", e)
     return any(name in sys.modules for name in _CUDA_USERS)
 
@@ -60,7 +60,7 @@ def this_kernel_id() -> str | None:
         from ipykernel.connect import get_connection_file
 
         name = os.path.basename(get_connection_file())
-    except Exception:  # noqa: BLE001 - not a kernel (plain IPython), or no connection file
+    except Exception:
         return None
     if name.startswith("kernel-") and name.endswith(".json"):
         return name[len("kernel-"):-len(".json")]
@@ -106,7 +106,10 @@ class GPUMagics(Magics):
             self._err(str(e))
         except ServerError as e:
             where = f" (field '{e.field}')" if e.field else ""
-            self._err(f"gpulease: {e.message}{where}")
+            hint = ""
+            if e.status == 409 and cell is None and line.split()[:1] == ["release"]:
+                hint = "\n(%gpu release --force gives it back anyway: those kernels lose the GPU under them)"
+            self._err(f"gpulease: {e.message}{where}{hint}")
         return None
 
     def _out(self, msg: str) -> None:
@@ -125,7 +128,7 @@ class GPUMagics(Magics):
             return None
         api = self._connect()
         if cmd.name == "status":
-            self._out(text.status_text(api.status(), self._now(), kernel_id=this_kernel_id()))
+            self._out(text.status_text(api.status(history_s=None), self._now(), kernel_id=this_kernel_id()))
         elif cmd.name == "watch":
             return self._watch(api)
         elif cmd.name == "request":
@@ -135,15 +138,22 @@ class GPUMagics(Magics):
             self._out(f"extended by {format_duration(cmd.duration_s)}: " + text.lease_line(lease, self._now()) if lease else "extended")
         elif cmd.name == "keep":
             ans = api.keep(cmd.duration_s) or {}
-            until = ans.get("until") or ans.get("keep_until")
+            until = ans.get("keep_until")
             when = f" (until {time.strftime('%H:%M', time.localtime(float(until)))})" if until else ""
-            self._out(ans.get("message") or f"kept: idle reclaim leaves this server's GPU alone for {format_duration(cmd.duration_s)}{when}")
+            self._out(f"kept: idle reclaim leaves this server's GPU alone for {format_duration(cmd.duration_s)}{when}")
         elif cmd.name == "resume":
-            ans = api.resume(this_kernel_id()) or {}
-            lease = _lease_of(ans)
-            self._out(ans.get("message") or ("resumed: " + text.lease_line(lease, self._now()) if lease else "resumed"))
+            status = api.status(history_s=None)
+            mine = this_kernel_id()
+            suspended = text.suspended_kernels(status)
+            if not suspended:
+                self._out("nothing to resume: no kernel of this server is suspended")
+            else:
+                ans = api.resume(mine if any(k.get("id") == mine for k in suspended) else None) or {}
+                n = len(ans.get("resuming") or [])
+                self._out(f"resuming {n} kernel{'s' if n != 1 else ''}: a GPU is being found and their memory restored "
+                          "(%gpu status shows progress)")
         elif cmd.name == "release":
-            ans = api.release()
+            ans = api.release(force=cmd.force)
             lease = _lease_of(ans)
             if lease and lease.get("state") == "withdrawn":
                 self._out(f"withdrawn: lease {str(lease['id'])[:12]} no longer waits")
@@ -183,7 +193,7 @@ class GPUMagics(Magics):
         try:
             while True:
                 self._sleep(self.poll_s)
-                current = (api.status() or {}).get("lease")
+                current = (api.status(history_s=None) or {}).get("lease")
                 if not current or current.get("id") != lid:
                     self._out(f"lease {lid[:12]} is no longer waiting" + (f"; now: {text.lease_line(current, self._now())}" if current else ""))
                     return current
@@ -225,7 +235,7 @@ class GPUMagics(Magics):
         # a terminal: one status line every 2 s until Ctrl-C
         try:
             while True:
-                st = api.status()
+                st = api.status(history_s=None)
                 self._out(time.strftime("%H:%M:%S ") + text.lease_line(st.get("lease"), self._now()) + _devices_brief(st))
                 self._sleep(2)
         except KeyboardInterrupt:
@@ -234,7 +244,7 @@ class GPUMagics(Magics):
     # ------------------------------------------------------------------ %%gpu
     def _cell(self, cmd: gpu_args.Command, cell: str):
         api = self._connect()
-        current = (api.status() or {}).get("lease")
+        current = (api.status(history_s=None) or {}).get("lease")
         took = None
         if current and current.get("state") == "active":
             self._out("running on " + text.lease_line(current, self._now()))
@@ -253,7 +263,7 @@ class GPUMagics(Magics):
         finally:
             if took is not None and not cmd.keep:
                 try:
-                    api.release("the %%gpu cell finished")
+                    api.release("the %%gpu cell finished", force=True)
                     self._out(f"released lease {str(took['id'])[:12]} after the cell")
                 except ServerError as e:
                     self._err(f"releasing lease {str(took['id'])[:12]} failed: {e.message}; run %gpu release")

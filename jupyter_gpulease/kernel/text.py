@@ -80,38 +80,71 @@ def lease_line(lease: dict[str, Any] | None, now: float) -> str:
     return f"lease {lid} {state}" + (f": {why}" if why else "")
 
 
+def device_label(d: dict[str, Any], lease: dict[str, Any] | None) -> str:
+    """'A100-SXM4-80GB #0', 'MIG 3g.40gb of A100-SXM4-80GB #0': names from the lease's placement."""
+    if d.get("model"):
+        return f"{d['model']} #{d.get('index', '?')}" + (f" {d['mig_profile']}" if d.get("mig_profile") else "")
+    slices = ((lease or {}).get("placement") or {}).get("slices") or []
+    uuid = d.get("uuid")
+    for s in slices:
+        if s.get("mig_uuid") and s["mig_uuid"] == uuid:
+            return f"MIG {s['mig_profile']} of {s['model']} #{s['index']}"
+    for s in slices:
+        if s.get("gpu_uuid") == uuid:
+            return f"{s['model']} #{s['index']}"
+    uuid = str(d.get("uuid") or "GPU")
+    return uuid if len(uuid) <= 16 else uuid[:14] + "…"
+
+
+def suspended_kernels(status: dict[str, Any]) -> list[dict[str, Any]]:
+    return [k for k in status.get("kernels") or [] if k.get("state") in ("suspended", "resuming")]
+
+
+def kernel_row(k: dict[str, Any], kernel_id: str | None) -> list[str]:
+    kid = str(k.get("id") or "")
+    me = " (this kernel)" if kernel_id and kid == kernel_id else ""
+    gpu = k.get("gpu") or {}
+    idle = k.get("idle") or {}
+    state = k.get("state") or "ok"
+    if state == "ok":
+        state = k.get("execution_state") or "-"
+        if idle.get("idle_s") is not None:
+            state = f"GPU idle {format_duration(float(idle['idle_s']))}"
+        if idle.get("reclaim_at"):
+            state += " (reclaim coming)"
+    if k.get("env_stale"):
+        state += "; restart to see the new GPU"
+    return [f"{kid[:8]} {k.get('name') or ''}".rstrip() + me, _mib(gpu.get("memory_mib")), _pct(gpu.get("sm_util_pct")), state]
+
+
 def status_text(status: dict[str, Any], now: float | None = None, *, kernel_id: str | None = None) -> str:
     """`%gpu status`: lease, devices, kernels (this one marked), warnings."""
     now = float(status.get("now") or 0) if now is None else now
-    lines = [lease_line(status.get("lease"), now)]
-    if status.get("suspended"):
-        lines.append("suspended: this server's GPU was reclaimed while idle; the next cell resumes it (or %gpu resume)")
+    lease = status.get("lease")
+    lines = [lease_line(lease, now)]
+    if not lease and status.get("last_lease"):
+        lines.append("last: " + lease_line(status["last_lease"], now))
+    if status.get("message"):
+        lines.append(status["message"])
+    if suspended_kernels(status):
+        lines.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it (or %gpu resume)")
     devices = status.get("devices") or []
     if devices:
         rows = []
         for d in devices:
-            name = f"{d.get('model', 'GPU')} #{d.get('index', '?')}" + (f" {d['mig_profile']}" if d.get("mig_profile") else "")
             mem = f"{_mib(d.get('memory_used_mib'))} / {_mib(d.get('memory_total_mib'))}"
             temp = "-" if d.get("temperature_c") is None else f"{d['temperature_c']:.0f} °C"
             power = "-" if d.get("power_w") is None else f"{d['power_w']:.0f} W"
-            rows.append([name, _pct(d.get("utilization_pct")), mem, temp, power])
+            rows.append([device_label(d, lease), _pct(d.get("utilization_pct")), mem, temp, power])
         lines += ["", table(["DEVICE", "UTIL", "MEMORY", "TEMP", "POWER"], rows)]
     kernels = status.get("kernels") or []
     if kernels:
-        rows = []
-        for k in kernels:
-            kid = str(k.get("id") or k.get("kernel_id") or "")
-            me = " (this kernel)" if kernel_id and kid == kernel_id else ""
-            idle = k.get("idle_s")
-            state = k.get("state") or ("idle" if k.get("idle") else "busy" if k.get("executing") else "")
-            if idle is not None and state in ("idle", ""):
-                state = f"idle {format_duration(float(idle))}"
-            rows.append([f"{k.get('name') or kid[:8]}{me}", _mib(k.get("memory_mib")), _pct(k.get("sm_util_pct")), state or "-"])
-        lines += ["", table(["KERNEL", "GPU MEMORY", "UTIL", "STATE"], rows)]
+        lines += ["", table(["KERNEL", "GPU MEMORY", "UTIL", "STATE"], [kernel_row(k, kernel_id) for k in kernels])]
     warnings = status.get("warnings") or []
-    if warnings:
+    notices = status.get("notices") or []
+    if warnings or notices:
         lines.append("")
-        for w in warnings:
+        for w in [*warnings, *notices]:
             lines.append(f"! {w.get('message') or w.get('kind')}")
     return "\n".join(lines)
 

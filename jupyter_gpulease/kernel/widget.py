@@ -42,8 +42,6 @@ def sparkline(values: list[float | None], width: int = 120, height: int = 24) ->
             f'<polyline fill="none" stroke="var(--jp-brand-color1, #1976d2)" stroke-width="1.5" points="{coords}"/></svg>')
 
 
-def _device_name(d: dict[str, Any]) -> str:
-    return f"{d.get('model', 'GPU')} #{d.get('index', '?')}" + (f" {d['mig_profile']}" if d.get("mig_profile") else "")
 
 
 def _history(d: dict[str, Any]) -> list[float | None] | None:
@@ -71,13 +69,13 @@ class DeviceRow(W.HBox):
         super().__init__([self.name, self.util, self.util_text, self.mem, self.mem_text, self.spark])
         self.add_class("gpulease-device")
 
-    def update(self, d: dict[str, Any]) -> None:
+    def update(self, d: dict[str, Any], lease: dict[str, Any] | None = None) -> None:
         u = d.get("utilization_pct")
         used, total = d.get("memory_used_mib"), d.get("memory_total_mib")
         extra = " · ".join(x for x in (
             "" if d.get("temperature_c") is None else f"{d['temperature_c']:.0f} °C",
             "" if d.get("power_w") is None else f"{d['power_w']:.0f} W") if x)
-        name = f"<b>{html.escape(_device_name(d))}</b>" + (f"<br><small>{html.escape(extra)}</small>" if extra else "")
+        name = f"<b>{html.escape(text.device_label(d, lease))}</b>" + (f"<br><small>{html.escape(extra)}</small>" if extra else "")
         _set(self.name, "value", name)
         _set(self.util, "value", float(u or 0))
         _set(self.util_text, "value", "-" if u is None else f"{u:.0f}%")
@@ -146,8 +144,11 @@ class LeaseWidget(W.VBox):
         now = float(status.get("now") or status.get("received_at") or 0)
         lease = status.get("lease")
         state = (lease or {}).get("state") or "none"
-        suspended = bool(status.get("suspended")) or any(k.get("state") == "suspended" for k in status.get("kernels") or [])
-        _set(self.header, "value", f"<b>GPU</b> {html.escape(text.lease_line(lease, now))}")
+        suspended = bool(text.suspended_kernels(status))
+        head = text.lease_line(lease, now)
+        if not lease and status.get("last_lease"):
+            head += " — last: " + text.lease_line(status["last_lease"], now)
+        _set(self.header, "value", f"<b>GPU</b> {html.escape(head)}")
         countdown = ""
         if lease and state == "active" and lease.get("expires_at") is not None:
             countdown = format_duration(max(0.0, float(lease["expires_at"]) - now)) + " left"
@@ -156,24 +157,26 @@ class LeaseWidget(W.VBox):
         _set(self.queue, "value", f"queue: {html.escape(queue)}" if queue else "")
         devices = status.get("devices") or []
         for d in devices:
-            uuid = d.get("uuid") or _device_name(d)
+            uuid = d.get("uuid") or text.device_label(d, lease)
             row = self._rows.get(uuid)
             if row is None:
                 row = self._rows[uuid] = DeviceRow(uuid)
-            row.update(d)
-        wanted = tuple(self._rows[d.get("uuid") or _device_name(d)] for d in devices)
+            row.update(d, lease)
+        wanted = tuple(self._rows[d.get("uuid") or text.device_label(d, lease)] for d in devices)
         if tuple(self.devices.children) != wanted:
             self.devices.children = wanted
         warnings = [w.get("message") or w.get("kind", "") for w in status.get("warnings") or []]
         if suspended and not any("suspend" in w for w in warnings):
-            warnings.append("suspended: the GPU was reclaimed while idle; the next cell resumes it")
+            warnings.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it")
+        if status.get("message"):
+            warnings.append(status["message"])
         if status.get("error"):
             warnings.append(f"cannot read the lease: {status['error']}")
         _set(self.warnings, "value", "".join(f'<div class="gpulease-warning">⚠ {html.escape(w)}</div>' for w in warnings))
         show = {
             "extend": state == "active",
             "keep": state == "active",
-            "resume": suspended or (state in ("reclaimed",)),
+            "resume": suspended or (not lease and (status.get("last_lease") or {}).get("state") == "reclaimed"),
             "release": state in ("active", "queued"),
         }
         for name, b in self.buttons.items():
@@ -194,18 +197,18 @@ class LeaseWidget(W.VBox):
                 msg = f"extended by {format_duration(EXTEND_S)}"
             elif name == "keep":
                 ans = self.api.keep(KEEP_S)
-                msg = f"kept for {format_duration(KEEP_S)}: no idle reclaim"
+                msg = f"kept: no idle reclaim for {format_duration(KEEP_S)}"
             elif name == "resume":
                 from .magics import this_kernel_id
 
-                ans = self.api.resume(this_kernel_id())
-                msg = "resumed"
+                ans = self.api.resume(this_kernel_id() if any(k.get("id") == this_kernel_id() for k in text.suspended_kernels(self.feed.last or {})) else None)
+                msg = "resuming: a GPU is being found for the suspended kernels"
             elif name == "release":
-                ans = self.api.release("released with the widget's button")
-                msg = "released"
+                ans = self.api.release("released with the widget's button", force=True)
+                msg = "released: the GPU went back to the pool"
             else:
                 raise ValueError(f"unknown action {name!r}")
-            _set(self.message, "value", html.escape((ans or {}).get("message") or msg))
+            _set(self.message, "value", html.escape(msg))
         except ServerError as e:
             _set(self.message, "value", f'<span class="gpulease-error">{html.escape(name)} failed: {html.escape(e.message)}</span>')
             ans = None
