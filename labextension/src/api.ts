@@ -30,9 +30,7 @@ export interface ILease {
 
 export interface IDevice {
   uuid: string;
-  model?: string;
-  index?: number;
-  mig_profile?: string;
+  parent_uuid?: string | null;
   utilization_pct?: number | null;
   memory_used_mib?: number | null;
   memory_total_mib?: number | null;
@@ -43,25 +41,41 @@ export interface IDevice {
 export interface IKernel {
   id: string;
   name?: string;
-  state?: string;
-  memory_mib?: number | null;
+  state?: string; // ok | acting | suspended | resuming | reclaimed
+  execution_state?: string;
+  gpu?: { memory_mib?: number | null; sm_util_pct?: number | null };
+  memory_mib?: number | null; // in feed samples
 }
 
 export interface IWarning {
-  id?: string;
-  kind: string;
+  id?: number;
+  kind: string; // reclaim | lease_reclaim | share_memory | expiring | preemption
   message: string;
   deadline?: number | null;
-  actions?: string[];
+  at?: number | null;
+  kernel_id?: string;
+}
+
+/** One event of the live feed (besides `status` and `sample`). */
+export interface IFeedEvent {
+  id: number;
+  kind: string; // lease | warning | reclaim | resume | notice
+  time: number;
+  message?: string;
+  event?: string; // lease events: granted | queued | updated | ended | reclaimed | released
+  lease?: ILease | null;
+  [key: string]: unknown;
 }
 
 export interface IStatus {
   now?: number;
+  message?: string;
   lease: ILease | null;
+  last_lease?: ILease | null;
   devices?: IDevice[];
   kernels?: IKernel[];
   warnings?: IWarning[];
-  suspended?: boolean;
+  notices?: { kind: string; message: string }[];
 }
 
 /** An answer of the server extension that was not 2xx: its JSON message, for a person. */
@@ -94,7 +108,7 @@ export async function call<T>(path: string, init: RequestInit = {}): Promise<T> 
 }
 
 export function getStatus(): Promise<IStatus> {
-  return call<IStatus>('status');
+  return call<IStatus>('status?history=0');
 }
 
 /** One of the lease actions: request, extend, keep, resume, release. */
@@ -103,20 +117,27 @@ export function act(action: string, body: Record<string, unknown> = {}): Promise
 }
 
 /**
- * The live feed: one status after another, pushed by the server over a websocket; when
- * the socket cannot be opened or drops, the feed asks for the status every few seconds
- * and tries the socket again.
+ * The live feed: the server's server-sent events (docs/server-api.md). The first event is the
+ * whole status; `sample` events refresh the devices' and kernels' figures; any other event
+ * (lease, warning, reclaim, resume, notice) is passed on and the status read again. When the
+ * event stream cannot be opened, the feed asks for the status every few seconds instead.
  */
 export class LeaseFeed {
   private _changed = new Signal<this, IStatus>(this);
+  private _events = new Signal<this, IFeedEvent>(this);
   private _status: IStatus | null = null;
-  private _socket: WebSocket | null = null;
+  private _source: EventSource | null = null;
   private _timer: number | null = null;
   private _disposed = false;
   private _offset = 0; // server clock minus browser clock, in seconds
 
   get changed(): ISignal<this, IStatus> {
     return this._changed;
+  }
+
+  /** Lease, warning, reclaim, resume and notice events as they come. */
+  get events(): ISignal<this, IFeedEvent> {
+    return this._events;
   }
 
   get status(): IStatus | null {
@@ -143,7 +164,7 @@ export class LeaseFeed {
 
   dispose(): void {
     this._disposed = true;
-    this._socket?.close();
+    this._source?.close();
     if (this._timer !== null) {
       window.clearTimeout(this._timer);
     }
@@ -157,42 +178,81 @@ export class LeaseFeed {
     this._changed.emit(status);
   }
 
+  private _sample(data: any): void {
+    if (!this._status) {
+      return;
+    }
+    if (typeof data.t === 'number') {
+      this._offset = data.t - Date.now() / 1000;
+    }
+    const kernels = new Map<string, any>((data.kernels ?? []).map((k: any) => [k.id, k]));
+    const merged: IStatus = {
+      ...this._status,
+      devices: data.devices ?? this._status.devices,
+      kernels: (this._status.kernels ?? []).map(k => {
+        const s = kernels.get(k.id);
+        return s ? { ...k, state: s.state ?? k.state, execution_state: s.execution_state ?? k.execution_state,
+                     gpu: { ...(k.gpu ?? {}), memory_mib: s.memory_mib, sm_util_pct: s.sm_util_pct } } : k;
+      })
+    };
+    this._update(merged);
+  }
+
   private _connect(): void {
     if (this._disposed) {
       return;
     }
-    const wsUrl = URLExt.join(settings.wsUrl, 'gpulease', 'api', 'feed');
-    let opened = false;
-    let socket: WebSocket;
+    let source: EventSource;
     try {
-      socket = new settings.WebSocket(wsUrl);
+      source = new EventSource(url('feed'), { withCredentials: true });
     } catch {
       this._poll();
       return;
     }
-    this._socket = socket;
-    socket.onopen = () => {
+    this._source = source;
+    let opened = false;
+    source.onopen = () => {
       opened = true;
     };
-    socket.onmessage = (ev: MessageEvent) => {
+    const parse = (ev: MessageEvent): any => {
       try {
-        const msg = JSON.parse(ev.data);
-        this._update((msg.status ?? msg) as IStatus);
-      } catch (e) {
-        console.warn('gpulease: feed message', e);
+        return JSON.parse(ev.data);
+      } catch {
+        return null;
       }
     };
-    socket.onclose = () => {
-      this._socket = null;
-      if (this._disposed) {
-        return;
+    source.addEventListener('status', (ev: MessageEvent) => {
+      const data = parse(ev);
+      if (data) {
+        this._update(data as IStatus);
       }
-      // the socket failed or dropped: keep the figures coming by asking, retry the socket later
-      this._poll(opened ? 1 : 10);
+    });
+    source.addEventListener('sample', (ev: MessageEvent) => {
+      const data = parse(ev);
+      if (data) {
+        this._sample(data);
+      }
+    });
+    for (const kind of ['lease', 'warning', 'reclaim', 'resume', 'notice']) {
+      source.addEventListener(kind, (ev: MessageEvent) => {
+        const data = parse(ev);
+        if (data) {
+          this._events.emit({ kind, ...data } as IFeedEvent);
+        }
+        void this.refresh();
+      });
+    }
+    source.onerror = () => {
+      // EventSource reconnects by itself (with Last-Event-ID) while it can; when it gives up,
+      // or could never connect, keep the figures coming by asking and try the stream again later
+      if (source.readyState === EventSource.CLOSED) {
+        this._source = null;
+        this._poll(opened ? 3 : 15);
+      }
     };
   }
 
-  private _poll(rounds = 10): void {
+  private _poll(rounds = 15): void {
     const tick = async () => {
       if (this._disposed) {
         return;

@@ -1,7 +1,7 @@
 /**
  * Words and numbers for the status bar and the panel: pure functions of the server's status JSON.
  */
-import { IDevice, IStatus, IWarning } from './api';
+import { IDevice, ILease, IStatus, IWarning } from './api';
 
 /** Seconds -> "1:12" (hours:minutes) for an hour or more, "14 min" / "40 s" below. */
 export function clock(seconds: number): string {
@@ -60,9 +60,9 @@ export function utilization(devices: IDevice[]): number | null {
   return vals.reduce((a, b) => a + b, 0) / vals.length;
 }
 
-/** True when the server says this server's kernels are suspended / their GPU was reclaimed. */
+/** True when a kernel of this server is suspended (its GPU memory put aside while idle). */
 export function suspended(status: IStatus): boolean {
-  return Boolean(status.suspended) || (status.kernels ?? []).some(k => k.state === 'suspended');
+  return (status.kernels ?? []).some(k => k.state === 'suspended' || k.state === 'resuming');
 }
 
 /**
@@ -105,10 +105,13 @@ export function warningTitle(w: IWarning): string {
   switch (w.kind) {
     case 'expiring':
       return 'GPU lease ends soon';
-    case 'idle_reclaim':
+    case 'reclaim':
+    case 'lease_reclaim':
       return 'Idle GPU will be reclaimed';
-    case 'preempted':
+    case 'preemption':
       return 'GPU lease preempted';
+    case 'share_memory':
+      return 'GPU share over its memory';
     case 'reclaimed':
       return 'GPU reclaimed';
     case 'suspended':
@@ -126,4 +129,18 @@ export function mib(v: number | null | undefined): string {
     return '–';
   }
   return v >= 1024 ? `${(v / 1024).toFixed(1)} GiB` : `${Math.round(v)} MiB`;
+}
+
+/** 'A100-SXM4-80GB #0' or 'MIG 3g.40gb of A100-SXM4-80GB #0': a device named by the lease's placement. */
+export function deviceLabel(d: IDevice, lease: ILease | null | undefined): string {
+  const slices = lease?.placement?.slices ?? [];
+  const mig = slices.find(s => s.mig_uuid && s.mig_uuid === d.uuid);
+  if (mig) {
+    return `MIG ${mig.mig_profile} of ${mig.model} #${mig.index}`;
+  }
+  const gpu = slices.find(s => s.gpu_uuid === d.uuid);
+  if (gpu) {
+    return `${gpu.model} #${gpu.index}`;
+  }
+  return d.uuid.length > 16 ? `${d.uuid.slice(0, 14)}…` : d.uuid;
 }

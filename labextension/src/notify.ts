@@ -2,16 +2,15 @@
  * JupyterLab notifications for the lease's warnings, each once, with the actions that answer it.
  */
 import { Notification } from '@jupyterlab/apputils';
-import { IStatus, IWarning, LeaseFeed } from './api';
+import { IFeedEvent, IStatus, IWarning, LeaseFeed } from './api';
 import { warningTitle } from './format';
 import { runAction } from './panel';
 
-const ACTIONS: Record<string, { label: string; body: Record<string, unknown> }> = {
-  extend: { label: 'Extend 30 min', body: { by_s: 1800 } },
-  keep: { label: 'Keep 1 h', body: { for_s: 3600 } },
-  resume: { label: 'Resume', body: {} },
-  release: { label: 'Release', body: {} },
-  request: { label: 'Request again', body: {} }
+const ACTIONS: Record<string, { label: string; path: string; body: Record<string, unknown> }> = {
+  extend: { label: 'Extend 30 min', path: 'lease/extend', body: { by_s: 1800 } },
+  keep: { label: 'Keep 1 h', path: 'keep', body: { for_s: 3600 } },
+  resume: { label: 'Resume', path: 'resume', body: {} },
+  release: { label: 'Release', path: 'lease/release', body: { reason: 'released from a JupyterLab notification', force: true } }
 };
 
 /** Which actions answer a warning, when the server does not say. */
@@ -19,18 +18,18 @@ function defaultActions(w: IWarning): string[] {
   switch (w.kind) {
     case 'expiring':
       return ['extend', 'release'];
-    case 'idle_reclaim':
+    case 'reclaim':
+    case 'lease_reclaim':
       return ['keep', 'release'];
-    case 'suspended':
-    case 'reclaimed':
-      return ['resume'];
+    case 'preemption':
+      return ['release'];
     default:
       return [];
   }
 }
 
 function key(w: IWarning): string {
-  return w.id ?? `${w.kind}:${w.deadline ?? ''}`;
+  return `${w.kind}:${w.deadline ?? w.at ?? ''}:${w.kernel_id ?? ''}`;
 }
 
 /** Shows each new warning of the feed once, and dismisses it when the server drops it. */
@@ -39,6 +38,30 @@ export class WarningNotifier {
 
   constructor(private feed: LeaseFeed) {
     feed.changed.connect((_, s) => this._update(s), this);
+    feed.events.connect((_, e) => this._event(e), this);
+  }
+
+  /** Lease ends and reclaims are news of their own (they are not warnings that stand). */
+  private _event(e: IFeedEvent): void {
+    if (e.kind === 'warning') {
+      this._update({ ...(this.feed.status ?? { lease: null }), warnings: [...(this.feed.status?.warnings ?? []), e as unknown as IWarning] });
+      return;
+    }
+    const message = typeof e.message === 'string' ? e.message : '';
+    if (!message) {
+      return;
+    }
+    if (e.kind === 'lease' && ['ended', 'reclaimed'].includes(String(e.event))) {
+      Notification.warning(`GPU lease ${e.lease?.state ?? 'ended'}: ${message}`, { autoClose: false });
+    } else if (e.kind === 'lease' && e.event === 'granted') {
+      Notification.success(message, { autoClose: 6000 });
+    } else if (e.kind === 'reclaim') {
+      const actions = e.action === 'suspend' && e.outcome === 'done'
+        ? [{ label: 'Resume', caption: 'Resume (GPU lease)', displayType: 'accent' as const,
+             callback: () => void runAction(this.feed, 'resume', e.kernel_id ? { kernel_id: e.kernel_id } : {}) }]
+        : [];
+      Notification.warning(message, { autoClose: false, actions });
+    }
   }
 
   private _update(status: IStatus): void {
@@ -49,16 +72,19 @@ export class WarningNotifier {
       if (this._shown.has(k)) {
         continue;
       }
-      const actions = (w.actions ?? defaultActions(w))
+      const actions = defaultActions(w)
         .filter(a => a in ACTIONS)
         .map(a => ({
           label: ACTIONS[a].label,
           caption: `${ACTIONS[a].label} (GPU lease)`,
           displayType: 'accent' as const,
-          callback: () => void runAction(this.feed, a, ACTIONS[a].body)
+          callback: () => void runAction(this.feed, ACTIONS[a].path, ACTIONS[a].body)
         }));
       const id = Notification.warning(`${warningTitle(w)}: ${w.message}`, { autoClose: false, actions });
       this._shown.set(k, id);
+    }
+    if (status.warnings === undefined) {
+      return;
     }
     for (const [k, id] of [...this._shown]) {
       if (!current.has(k)) {

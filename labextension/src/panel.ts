@@ -3,14 +3,21 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
-import { act, IDevice, IStatus, LeaseFeed } from './api';
-import { about, clock, mib, statusLine, suspended } from './format';
+import { act, IDevice, ILease, IStatus, LeaseFeed } from './api';
+import { about, clock, deviceLabel, mib, statusLine, suspended } from './format';
+
+const DONE: Record<string, string> = {
+  'lease/extend': 'GPU lease extended',
+  keep: 'Idle reclaim postponed',
+  resume: 'Resuming: the kernels get a GPU back',
+  'lease/release': 'GPU lease released'
+};
 
 /** Run one action and tell the user how it went. */
 export async function runAction(feed: LeaseFeed, action: string, body: Record<string, unknown> = {}): Promise<void> {
   try {
-    const answer = await act(action, body);
-    const message = (answer && answer.message) || `GPU lease: ${action} done`;
+    await act(action, body);
+    const message = DONE[action] ?? `GPU lease: ${action} done`;
     Notification.success(message, { autoClose: 4000 });
   } catch (e: any) {
     Notification.error(`GPU lease: ${action} failed: ${e?.message ?? e}`, { autoClose: 8000 });
@@ -67,7 +74,7 @@ function bar(label: string, pct: number | null, text: string): HTMLElement {
   return row;
 }
 
-function deviceBlock(d: IDevice): HTMLElement {
+function deviceBlock(d: IDevice, lease: ILease | null | undefined): HTMLElement {
   const el = document.createElement('div');
   el.className = 'jp-gpulease-device';
   const head = document.createElement('div');
@@ -76,7 +83,7 @@ function deviceBlock(d: IDevice): HTMLElement {
     typeof d.temperature_c === 'number' ? `${Math.round(d.temperature_c)} °C` : '',
     typeof d.power_w === 'number' ? `${Math.round(d.power_w)} W` : ''
   ].filter(Boolean).join(' · ');
-  head.textContent = `${d.model ?? 'GPU'}${d.index !== undefined ? ` #${d.index}` : ''}${d.mig_profile ? ` ${d.mig_profile}` : ''}${extra ? ` — ${extra}` : ''}`;
+  head.textContent = `${deviceLabel(d, lease)}${extra ? ` — ${extra}` : ''}`;
   el.appendChild(head);
   const u = typeof d.utilization_pct === 'number' ? d.utilization_pct : null;
   el.appendChild(bar('util', u, u === null ? '–' : `${Math.round(u)}%`));
@@ -126,7 +133,9 @@ export class LeasePanel extends Widget {
     const info = document.createElement('div');
     info.className = 'jp-gpulease-panel-info';
     if (!lease) {
-      info.textContent = 'No GPU lease. Ask for one with %gpu request in a notebook.';
+      const last = s?.last_lease;
+      info.textContent = (last ? `Last lease ${last.state}${last.end_reason ? `: ${last.end_reason}` : ''}. ` : 'No GPU lease. ') +
+        'Ask for one with %gpu request in a notebook.';
     } else if (lease.state === 'queued') {
       const q = lease.queue ?? {};
       info.textContent = `Waiting: position ${q.position ?? '?'} of ${q.length ?? '?'}` +
@@ -137,7 +146,13 @@ export class LeasePanel extends Widget {
     }
     node.appendChild(info);
     for (const d of s?.devices ?? []) {
-      node.appendChild(deviceBlock(d));
+      node.appendChild(deviceBlock(d, lease));
+    }
+    if (s?.message) {
+      const el = document.createElement('div');
+      el.className = 'jp-gpulease-panel-warning';
+      el.textContent = s.message;
+      node.appendChild(el);
     }
     for (const w of s?.warnings ?? []) {
       const el = document.createElement('div');
@@ -156,14 +171,14 @@ export class LeasePanel extends Widget {
       buttons.appendChild(b);
     };
     if (lease?.state === 'active') {
-      add('Extend 30 min', 'extend', { by_s: 1800 });
+      add('Extend 30 min', 'lease/extend', { by_s: 1800 });
       add('Keep 1 h', 'keep', { for_s: 3600 });
     }
     if (s && suspended(s)) {
       add('Resume', 'resume');
     }
     if (lease && (lease.state === 'active' || lease.state === 'queued')) {
-      add(lease.state === 'queued' ? 'Withdraw' : 'Release', 'release');
+      add(lease.state === 'queued' ? 'Withdraw' : 'Release', 'lease/release', { reason: 'released from JupyterLab', force: true });
     }
     node.appendChild(buttons);
   }
