@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._duration import format_duration, parse_duration
+from ..core.text import format_duration, parse_duration
 
 # subcommand -> (arguments, one-line help); the order is the order of `%gpu help`
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from . import args as gpu_args
 from . import text
-from ._duration import format_duration
+from ..core.text import format_duration
 from .api import connect
 from .endpoint import NoServer, ServerError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._duration import format_duration
+from ..core.text import format_duration, format_table
 
 
 def _mib(v: float | None) -> str:
@@ -21,9 +21,7 @@ def _pct(v: float | None) -> str:
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:
-    cols = [headers, *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cols)
+    return format_table(rows, headers)
 
 
 def describe_request(r: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import ipywidgets as W
 
 from . import text
-from ._duration import format_duration
+from ..core.text import format_duration
 from .endpoint import ServerError
 from .feed import StatusFeed, shared_feed
 
