@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from jupyter_gpulease.kernel import args
 from jupyter_gpulease.core.text import format_duration, parse_duration
+from jupyter_gpulease.kernel import args
 
 
 @pytest.mark.parametrize("written, seconds", [

@@ -17,9 +17,9 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from ..core.text import format_duration
 from . import args as gpu_args
 from . import text
-from ..core.text import format_duration
 from .api import connect
 from .endpoint import NoServer, ServerError
 

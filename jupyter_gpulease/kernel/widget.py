@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import ipywidgets as W
 
-from . import text
 from ..core.text import format_duration
+from . import text
 from .endpoint import ServerError
 from .feed import StatusFeed, shared_feed
 
