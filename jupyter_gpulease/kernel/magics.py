@@ -107,7 +107,7 @@ class GPUMagics(Magics):
         except ServerError as e:
             where = f" (field '{e.field}')" if e.field else ""
             hint = ""
-            if e.status == 409 and cell is None and line.split()[:1] == ["release"]:
+            if e.status == 409 and cell is None and line.split()[:1] == ["release"] and "kernel" in e.message.lower():
                 hint = "\n(%gpu release --force gives it back anyway: those kernels lose the GPU under them)"
             self._err(f"gpulease: {e.message}{where}{hint}")
         return None
