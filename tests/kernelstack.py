@@ -30,7 +30,8 @@ from jupyter_gpulease.devices.simulated import SimulatedBackend
 class JupyterServer:
     """``jupyter server`` with the gpulease extension, as user ``user`` of the broker."""
 
-    def __init__(self, tmp_path: Path, broker_url: str, *, user: str = "alice", pool: list[dict] | None = None, extra_args: list[str] = ()):
+    def __init__(self, tmp_path: Path, broker_url: str, *, user: str = "alice", pool: list[dict] | None = None, extra_args: list[str] = (),
+                 extra_env: dict[str, str] | None = None):
         self.dir = tmp_path / f"server-{user}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.runtime = self.dir / "runtime"
@@ -48,6 +49,7 @@ class JupyterServer:
             JUPYTER_RUNTIME_DIR=str(self.runtime),
             IPYTHONDIR=str(self.dir / "ipython"),
             HOME=str(self.dir),
+            **(extra_env or {}),
         )
         cmd = [sys.executable, "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}",
                f"--IdentityProvider.token={self.token}", "--ServerApp.open_browser=False", f"--ServerApp.root_dir={self.dir}",

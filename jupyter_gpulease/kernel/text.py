@@ -94,6 +94,11 @@ def device_label(d: dict[str, Any], lease: dict[str, Any] | None) -> str:
     return uuid if len(uuid) <= 16 else uuid[:14] + "…"
 
 
+def current_warnings(status: dict[str, Any], now: float) -> list[dict[str, Any]]:
+    """The status's warnings that still stand: a warning whose deadline passed has come true or gone."""
+    return [w for w in status.get("warnings") or [] if w.get("deadline") is None or float(w["deadline"]) >= now]
+
+
 def suspended_kernels(status: dict[str, Any]) -> list[dict[str, Any]]:
     return [k for k in status.get("kernels") or [] if k.get("state") in ("suspended", "resuming")]
 
@@ -138,7 +143,7 @@ def status_text(status: dict[str, Any], now: float | None = None, *, kernel_id: 
     kernels = status.get("kernels") or []
     if kernels:
         lines += ["", table(["KERNEL", "GPU MEMORY", "UTIL", "STATE"], [kernel_row(k, kernel_id) for k in kernels])]
-    warnings = status.get("warnings") or []
+    warnings = current_warnings(status, now)
     notices = status.get("notices") or []
     if warnings or notices:
         lines.append("")

@@ -165,7 +165,7 @@ class LeaseWidget(W.VBox):
         wanted = tuple(self._rows[d.get("uuid") or text.device_label(d, lease)] for d in devices)
         if tuple(self.devices.children) != wanted:
             self.devices.children = wanted
-        warnings = [w.get("message") or w.get("kind", "") for w in status.get("warnings") or []]
+        warnings = [w.get("message") or w.get("kind", "") for w in text.current_warnings(status, now)]
         if suspended and not any("suspend" in w for w in warnings):
             warnings.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it")
         if status.get("message"):
@@ -183,7 +183,7 @@ class LeaseWidget(W.VBox):
             _set(b.layout, "display", None if show[name] else "none")
         _set(self.buttons["release"], "description", "Withdraw" if state == "queued" else "Release")
         self.state = {
-            "lease_id": (lease or {}).get("id"), "lease_state": state, "countdown": countdown, "queue": queue,
+            "header": head, "lease_id": (lease or {}).get("id"), "lease_state": state, "countdown": countdown, "queue": queue,
             "warnings": warnings, "suspended": suspended, "buttons": [n for n, v in show.items() if v],
             "utilization": {r.uuid: r.util.value for r in wanted}, "memory_mib": {r.uuid: r.mem.value for r in wanted},
         }
