@@ -27,9 +27,10 @@ pytestmark = pytest.mark.timeout(300)
 class Demo:
     """The demo command as a child process; ``url`` once it printed its banner."""
 
-    def __init__(self, state_dir: Path, *, password: str = "gpulease"):
+    def __init__(self, state_dir: Path, *, password: str = "gpulease", config_dir: Path | None = None):
         self.state = Path(state_dir)
         self.password = password
+        self.config_dir = config_dir  # --config-dir (default: the examples in config/)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out_path = self.state.parent / f"{self.state.name}-demo.out"
@@ -42,7 +43,7 @@ class Demo:
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (kept open while the demo runs)
         self.proc = subprocess.Popen(
             [str(exe), "demo", "--state-dir", str(self.state), "--port", str(self.port), "--password", self.password,
-             "--device-backend", "simulated"],
+             "--device-backend", "simulated", *(["--config-dir", str(self.config_dir)] if self.config_dir else [])],
             stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 

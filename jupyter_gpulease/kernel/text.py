@@ -95,8 +95,15 @@ def device_label(d: dict[str, Any], lease: dict[str, Any] | None) -> str:
 
 
 def current_warnings(status: dict[str, Any], now: float) -> list[dict[str, Any]]:
-    """The status's warnings that still stand: a warning whose deadline passed has come true or gone."""
-    return [w for w in status.get("warnings") or [] if w.get("deadline") is None or float(w["deadline"]) >= now]
+    """The status's warnings that still stand, the latest of each kind (per kernel): a warning
+    whose deadline passed has come true or gone, and a repeated one replaces the earlier."""
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for w in status.get("warnings") or []:
+        if w.get("deadline") is not None and float(w["deadline"]) < now:
+            continue
+        latest.pop((w.get("kind", ""), w.get("kernel_id") or ""), None)
+        latest[(w.get("kind", ""), w.get("kernel_id") or "")] = w
+    return list(latest.values())
 
 
 def suspended_kernels(status: dict[str, Any]) -> list[dict[str, Any]]:

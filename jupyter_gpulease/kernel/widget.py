@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any, ClassVar
 
@@ -152,7 +153,10 @@ class LeaseWidget(W.VBox):
         countdown = ""
         if lease and state == "active" and lease.get("expires_at") is not None:
             countdown = format_duration(max(0.0, float(lease["expires_at"]) - now)) + " left"
-        _set(self.countdown, "value", f"⏱ {countdown}" if countdown else "")
+            ends = time.strftime("%H:%M", time.localtime(float(lease["expires_at"])))
+            _set(self.countdown, "value", f'<span class="gpulease-countdown">Time left: <b>{countdown[:-5]}</b> (ends at {ends})</span>')
+        else:
+            _set(self.countdown, "value", "")
         queue = text.queue_words(lease, now) if state == "queued" else ""
         _set(self.queue, "value", f"queue: {html.escape(queue)}" if queue else "")
         devices = status.get("devices") or []

@@ -144,3 +144,17 @@ export function deviceLabel(d: IDevice, lease: ILease | null | undefined): strin
   }
   return d.uuid.length > 16 ? `${d.uuid.slice(0, 14)}…` : d.uuid;
 }
+
+/** The warnings that still stand: the latest of each kind (per kernel), deadlines not yet passed. */
+export function currentWarnings(status: IStatus | null, now: number): IWarning[] {
+  const latest = new Map<string, IWarning>();
+  for (const w of status?.warnings ?? []) {
+    if (typeof w.deadline === 'number' && w.deadline < now) {
+      continue;
+    }
+    const k = `${w.kind}:${w.kernel_id ?? ''}`;
+    latest.delete(k);
+    latest.set(k, w);
+  }
+  return [...latest.values()];
+}

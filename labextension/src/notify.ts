@@ -3,7 +3,7 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 import { IFeedEvent, IStatus, IWarning, LeaseFeed } from './api';
-import { warningTitle } from './format';
+import { currentWarnings, warningTitle } from './format';
 import { runAction } from './panel';
 
 const ACTIONS: Record<string, { label: string; path: string; body: Record<string, unknown> }> = {
@@ -28,13 +28,14 @@ function defaultActions(w: IWarning): string[] {
   }
 }
 
+/** One notification per kind of warning (and kernel); a warning with a new deadline replaces it. */
 function key(w: IWarning): string {
-  return `${w.kind}:${w.deadline ?? w.at ?? ''}:${w.kernel_id ?? ''}`;
+  return `${w.kind}:${w.kernel_id ?? ''}`;
 }
 
 /** Shows each new warning of the feed once, and dismisses it when the server drops it. */
 export class WarningNotifier {
-  private _shown = new Map<string, string>(); // warning key -> notification id
+  private _shown = new Map<string, { id: string; deadline: number | null; text: string }>(); // warning key -> its notification
 
   constructor(private feed: LeaseFeed) {
     feed.changed.connect((_, s) => this._update(s), this);
@@ -65,12 +66,24 @@ export class WarningNotifier {
   }
 
   private _update(status: IStatus): void {
+    if (status.warnings === undefined) {
+      return;
+    }
     const current = new Set<string>();
-    for (const w of status.warnings ?? []) {
+    for (const w of currentWarnings(status, this.feed.now())) {
       const k = key(w);
       current.add(k);
-      if (this._shown.has(k)) {
+      const deadline = typeof w.deadline === 'number' ? w.deadline : null;
+      const shown = this._shown.get(k);
+      const text = `${warningTitle(w)}: ${w.message}`;
+      if (shown && shown.text === text) {
         continue;
+      }
+      if (shown && (shown.deadline === deadline || (shown.deadline !== null && deadline !== null && Math.abs(shown.deadline - deadline) < 60))) {
+        continue;
+      }
+      if (shown) {
+        Notification.dismiss(shown.id);
       }
       const actions = defaultActions(w)
         .filter(a => a in ACTIONS)
@@ -80,15 +93,12 @@ export class WarningNotifier {
           displayType: 'accent' as const,
           callback: () => void runAction(this.feed, ACTIONS[a].path, ACTIONS[a].body)
         }));
-      const id = Notification.warning(`${warningTitle(w)}: ${w.message}`, { autoClose: false, actions });
-      this._shown.set(k, id);
+      const id = Notification.warning(text, { autoClose: false, actions });
+      this._shown.set(k, { id, deadline, text });
     }
-    if (status.warnings === undefined) {
-      return;
-    }
-    for (const [k, id] of [...this._shown]) {
+    for (const [k, shown] of [...this._shown]) {
       if (!current.has(k)) {
-        Notification.dismiss(id);
+        Notification.dismiss(shown.id);
         this._shown.delete(k);
       }
     }

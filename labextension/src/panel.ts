@@ -4,7 +4,7 @@
 import { Notification } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 import { act, IDevice, ILease, IStatus, LeaseFeed } from './api';
-import { about, clock, deviceLabel, mib, statusLine, suspended } from './format';
+import { about, clock, currentWarnings, deviceLabel, mib, statusLine, suspended } from './format';
 
 const DONE: Record<string, string> = {
   'lease/extend': 'GPU lease extended',
@@ -49,7 +49,7 @@ export class LeaseStatusItem extends Widget {
     this.node.textContent = statusLine(s, this.feed.now());
     const state = !s ? 'unknown' : suspended(s) ? 'suspended' : s.lease?.state ?? 'none';
     this.node.dataset.state = state;
-    this.node.classList.toggle('jp-gpulease-warn', Boolean(s?.warnings?.length));
+    this.node.classList.toggle('jp-gpulease-warn', currentWarnings(s, this.feed.now()).length > 0);
   }
 
   private _timer: number;
@@ -112,11 +112,13 @@ export class LeasePanel extends Widget {
     if (!this.isAttached) {
       Widget.attach(this, document.body);
     }
-    const r = anchor.getBoundingClientRect();
-    this.node.style.right = `${Math.max(8, window.innerWidth - r.right)}px`;
-    this.node.style.bottom = `${window.innerHeight - r.top + 4}px`;
     this.show();
     this.render();
+    // above the status-bar item, kept inside the window
+    const r = anchor.getBoundingClientRect();
+    const width = this.node.offsetWidth || 360;
+    this.node.style.left = `${Math.max(8, Math.min(r.left, window.innerWidth - width - 8))}px`;
+    this.node.style.bottom = `${window.innerHeight - r.top + 4}px`;
     void this.feed.refresh();
   }
 
@@ -154,7 +156,7 @@ export class LeasePanel extends Widget {
       el.textContent = s.message;
       node.appendChild(el);
     }
-    for (const w of s?.warnings ?? []) {
+    for (const w of currentWarnings(s, now)) {
       const el = document.createElement('div');
       el.className = 'jp-gpulease-panel-warning';
       el.textContent = w.message;
