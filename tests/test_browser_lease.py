@@ -14,7 +14,6 @@ lease is warned at once) and has servers send heartbeats every 2 s.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 
 from hubharness import wait_for
 from jupyter_gpulease.devices.simulated import SimulatedBackend
-from test_browser import CHROMIUM_ARGS, chromium_path, login, start_from_form
+from test_browser import CHROMIUM_ARGS, login, start_from_form
 from test_demo import Demo
 
 pytestmark = pytest.mark.timeout(600)
@@ -82,16 +81,15 @@ def open_notebook_and_run(page, code: str) -> None:
     wait_for(lambda: re.search(r"\[(\*|\d+)\]", prompt.inner_text()) is not None, 60, f"the cell {code!r} did not run", interval=0.5)
 
 
-def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (into the venv)")
+def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_path, playwright_sync_api, chromium):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     state = tmp_path / "state"
     state.mkdir()
     demo = Demo(state, config_dir=demo_config(tmp_path, state)).start()
     sim = SimulatedBackend({"state_file": str(state / "sim-gpus.json")})
     try:
-        with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        with playwright_sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
             try:
                 alice = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
                 login(alice, demo.url, "alice", demo.password)
