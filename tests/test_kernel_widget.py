@@ -77,7 +77,7 @@ def wait_widget(k, predicate, message: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = widget_state(k)
-        if predicate(s):
+        if s and predicate(s):  # {} until the feed's first read reached the widget
             return s
         if time.monotonic() > deadline:
             st = k.server.status()
