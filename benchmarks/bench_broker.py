@@ -36,7 +36,7 @@ from brokerutil import _fake_authenticate, broker_url, make_broker
 from jupyter_gpulease.broker import handlers
 from jupyter_gpulease.broker.manager import SystemClock
 from jupyter_gpulease.client import BrokerClient
-from jupyter_gpulease.core.model import parse_request
+from jupyter_gpulease.core.request import Ask, parse_request
 
 
 def rss_mib() -> float:
@@ -109,7 +109,7 @@ async def memory(tmp: Path, n: int) -> dict:
     t0 = time.perf_counter()
     events = []
     for i in range(n):
-        lease = sched.new_lease(user=f"user{i % 500}", request=parse_request({"gpus": 1}), now=now, lease_id=f"bench{i:06d}")
+        lease = sched.new_lease(Ask(user=f"user{i % 500}", request=parse_request({"gpus": 1})), now, lease_id=f"bench{i:06d}")
         events += sched.submit(lease, now)
     t_submit = time.perf_counter() - t0
     t0 = time.perf_counter()

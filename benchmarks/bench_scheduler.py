@@ -24,8 +24,9 @@ import statistics
 import sys
 import time
 
-from jupyter_gpulease.core.model import GPU, LeaseState, parse_request
+from jupyter_gpulease.core.model import GPU, LeaseState
 from jupyter_gpulease.core.policy import HOUR, Policy
+from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.scheduler import Scheduler
 
 MODELS = [("A100-SXM4-80GB", 81920), ("V100-SXM2-32GB", 32768), ("T4", 15360), ("L4", 24576)]
@@ -60,7 +61,7 @@ def build(n_gpus: int, n_queued: int, fair: bool, seed: int = 1) -> tuple[Schedu
     now = 1_000_000.0
     # fill the pool: submit until nothing more fits, then tick once
     for i in range(int(n_gpus * 1.3)):
-        lease = s.new_lease(user=f"u{i % 200}", request=parse_request(random_request(rng)), now=now, tier=rng.choice(TIERS), duration_s=rng.uniform(0.5, 4) * HOUR)
+        lease = s.new_lease(Ask(user=f"u{i % 200}", request=parse_request(random_request(rng)), tier=rng.choice(TIERS), duration_s=rng.uniform(0.5, 4) * HOUR), now)
         s.submit(lease, now)
     s.tick(now)
     for lease in list(s.leases.values()):
@@ -69,24 +70,22 @@ def build(n_gpus: int, n_queued: int, fair: bool, seed: int = 1) -> tuple[Schedu
     for lease in s.leases.values():  # fair share has history to work with
         lease.granted_at -= rng.uniform(0, HOUR)
     for _ in range(n_queued):
-        lease = s.new_lease(user=f"u{rng.randrange(200)}", request=parse_request(random_request(rng)), now=now + 1, tier=rng.choice(TIERS), duration_s=rng.uniform(0.25, 4) * HOUR)
+        lease = s.new_lease(Ask(user=f"u{rng.randrange(200)}", request=parse_request(random_request(rng)), tier=rng.choice(TIERS), duration_s=rng.uniform(0.25, 4) * HOUR), now + 1)
         s.submit(lease, now + 1)
     return s, now + 2
 
 
-def timed(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def bench(n_gpus: int, n_queued: int, fair: bool, repeat: int) -> dict:
     s, now = build(n_gpus, n_queued, fair)
-    idle = timed(lambda: s.schedule(now), repeat)
-    order = timed(lambda: (setattr(s, "_order", None), s.queue()), max(1, repeat // 2))
+    idle, order = [], []
+    for _ in range(repeat):  # a pass, then the full queue order as of that pass (what positions for every lease cost)
+        t = time.perf_counter()
+        s.schedule(now)
+        idle.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        s.queue()
+        order.append(time.perf_counter() - t)
+    idle, order = statistics.median(idle), statistics.median(order)
     # churn: end 1% of active leases, then one pass grants into the room
     churn = []
     grants = 0

@@ -63,23 +63,25 @@ c.GPULeaseBroker.group_quotas = {"students": {"max_gpus": 2}}  # all members tog
 
 # --------------------------------------------------------------------------- scheduling
 c.GPULeaseBroker.fair_share = True  # within a tier, less recent use goes first
-c.GPULeaseBroker.fair_share_half_life = 7 * 24 * 3600  # seconds
+c.GPULeaseBroker.fair_share_half_life_s = 7 * 24 * 3600  # seconds
 c.GPULeaseBroker.backfill = True  # small requests may start ahead of a blocked big one if they do not delay it
 c.GPULeaseBroker.preemption = True
 c.GPULeaseBroker.reservation_depth = 100  # queued leases that get a reservation and an ETA each pass
 c.GPULeaseBroker.extend_when_contended = False  # refuse extensions while a lease of the same or a higher tier (or an aged one) waits for these GPUs
-c.GPULeaseBroker.aging = 1800  # s: a lease waiting this long goes before newer higher-tier ones; 0: never
+c.GPULeaseBroker.aging_s = 1800  # s: a lease waiting this long goes before newer higher-tier ones; 0: never
 c.GPULeaseBroker.multi_gpu_aging = 1.0  # a request for several whole GPUs ages after aging x this (0.5: sooner)
 c.GPULeaseBroker.short_grants = True  # preemptible leases may start on promised GPUs until the promise begins
 c.GPULeaseBroker.placement_by_preemptibility = True  # keep preemptible work together so whole nodes can be freed
 c.GPULeaseBroker.share_placement = "best_fit"  # or "fragmentation": leave room for the share sizes people ask for
-c.GPULeaseBroker.warn_before = 600  # seconds before expiry the holder is warned
+c.GPULeaseBroker.warn_before_s = 600  # seconds before expiry the holder is warned
+c.GPULeaseBroker.min_duration_s = 600  # shortest lease anyone may ask for (seconds)
+c.GPULeaseBroker.resume_priority = False  # True: a kernel coming back after an idle reclaim goes ahead of new requests of its tier
 c.GPULeaseBroker.tick_interval = 5  # seconds between scheduling passes
 
 # Every lease ends, even if its holder dies: one never confirmed (its server never came
-# up) is revoked after confirm_timeout; one whose heartbeats stop after heartbeat_timeout.
-c.GPULeaseBroker.confirm_timeout = 900  # 0: never
-c.GPULeaseBroker.heartbeat_timeout = 300  # 0: never; the server extension sends one every 30 s (GPULeaseExtension.heartbeat_interval)
+# up) is revoked after confirm_timeout_s; one whose heartbeats stop after heartbeat_timeout_s.
+c.GPULeaseBroker.confirm_timeout_s = 900  # 0: never
+c.GPULeaseBroker.heartbeat_timeout_s = 300  # 0: never; the server extension sends one every 30 s (GPULeaseExtension.heartbeat_interval)
 
 # --------------------------------------------------------------------------- the hub
 # Stop the holder's server when the broker ends its lease (expired, preempted, revoked,

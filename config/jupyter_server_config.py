@@ -46,7 +46,7 @@ c.GPULeaseExtension.resume_on_execute = True
 c.GPULeaseExtension.share_grace = 60
 
 # ------------------------------------------------------------------ reporting
-# Heartbeats with usage to the broker; keep it well under the broker's heartbeat_timeout.
+# Heartbeats with usage to the broker; keep it well under the broker's heartbeat_timeout_s.
 c.GPULeaseExtension.heartbeat_interval = 30
 # GPU work counts as server activity for the hub and jupyterhub-idle-culler.
 c.GPULeaseExtension.report_activity = True

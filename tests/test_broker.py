@@ -281,12 +281,12 @@ def test_the_admin_page_lists_holders_queue_and_pool():
     app = make_broker(tmp)
 
     async def fill():
-        from jupyter_gpulease.core.model import parse_request
+        from jupyter_gpulease.core.request import Ask, parse_request
 
         m = app.manager
         await m.start()
-        await m.request(user="alice", request=parse_request({"gpus": 2, "model": "A100*"}))
-        await m.request(user="bob<script>", request=parse_request({"gpus": 1, "model": "A100*"}))
+        await m.request(Ask(user="alice", request=parse_request({"gpus": 2, "model": "A100*"})))
+        await m.request(Ask(user="bob<script>", request=parse_request({"gpus": 1, "model": "A100*"})))
         page = render_admin_page(m, m.now())
         await m.close()
         return page
@@ -343,7 +343,7 @@ def test_an_expired_lease_stops_its_server_through_the_hub_api_when_configured(t
 
     async def scenario():
         fake = web.Application([(r"/hub/api/(.*)", FakeHubAPI)]).listen(hub_port, "127.0.0.1")
-        app = make_broker(tmp_path, clock, stop_servers_on_end=True, confirm_timeout=0)
+        app = make_broker(tmp_path, clock, stop_servers_on_end=True, confirm_timeout_s=0)
         app.update_config(Config({"HubAuth": {"api_url": f"http://127.0.0.1:{hub_port}/hub/api", "api_token": "broker-token"}}))
         await app.start_async()
         try:
@@ -474,7 +474,7 @@ def test_the_check_with_the_hub_revokes_leases_whose_server_is_gone_after_the_gr
 
     async def scenario():
         hub.start()
-        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout=0)
+        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout_s=0)
         hub.configure(app)
         app.log.addHandler(Record())
         await app.start_async()
@@ -527,7 +527,7 @@ def test_the_check_with_the_hub_runs_at_start_and_periodically(tmp_path):
 
     async def scenario():
         hub.start()
-        app = make_broker(tmp_path, ManualClock(), reconcile_interval=0.05, reconcile_grace=0, confirm_timeout=0)
+        app = make_broker(tmp_path, ManualClock(), reconcile_interval=0.05, reconcile_grace=0, confirm_timeout_s=0)
         hub.configure(app)
         await app.start_async()
         try:
@@ -580,7 +580,7 @@ def test_the_check_with_the_hub_withdraws_a_queued_lease_whose_spawn_the_hub_for
 
     async def scenario():
         hub.start()
-        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout=0)
+        app = make_broker(tmp_path, clock, reconcile_interval=0, reconcile_grace=120, confirm_timeout_s=0)
         hub.configure(app)
         await app.start_async()
         try:

@@ -48,8 +48,8 @@ def test_generate_config_writes_every_option_with_its_help(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     for option in ("db_url", "device_backend", "devices", "tiers", "default_tier", "user_quotas", "group_quotas", "default_user_quota",
-                   "fair_share_half_life", "warn_before", "reservation_depth", "extend_when_contended", "confirm_timeout",
-                   "heartbeat_timeout", "tick_interval", "stop_servers_on_end", "admin_scope", "bind_url"):
+                   "fair_share_half_life_s", "warn_before_s", "reservation_depth", "extend_when_contended", "confirm_timeout_s",
+                   "heartbeat_timeout_s", "min_duration_s", "resume_priority", "tick_interval", "stop_servers_on_end", "admin_scope", "bind_url"):
         assert f"c.GPULeaseBroker.{option} =" in text, option
 
 

@@ -30,7 +30,7 @@ c.GPULeaseBroker.db_url = {db_url!r}
 c.GPULeaseBroker.device_backend = "simulated"
 c.GPULeaseBroker.devices = {{"gpus": {pool!r}}}
 c.GPULeaseBroker.tick_interval = 1
-c.GPULeaseBroker.confirm_timeout = 0
+c.GPULeaseBroker.confirm_timeout_s = 0
 """
 
 

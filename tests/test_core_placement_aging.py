@@ -3,8 +3,9 @@
 import pytest
 
 from jupyter_gpulease.core import events as ev
-from jupyter_gpulease.core.model import GPU, LeaseState, Refused, parse_request
+from jupyter_gpulease.core.model import GPU, LeaseState, Refused
 from jupyter_gpulease.core.policy import HOUR, Policy
+from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.scheduler import Scheduler
 
 T0 = 1_000_000.0
@@ -15,7 +16,7 @@ def pool(nodes=2, per_node=4):
 
 
 def lease(s, user, gpus=1, tier="experiment", now=T0, duration_s=HOUR):
-    lease = s.new_lease(user=user, request=parse_request({"gpus": gpus}), now=now, tier=tier, duration_s=duration_s)
+    lease = s.new_lease(Ask(user=user, request=parse_request({"gpus": gpus}), tier=tier, duration_s=duration_s), now)
     s.submit(lease, now)
     return lease
 
@@ -87,7 +88,8 @@ def test_no_aging_keeps_strict_tier_order():
 
 
 _TIE_SCRIPT = """
-from jupyter_gpulease.core.model import GPU, parse_request
+from jupyter_gpulease.core.model import GPU
+from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.policy import HOUR, Policy
 from jupyter_gpulease.core.scheduler import Scheduler
 gpus = [GPU(f"GPU-{m}{n}-{i}", f"{m}-node{n}", i, m, 81920) for m in ("A100", "H100") for n in range(12) for i in range(4)]
@@ -95,8 +97,8 @@ s = Scheduler(gpus, Policy(confirm_timeout_s=None))
 out = []
 for k in range(30):
     model = ("A100", "H100", "A100|H100")[k % 3]
-    l = s.new_lease(user=f"u{k}", request=parse_request({"gpus": 4, "model": model}), now=0.0, duration_s=HOUR * (1 + k % 4), lease_id=f"L{k}")
-    s.submit(l, 0.0)
+    lease = s.new_lease(Ask(user=f"u{k}", request=parse_request({"gpus": 4, "model": model}), duration_s=HOUR * (1 + k % 4)), 0.0, lease_id=f"L{k}")
+    s.submit(lease, 0.0)
 s.tick(0.0)
 for l in s.queue():
     out.append((l.id, s.eta(l.id)))
@@ -124,7 +126,7 @@ def test_ties_between_equal_nodes_break_the_same_way_whatever_the_hash_seed():
 
 # ------------------------------------------------------------------ fragmentation-aware shares
 def share(s, user, frac, now=T0):
-    lease = s.new_lease(user=user, request=parse_request({"share": frac}), now=now, duration_s=HOUR)
+    lease = s.new_lease(Ask(user=user, request=parse_request({"share": frac}), duration_s=HOUR), now)
     s.submit(lease, now)
     s.tick(now)
     return lease

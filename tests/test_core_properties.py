@@ -5,8 +5,9 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpulease.core.model import GPU, MILLI, LeaseError, LeaseState, MigInstance, parse_request
+from jupyter_gpulease.core.model import GPU, MILLI, LeaseError, LeaseState, MigInstance
 from jupyter_gpulease.core.policy import Policy, Quota
+from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.scheduler import Scheduler
 
 T0 = 1_000_000.0
@@ -66,7 +67,6 @@ def check_invariants(s: Scheduler, all_leases):
     assert all(v == 1 for v in mig_holders.values())
     # positions asked one by one (the order is built lazily) agree with the full order
     queued = sorted(lease.id for lease in s.leases.values() if lease.state is LeaseState.QUEUED)
-    s._order = None
     positions = {lid: s.queue_position(lid) for lid in reversed(queued[: len(queued) // 2 + 1])} if queued else {}
     # queue order respected: tiers by priority, never a lower tier before a higher one
     q = s.queue()
@@ -91,7 +91,7 @@ def test_invariants_hold_under_random_operations(seq, fair, quota, share_placeme
         try:
             if op[0] == "ask":
                 _, user, req, tier, dur = op
-                lease = s.new_lease(user=user, request=parse_request(req), now=now, tier=tier, duration_s=min(dur, pol.tiers[tier].max_duration_s))
+                lease = s.new_lease(Ask(user=user, request=parse_request(req), tier=tier, duration_s=min(dur, pol.tiers[tier].max_duration_s)), now)
                 s.submit(lease, now)
                 all_leases.append(lease)
             elif op[0] == "release" and all_leases:
@@ -119,7 +119,7 @@ def _head_is_never_delayed(jobs, pol):
     now = T0
     leases = []
     for n, d, tier in jobs:
-        lease = s.new_lease(user="u", request=parse_request({"gpus": n}), now=now, duration_s=d, tier=tier)
+        lease = s.new_lease(Ask(user="u", request=parse_request({"gpus": n}), duration_s=d, tier=tier), now)
         s.submit(lease, now)
         leases.append(lease)
     s.tick(now)

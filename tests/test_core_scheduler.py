@@ -3,18 +3,9 @@
 import pytest
 
 from jupyter_gpulease.core import events as ev
-from jupyter_gpulease.core.model import (
-    GPU,
-    BadRequest,
-    Conflict,
-    Forbidden,
-    LeaseState,
-    MigInstance,
-    NotFound,
-    Refused,
-    parse_request,
-)
+from jupyter_gpulease.core.model import GPU, BadRequest, Conflict, Forbidden, LeaseState, MigInstance, NotFound, Refused
 from jupyter_gpulease.core.policy import HOUR, Policy, Quota, Tier
+from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.scheduler import Scheduler
 
 
@@ -43,7 +34,7 @@ def mig_gpu(node="n9"):
 
 def ask(s, user, req=None, now=T0, **kw):
     kw.setdefault("duration_s", HOUR)
-    lease = s.new_lease(user=user, request=parse_request(req or {"gpus": 1}), now=now, **kw)
+    lease = s.new_lease(Ask(user=user, request=parse_request(req or {"gpus": 1}), **kw), now)
     s.submit(lease, now)
     return lease
 
@@ -95,9 +86,9 @@ def test_mig_requests_get_an_instance_of_their_profile_and_nothing_else_uses_mig
     assert a.placement.slices[0].mig_uuid == "MIG-n9-1"
     assert a.placement.device_ids() == ["MIG-n9-1"]
     with pytest.raises(Refused, match="MIG"):
-        s.new_lease(user="b", request=parse_request({"share": 0.5}), now=T0)
+        s.new_lease(Ask(user="b", request=parse_request({"share": 0.5})), T0)
     with pytest.raises(Refused):
-        s.new_lease(user="b", request=parse_request({"gpus": 1}), now=T0)
+        s.new_lease(Ask(user="b", request=parse_request({"gpus": 1})), T0)
 
 
 def test_model_globs_and_lists_constrain_placement():
@@ -123,7 +114,7 @@ def test_model_globs_and_lists_constrain_placement():
 def test_impossible_requests_are_refused_at_once_with_the_reason(req, match):
     s = Scheduler(gpus(2), P())
     with pytest.raises(Refused, match=match):
-        s.new_lease(user="a", request=parse_request(req), now=T0)
+        s.new_lease(Ask(user="a", request=parse_request(req)), T0)
     assert not s.leases
 
 
@@ -150,13 +141,13 @@ def test_tier_rules_duration_limits_and_who_may_use_a_tier():
     pol = P(tiers={"prod": Tier("prod", 10, max_duration_s=HOUR, default_duration_s=HOUR, groups=("staff",)), "open": Tier("open", 1)}, default_tier="open")
     s = Scheduler(gpus(1), pol)
     with pytest.raises(Forbidden, match="may not use tier 'prod'"):
-        s.new_lease(user="a", request=parse_request({}), now=T0, tier="prod")
-    s.new_lease(user="a", groups=["staff"], request=parse_request({}), now=T0, tier="prod")
+        s.new_lease(Ask(user="a", request=parse_request({}), tier="prod"), T0)
+    s.new_lease(Ask(user="a", groups=["staff"], request=parse_request({}), tier="prod"), T0)
     with pytest.raises(BadRequest, match="over the 1 h limit") as e:
-        s.new_lease(user="a", groups=["staff"], request=parse_request({}), now=T0, tier="prod", duration_s=2 * HOUR)
+        s.new_lease(Ask(user="a", groups=["staff"], request=parse_request({}), tier="prod", duration_s=2 * HOUR), T0)
     assert e.value.field == "duration_s"
     with pytest.raises(BadRequest, match="unknown tier"):
-        s.new_lease(user="a", request=parse_request({}), now=T0, tier="gold")
+        s.new_lease(Ask(user="a", request=parse_request({}), tier="gold"), T0)
 
 
 # ------------------------------------------------------------------ order
@@ -193,8 +184,8 @@ def test_fair_share_puts_the_lighter_user_first_and_interleaves_heavy_queues():
 def test_fair_share_usage_decays_with_the_half_life():
     s = Scheduler(gpus(1), P(fair_share_half_life_s=HOUR))
     s.record_usage("u", (), T0 - HOUR, T0, 1000)
-    assert s._fair.value("u", T0) == pytest.approx(3600)
-    assert s._fair.value("u", T0 + HOUR) == pytest.approx(1800)
+    assert s.user_usage("u", (), T0)["fair_share_usage_gpu_hours"] == pytest.approx(1.0)
+    assert s.user_usage("u", (), T0 + HOUR)["fair_share_usage_gpu_hours"] == pytest.approx(0.5)
 
 
 # ------------------------------------------------------------------ backfill and ETA
@@ -221,7 +212,7 @@ def test_without_backfill_nothing_passes_a_waiting_lease():
     ask(s, "a")
     s.tick(T0)
     ask(s, "b", {"gpus": 2})
-    short = ask(s, "c", duration_s=60)
+    short = ask(s, "c", duration_s=600)  # short enough to backfill, were backfill on
     s.tick(T0)
     assert short.state is LeaseState.QUEUED
 
@@ -249,7 +240,7 @@ def test_concurrent_quota_holds_back_without_refusing_and_shares_count_by_fracti
     assert a.state is b.state is LeaseState.ACTIVE
     assert c.state is LeaseState.QUEUED and "quota" in s.waiting_for(c.id)
     with pytest.raises(Refused, match="limit of 1 concurrent GPUs"):
-        s.new_lease(user="u", request=parse_request({"gpus": 2}), now=T0)
+        s.new_lease(Ask(user="u", request=parse_request({"gpus": 2})), T0)
     s.release(a.id, T0 + 1)
     s.tick(T0 + 1)
     assert c.state is LeaseState.ACTIVE
@@ -259,8 +250,8 @@ def test_gpu_hour_quota_refuses_what_would_go_over_and_names_what_is_left():
     s = Scheduler(gpus(4), P(default_user_quota=Quota(gpu_hours=3, period_s=24 * HOUR)))
     s.record_usage("u", (), T0 - 3 * HOUR, T0 - HOUR, 1000)  # 2 GPU-hours used
     with pytest.raises(Refused, match=r"1\.0 left"):
-        s.new_lease(user="u", request=parse_request({"gpus": 1}), now=T0, duration_s=2 * HOUR)
-    s.new_lease(user="u", request=parse_request({"gpus": 1}), now=T0, duration_s=HOUR)
+        s.new_lease(Ask(user="u", request=parse_request({"gpus": 1}), duration_s=2 * HOUR), T0)
+    s.new_lease(Ask(user="u", request=parse_request({"gpus": 1}), duration_s=HOUR), T0)
 
 
 def test_group_quota_counts_all_members():

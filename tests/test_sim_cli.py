@@ -1,21 +1,21 @@
-"""`jupyter gpulease simulate` end to end: the real shared trace samples (a slice), JSON, plots, errors."""
+"""`jupyter gpulease simulate` end to end: the real trace samples shipped in the package (a slice), JSON, plots, errors."""
 
 import json
 import os
 
-import pytest
-
 from jupyter_gpulease.sim import cli
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir
-
-TRACES = default_traces_dir()
-needs_traces = pytest.mark.skipif(
-    not os.path.exists(os.path.join(TRACES, SHARED_FILES["alibaba"])),
-    reason=f"shared trace samples not found in {TRACES} (they live outside the repository: set GPULEASE_TRACES or put shared/traces beside the clone)",
-)
+from jupyter_gpulease.sim.traces import SAMPLE_FILES, default_traces_dir
 
 
-@needs_traces
+def test_the_trace_samples_ship_with_the_package_and_their_sources():
+    d = default_traces_dir()
+    for name in SAMPLE_FILES.values():
+        assert os.path.getsize(os.path.join(d, name)) > 10_000, name
+    with open(os.path.join(d, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert "alibaba/clusterdata" in readme and "NotebookOS" in readme and "License" in readme
+
+
 def test_alibaba_slice_compares_all_policies_and_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "ali.json"
     rc = cli.main(["--trace", "alibaba", "--window-days", "115:", "--limit", "300", "--compress", "4", "--pool-nodes", "2", "--json", str(out), "--plots", str(tmp_path / "ali"), "--no-progress"])
@@ -40,7 +40,6 @@ def test_alibaba_slice_compares_all_policies_and_writes_json_and_plots(tmp_path,
         assert os.path.getsize(p) > 1000
 
 
-@needs_traces
 def test_notebook_slice_with_idle_sweep(tmp_path, capsys):
     out = tmp_path / "nb.json"
     rc = cli.main(["--trace", "notebook", "--limit", "80", "--pool-nodes", "2", "--idle-sweep", "5,30", "--json", str(out), "--plots", str(tmp_path / "nb"), "--no-progress"])
@@ -70,9 +69,9 @@ def test_malformed_csv_gives_file_line_column_not_a_traceback(tmp_path, capsys):
     assert "lacks column(s)" in capsys.readouterr().err
 
 
-def test_missing_shared_traces_are_a_clear_error(tmp_path, capsys):
+def test_missing_trace_samples_are_a_clear_error(tmp_path, capsys):
     assert cli.main(["--trace", "notebook", "--traces-dir", str(tmp_path), "--no-progress"]) == 2
-    assert "--traces-dir or set GPULEASE_TRACES" in capsys.readouterr().err
+    assert "pass --traces-dir or set GPULEASE_TRACES" in capsys.readouterr().err
 
 
 def test_notebook_csv_by_path_with_its_own_pool(tmp_path, capsys):

@@ -37,7 +37,8 @@ def broker_config(path: Path, *, tick: float = 0.5, extra: tuple[str, ...] = ())
         "c.GPULeaseBroker.device_backend = 'simulated'\n"
         f"c.GPULeaseBroker.devices = {{'gpus': [{{'node': 'n1', 'model': {GPU_MODEL!r}, 'count': 1, 'memory_mib': 23034}}]}}\n"
         f"c.GPULeaseBroker.tick_interval = {tick}\n"
-        "c.GPULeaseBroker.warn_before = 10\n"
+        "c.GPULeaseBroker.warn_before_s = 10\n"
+        "c.GPULeaseBroker.min_duration_s = 20\n"  # the 'short' tier's leases last 25-60 s
         "c.GPULeaseBroker.tiers = {\n"
         "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
         "    'short': {'priority': 20, 'max_duration_s': 60, 'default_duration_s': 30},\n"

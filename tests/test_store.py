@@ -4,7 +4,8 @@ import pytest
 import sqlalchemy
 
 from jupyter_gpulease.core.events import Event
-from jupyter_gpulease.core.model import Lease, LeaseState, Placement, Request, Slice, SliceKind, parse_request
+from jupyter_gpulease.core.model import Lease, LeaseState, Placement, Slice, SliceKind
+from jupyter_gpulease.core.request import Request, parse_request
 from jupyter_gpulease.store import LeaseStore
 
 

@@ -1,6 +1,6 @@
 """Is the notebook idle-reclaim target attainable at all? The oracle frontier.
 
-Evaluates idle-reclaim rules on the notebook sessions of the shared trace, under the same
+Evaluates idle-reclaim rules on the notebook sessions of the trace sample, under the same
 session model as ``jupyter gpulease simulate --trace notebook`` (sessions from
 ``notebook_sessions``, a session keeps its GPU ``LINGER`` after its last burst, a reclaim is
 regretted when the next burst comes within 10 min of it). It leaves out the queue: under
@@ -25,16 +25,17 @@ import os
 import statistics as st
 from collections import Counter
 
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir, load_notebook_events
+from jupyter_gpulease.core.idle import REGRET_WINDOW_S
+from jupyter_gpulease.sim.traces import SAMPLE_FILES, default_traces_dir, load_notebook_events
 from jupyter_gpulease.sim.workload import _merge, notebook_sessions
 
 LINGER = 3600.0
-REGRET = 600.0
+REGRET = REGRET_WINDOW_S
 CANDIDATES = [0, 30, 60, 120, 180, 300, 600, 900, 1800, 3600]
 
 
 def sessions():
-    path = os.path.join(os.environ.get("GPULEASE_TRACES") or default_traces_dir(), SHARED_FILES["notebook"])
+    path = os.path.join(os.environ.get("GPULEASE_TRACES") or default_traces_dir(), SAMPLE_FILES["notebook"])
     wl = notebook_sessions(load_notebook_events(path), session_gap_s=LINGER)
     out = []  # per session: busy seconds, [(feature key, gap after the burst; inf = session over)]
     for j in wl.jobs:

@@ -1,4 +1,4 @@
-"""Replay speed on the whole shared Alibaba sample (8 nodes x 8 GPUs, arrivals compressed 4x):
+"""Replay speed on the whole Alibaba sample (8 nodes x 8 GPUs, arrivals compressed 4x):
 events per second per policy, then a cProfile of the gpulease replay.
 
     python benchmarks/sim/profile_replay.py > benchmarks/sim/profile.txt
@@ -6,9 +6,7 @@ events per second per policy, then a cProfile of the gpulease replay.
 "static (reservation_depth 1e6)" is the first static configuration this simulator used (a
 reservation for every queued lease); "static" is the current one (no reservations: in the
 core, backfill off already means nothing passes the head of the queue). "gpulease" is the
-batch-pod policy ``simulate`` replays on this trace; "gpulease, no per-pass caches" is the same
-replay with the scheduler's per-pass caches of share fit times and first-free GPUs switched off
-(the decisions are the same).
+batch-pod policy ``simulate`` replays on this trace.
 """
 
 import cProfile
@@ -18,15 +16,14 @@ import pstats
 import re
 from dataclasses import replace
 
-from jupyter_gpulease.core import scheduler as core_scheduler
 from jupyter_gpulease.sim import policies as P
 from jupyter_gpulease.sim.replay import replay
-from jupyter_gpulease.sim.traces import SHARED_FILES, default_traces_dir, load_alibaba_nodes, load_alibaba_pods
+from jupyter_gpulease.sim.traces import SAMPLE_FILES, default_traces_dir, load_alibaba_nodes, load_alibaba_pods
 from jupyter_gpulease.sim.workload import alibaba_workload, pool_from_inventory
 
 d = default_traces_dir()
-pods = load_alibaba_pods(os.path.join(d, SHARED_FILES["alibaba"]))
-nodes = load_alibaba_nodes(os.path.join(d, SHARED_FILES["alibaba-nodes"]))
+pods = load_alibaba_pods(os.path.join(d, SAMPLE_FILES["alibaba"]))
+nodes = load_alibaba_nodes(os.path.join(d, SAMPLE_FILES["alibaba-nodes"]))
 wl = alibaba_workload(pods, compress=4)
 pool = pool_from_inventory(nodes, n_nodes=8, gpus_per_node=8, seed=0)
 st = P.static()
@@ -36,17 +33,6 @@ batch = P.gpulease_batch()  # what simulate replays on this trace
 for sp in (before, st, P.static_backfill(), batch):
     r = replay(wl, pool, sp)
     print(f"{sp.name:32s} events {r.events:6d}  ticks {r.ticks:6d}  wall {r.wall_s:6.1f} s  events/s {r.events_per_s:7.0f}")
-# baseline side by side: the same gpulease replay without the per-pass caches of share fit
-# times and first-free GPUs (same decisions, recomputed each time)
-R = core_scheduler._Reservations
-cached = (R._valid_tops, R._share_fit_time)
-R._valid_tops = lambda self, model, k: self._valid_tops_uncached(model, k)
-R._share_fit_time = R._share_fit_time_uncached
-try:
-    r = replay(wl, pool, batch)
-finally:
-    R._valid_tops, R._share_fit_time = cached
-print(f"{'gpulease, no per-pass caches':32s} events {r.events:6d}  ticks {r.ticks:6d}  wall {r.wall_s:6.1f} s  events/s {r.events_per_s:7.0f}")
 pr = cProfile.Profile()
 pr.enable()
 replay(wl, pool, batch)

@@ -22,13 +22,13 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.web import Application as WebApplication
-from traitlets import Any, Bool, CaselessStrEnum, Dict, Float, Integer, List, Unicode, default, validate
+from traitlets import Any, Bool, CaselessStrEnum, Dict, Float, List, Unicode, default, validate
 from traitlets.config import Application, catch_config_error
 
 from .. import __version__
 from ..core.events import ENDED
 from ..core.model import LeaseState
-from ..core.policy import DEFAULT_TIERS, Policy, Quota, Tier
+from ..core.policy_config import PolicyConfig
 from .manager import LeaseManager, SystemClock
 
 SERVICE_NAME = "gpulease"
@@ -39,7 +39,7 @@ def load_openapi() -> dict:
     return json.loads(resources.files(__package__).joinpath("openapi.json").read_text())
 
 
-class GPULeaseBroker(Application):
+class GPULeaseBroker(PolicyConfig, Application):
     """Hands out GPU leases from a shared pool to JupyterHub users."""
 
     name = "jupyter-gpulease-broker"
@@ -128,88 +128,7 @@ class GPULeaseBroker(Application):
     ).tag(config=True)
 
     # ------------------------------------------------------------------ policy
-    tiers = Dict(
-        help="""Priority tiers, name -> settings (all optional): ``priority`` (higher is served
-        first), ``max_duration_s`` / ``default_duration_s`` (seconds), ``max_lifetime_s`` (cap
-        including extensions), ``users`` / ``groups`` (who may use it; both empty: everyone),
-        ``preemptible``, ``preempted_by`` (tier names), ``grace_s`` (warning before a
-        preemption ends the lease, seconds), ``description``. Example::
-
-            c.GPULeaseBroker.tiers = {
-                "production": {"priority": 30, "max_duration_s": 86400, "default_duration_s": 28800, "groups": ["staff"]},
-                "experiment": {"priority": 20, "max_duration_s": 28800, "default_duration_s": 7200},
-                "learning": {"priority": 10, "max_duration_s": 14400, "preemptible": True, "grace_s": 600},
-            }
-
-        Default: production / experiment / learning as above.
-        """,
-    ).tag(config=True)
-
-    @default("tiers")
-    def _default_tiers(self):
-        return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
-
-    default_tier = Unicode("experiment", help="Tier of requests that name none. Example: 'experiment'.").tag(config=True)
-
-    default_user_quota = Dict(
-        help="""Quota of every user without an entry in ``user_quotas``: ``max_gpus`` (GPUs held
-        at once; shares count by fraction), ``gpu_hours`` (per ``period_s`` seconds, rolling).
-        Missing keys: no limit. Example: ``{"max_gpus": 2, "gpu_hours": 100, "period_s": 604800}``.
-        """,
-    ).tag(config=True)
-    user_quotas = Dict(help="Per-user quotas, user name -> quota (as in ``default_user_quota``). Example: ``{'alice': {'max_gpus': 4}}``.").tag(config=True)
-    group_quotas = Dict(help="Per-group quotas (all members together), group name -> quota. Example: ``{'students': {'max_gpus': 2}}``.").tag(config=True)
-
-    fair_share = Bool(True, help="Order the queue within a tier by recent usage (less used first).").tag(config=True)
-    fair_share_half_life = Float(7 * 24 * 3600.0, help="Half-life of past usage in fair share, seconds. Example: 604800 (one week).").tag(config=True)
-    warn_before = Float(600.0, help="Warn a lease's holder this many seconds before it expires. Example: 600.").tag(config=True)
-    backfill = Bool(True, help="Let small requests start ahead of a blocked big one when they cannot delay it.").tag(config=True)
-    preemption = Bool(True, help="Let higher tiers preempt preemptible tiers (after the tier's grace_s).").tag(config=True)
-    reservation_depth = Integer(100, help="How many queued leases get a reservation and an ETA each scheduling pass. Example: 100.").tag(config=True)
-    extend_when_contended = Bool(
-        False,
-        help="Allow extensions even while other leases wait for the same GPUs. When False, an extension is refused "
-        "while a lease of the same or a higher tier waits for one of its GPUs, or one of a lower tier that has aged (see `aging`).",
-    ).tag(config=True)
-    aging = Float(
-        1800.0,
-        help="""Seconds after which a waiting lease is considered before newer leases of higher tiers
-        (oldest first), so a stream of small high-tier requests cannot starve a large request; 0: never.
-        Example: 1800.""",
-    ).tag(config=True)
-    multi_gpu_aging = Float(
-        1.0,
-        help="""A request for more than one whole GPU ages after `aging` times this (every lease queued
-        before it ages with it, so nothing passes an older lease of its tier): one GPU frees up often,
-        several on one node only when the scheduler keeps them free for an aged or higher-tier lease.
-        1: they age like any other lease. Example: 0.5 (what the batch-pod trace replay uses).""",
-    ).tag(config=True)
-    short_grants = Bool(
-        True,
-        help="""Let a lease of a preemptible tier that finds no room start on GPUs promised to a waiting
-        lease, with its time limit cut to when that promise begins (at least 10 minutes); its holder
-        gets the usual expiry warning. False: it waits like any other lease.""",
-    ).tag(config=True)
-    share_placement = CaselessStrEnum(
-        ["best_fit", "fragmentation"],
-        "best_fit",
-        help="""Where a share of one GPU goes. best_fit: the fullest GPU it fits on. fragmentation:
-        the GPU where it strands the least capacity for the share sizes requested so far (after
-        FGD, USENIX ATC'23). Example: "fragmentation".""",
-    ).tag(config=True)
-    placement_by_preemptibility = Bool(
-        True,
-        help="""Keep non-preemptible leases on the nodes that already hold such work, and preemptible
-        ones together elsewhere, so that preempting a tier can free whole nodes for multi-GPU requests.""",
-    ).tag(config=True)
-    confirm_timeout = Float(
-        900.0,
-        help="Revoke an active lease whose holder never confirms (its server never came up) after this many seconds; 0: never. Example: 900.",
-    ).tag(config=True)
-    heartbeat_timeout = Float(
-        0.0,
-        help="Revoke an active lease whose heartbeats stop for this many seconds; 0: never (for holders that send none). Example: 600.",
-    ).tag(config=True)
+    # tiers, quotas and every scheduling setting come from PolicyConfig, declared once in core
 
     # ------------------------------------------------------------------ service
     tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
@@ -294,35 +213,6 @@ class GPULeaseBroker(Application):
             raise FileNotFoundError(f"config file not found: {self.config_file}")
         self.policy = self.build_policy()
         self.init_manager()
-
-    def build_policy(self) -> Policy:
-        def tier(name, d):
-            return d if isinstance(d, Tier) else Tier.from_dict(name, dict(d))
-
-        def quota(d):
-            return d if isinstance(d, Quota) else Quota.from_dict(d)
-
-        return Policy(
-            tiers={name: tier(name, d) for name, d in self.tiers.items()},
-            default_tier=self.default_tier,
-            default_user_quota=quota(self.default_user_quota),
-            user_quotas={k: quota(v) for k, v in self.user_quotas.items()},
-            group_quotas={k: quota(v) for k, v in self.group_quotas.items()},
-            fair_share=self.fair_share,
-            fair_share_half_life_s=self.fair_share_half_life,
-            warn_before_s=self.warn_before,
-            backfill=self.backfill,
-            reservation_depth=self.reservation_depth,
-            preemption=self.preemption,
-            extend_when_contended=self.extend_when_contended,
-            confirm_timeout_s=self.confirm_timeout or None,
-            heartbeat_timeout_s=self.heartbeat_timeout or None,
-            aging_s=self.aging or None,
-            multi_gpu_aging=self.multi_gpu_aging,
-            short_grants=self.short_grants,
-            placement_by_preemptibility=self.placement_by_preemptibility,
-            share_placement=self.share_placement.lower(),
-        )
 
     def init_manager(self) -> None:
         from ..core.scheduler import Scheduler

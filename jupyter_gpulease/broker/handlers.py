@@ -18,11 +18,10 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 from tornado.iostream import StreamClosedError
 
-from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState, NotFound, parse_request
+from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState, NotFound
+from ..core.request import parse_ask
 from ..core.text import format_duration
 
-REQUEST_FIELDS = {"kind", "gpus", "share", "memory_mib", "mig_profile", "mig", "model", "models", "min_memory_mib"}
-LEASE_FIELDS = REQUEST_FIELDS | {"tier", "duration_s", "max_wait_s", "server", "meta", "user", "groups"}
 STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in LeaseState}
 MAX_POLL_S = 300.0
 MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit, and the store's column width
@@ -231,10 +230,6 @@ class LeasesHandler(APIHandler):
 
     async def post(self):
         body = self.json_body()
-        unknown = sorted(set(body) - LEASE_FIELDS)
-        if unknown:
-            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(LEASE_FIELDS))}", field=unknown[0])
-        request = parse_request({k: v for k, v in body.items() if k in REQUEST_FIELDS})
         user, groups = self.caller_name, tuple(self.caller.get("groups") or ())
         if "user" in body or "groups" in body:
             if not self.is_admin:
@@ -249,33 +244,8 @@ class LeasesHandler(APIHandler):
                 if not isinstance(g, list) or not all(isinstance(x, str) for x in g):
                     raise BadRequest("'groups' must be a list of group names", field="groups")
                 groups = tuple(g)
-        policy = self.manager.scheduler.policy
-        tier = body.get("tier")
-        if tier is not None and (not isinstance(tier, str) or tier not in policy.tiers):
-                raise BadRequest(f"'tier' must be one of {', '.join(sorted(policy.tiers))}, got {tier!r}", field="tier")
-        duration = _number(body, "duration_s", minimum=0, strict_min=True)
-        if duration is not None:
-            t = policy.tier(tier)
-            if duration > t.max_duration_s:
-                raise BadRequest(f"'duration_s' {duration:g} is over the {t.name!r} tier's maximum of {t.max_duration_s:g} s", field="duration_s")
-        max_wait = _number(body, "max_wait_s", minimum=0)
-        server = body.get("server", "") or ""
-        if not isinstance(server, str) or len(server) > MAX_NAME_LEN:
-            raise BadRequest(f"'server' must be a server name of at most {MAX_NAME_LEN} characters (\"\" for the default server)", field="server")
-        meta = body.get("meta") or {}
-        if not isinstance(meta, dict):
-            raise BadRequest("'meta' must be a JSON object", field="meta")
-        lease = await self.manager.request(
-            user=user,
-            request=request,
-            tier=tier,
-            duration_s=duration,
-            server=server,
-            groups=groups,
-            max_wait_s=max_wait,
-            meta=meta,
-            actor=self.actor if user == self.caller_name else f"admin:{self.caller_name}",
-        )
+        ask = parse_ask(body, user=user, groups=groups, also=("user", "groups"))
+        lease = await self.manager.request(ask, actor=self.actor if user == self.caller_name else f"admin:{self.caller_name}")
         self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
         self.write_json(self.manager.lease_json(lease), 201)
 

@@ -20,7 +20,8 @@ from typing import Any
 from tornado.locks import Condition
 
 from ..core.events import ENDED, GRANTED, Event
-from ..core.model import Lease, LeaseState, NotFound, Request
+from ..core.model import Lease, LeaseState, NotFound
+from ..core.request import Ask
 from ..store import LeaseStore
 
 log = logging.getLogger(__name__)
@@ -130,33 +131,11 @@ class LeaseManager:
         self.store.close()
 
     # ------------------------------------------------------------------ operations
-    async def request(
-        self,
-        *,
-        user: str,
-        request: Request,
-        tier: str | None = None,
-        duration_s: float | None = None,
-        server: str = "",
-        groups: Iterable[str] = (),
-        max_wait_s: float | None = None,
-        meta: dict | None = None,
-        actor: str = "",
-    ) -> Lease:
+    async def request(self, ask: Ask, *, actor: str = "") -> Lease:
+        """Queue the lease ``ask`` asks for (checked by the scheduler), schedule, persist; the lease."""
         now = self.now()
-        lease = self.scheduler.new_lease(
-            user=user,
-            request=request,
-            now=now,
-            tier=tier,
-            duration_s=duration_s,
-            server=server,
-            groups=tuple(groups),
-            max_wait_s=max_wait_s,
-            lease_id=uuid.uuid4().hex,
-            meta=dict(meta or {}),
-        )
-        events = self.scheduler.submit(lease, now, actor=actor or user)
+        lease = self.scheduler.new_lease(ask, now, lease_id=uuid.uuid4().hex)
+        events = self.scheduler.submit(lease, now, actor=actor or ask.user)
         events += self.scheduler.tick(now)
         await self._persist(events, [lease])
         return lease
@@ -230,16 +209,7 @@ class LeaseManager:
     def queue_info(self, lease: Lease) -> dict[str, Any] | None:
         if lease.state is not LeaseState.QUEUED or lease.id not in self.scheduler.leases:
             return None
-        try:
-            position, length = self.scheduler.queue_position(lease.id)
-        except NotFound:
-            return None
-        return {
-            "position": position,
-            "length": length,
-            "eta": self.scheduler.eta(lease.id),
-            "waiting_for": self.scheduler.waiting_for(lease.id),
-        }
+        return self.scheduler.queue_info(lease.id)
 
     def lease_json(self, lease: Lease) -> dict[str, Any]:
         d = lease.to_dict()

@@ -41,3 +41,41 @@ class Event:
             "actor": self.actor,
             "data": self.data,
         }
+
+
+# --------------------------------------------------------------------------- named constructors
+# One per kind of event, so that the scheduler says what happened in words, not in eight
+# positional arguments. ``lease`` is the lease after the change; its state is the to-state.
+def requested(lease, now: float, actor: str) -> Event:
+    return Event(lease.id, REQUESTED, now, "", lease.state.value, actor=actor, data={"request": lease.request.to_dict(), "tier": lease.tier}, lease=lease)
+
+
+def granted(lease, now: float, reason: str, *, short_grant: bool) -> Event:
+    data = {"placement": lease.placement.to_dict(), "expires_at": lease.expires_at, "waited_s": now - lease.created_at}
+    if short_grant:
+        data["short_grant"] = True
+    return Event(lease.id, GRANTED, now, "queued", "active", reason, "broker", data, lease=lease)
+
+
+def warned(lease, now: float, reason: str) -> Event:
+    return Event(lease.id, WARNED, now, "active", "active", reason, "broker", {"expires_at": lease.expires_at}, lease=lease)
+
+
+def preempt_warned(lease, now: float, reason: str, *, for_tier: str) -> Event:
+    return Event(lease.id, PREEMPT_WARNED, now, "active", "active", reason, "broker", {"preempt_at": lease.preempt_at, "for_tier": for_tier}, lease=lease)
+
+
+def preempt_cancelled(lease, now: float, reason: str) -> Event:
+    return Event(lease.id, PREEMPT_CANCELLED, now, "active", "active", reason, "broker", lease=lease)
+
+
+def extended(lease, now: float, old: float, actor: str) -> Event:
+    return Event(lease.id, EXTENDED, now, lease.state.value, lease.state.value, actor=actor, data={"from": old, "to": lease.expires_at}, lease=lease)
+
+
+def confirmed(lease, now: float, actor: str) -> Event:
+    return Event(lease.id, CONFIRMED, now, lease.state.value, lease.state.value, actor=actor, lease=lease)
+
+
+def ended(lease, now: float, from_state: str, actor: str) -> Event:
+    return Event(lease.id, ENDED, now, from_state, lease.state.value, lease.end_reason, actor, lease=lease)

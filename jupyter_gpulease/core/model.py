@@ -11,7 +11,10 @@ import enum
 import fnmatch
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .request import Request
 
 MILLI = 1000  # compute share of one whole GPU
 
@@ -130,157 +133,13 @@ def model_matches(model: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(m, p.lower()) for p in patterns)
 
 
-# --------------------------------------------------------------------------- requests
+# --------------------------------------------------------------------------- slice kinds
 class SliceKind(str, enum.Enum):
+    """What a request asks for; each kind's rules live in :mod:`.slices`."""
+
     GPU = "gpu"  # whole GPUs, 1..n on one node
     SHARE = "share"  # a share of one GPU: compute milli and memory
     MIG = "mig"  # one MIG instance of a profile
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a lease asks for. Build with :func:`parse_request` from untrusted input."""
-
-    kind: SliceKind = SliceKind.GPU
-    gpus: int = 1  # whole GPUs (kind GPU)
-    share_milli: int = 0  # compute share (kind SHARE), 1..999
-    memory_mib: int = 0  # memory cap (kind SHARE); also derived from share_milli when 0
-    mig_profile: str = ""  # kind MIG
-    models: tuple[str, ...] = ()  # glob patterns; empty: any model
-    min_memory_mib: int = 0  # minimum total memory of the GPU
-
-    @property
-    def gpu_milli(self) -> int:
-        """GPUs this request counts as, in milli-GPUs (for quotas and fair share)."""
-        if self.kind is SliceKind.GPU:
-            return self.gpus * MILLI
-        if self.kind is SliceKind.SHARE:
-            return self.share_milli
-        return 0  # MIG: set per placement from the instance's fraction of its GPU
-
-    def shape(self) -> tuple:
-        """A hashable key: two requests with the same shape fit in exactly the same places."""
-        return (self.kind, self.gpus, self.share_milli, self.memory_mib, self.mig_profile, self.models, self.min_memory_mib)
-
-    def describe(self) -> str:
-        """Human words: '1 × A100*', 'a 0.25 share (20480 MiB) of one GPU', 'MIG 1g.10gb'."""
-        where = f" ({'|'.join(self.models)})" if self.models else ""
-        if self.kind is SliceKind.GPU:
-            return f"{self.gpus} × GPU{where}"
-        if self.kind is SliceKind.SHARE:
-            mem = f", {self.memory_mib} MiB" if self.memory_mib else ""
-            return f"a {self.share_milli / MILLI:g} share of one GPU{mem}{where}"
-        return f"MIG {self.mig_profile}{where}"
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind.value}
-        if self.kind is SliceKind.GPU:
-            d["gpus"] = self.gpus
-        elif self.kind is SliceKind.SHARE:
-            d["share"] = self.share_milli / MILLI
-            d["memory_mib"] = self.memory_mib
-        else:
-            d["mig_profile"] = self.mig_profile
-        if self.models:
-            d["model"] = list(self.models)
-        if self.min_memory_mib:
-            d["min_memory_mib"] = self.min_memory_mib
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Request:
-        """Inverse of :meth:`to_dict` (trusted input: what we wrote; untrusted input goes through parse_request)."""
-        kind = SliceKind(d.get("kind", "gpu"))
-        models = tuple(d.get("model") or ())
-        min_mem = int(d.get("min_memory_mib") or 0)
-        if kind is SliceKind.GPU:
-            return cls(kind=kind, gpus=int(d.get("gpus", 1)), models=models, min_memory_mib=min_mem)
-        if kind is SliceKind.SHARE:
-            return cls(kind=kind, share_milli=round(float(d.get("share") or 0) * MILLI), memory_mib=int(d.get("memory_mib") or 0), models=models, min_memory_mib=min_mem)
-        return cls(kind=kind, mig_profile=d.get("mig_profile", ""), models=models, min_memory_mib=min_mem)
-
-
-def _int_field(d: dict, name: str, default: int | None = None, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
-    if name not in d or d[name] is None:
-        return default
-    v = d[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-            v = int(v)
-        else:
-            raise BadRequest(f"'{name}' must be a whole number, got {v!r}", field=name)
-    v = int(v)
-    if minimum is not None and v < minimum:
-        raise BadRequest(f"'{name}' must be at least {minimum}, got {v}", field=name)
-    if maximum is not None and v > maximum:
-        raise BadRequest(f"'{name}' must be at most {maximum}, got {v}", field=name)
-    return v
-
-
-def _num_field(d: dict, name: str) -> float | None:
-    if name not in d or d[name] is None:
-        return None
-    v = d[name]
-    if isinstance(v, str):
-        try:
-            v = float(v)
-        except ValueError:
-            raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name) from None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise BadRequest(f"'{name}' must be a number, got {v!r}", field=name)
-    try:
-        return float(v)
-    except OverflowError:
-        raise BadRequest(f"'{name}' is far out of range", field=name) from None
-
-
-def parse_request(d: Any) -> Request:
-    """Validate an untrusted JSON request body into a :class:`Request`.
-
-    Accepted shapes::
-
-        {"gpus": 2, "model": "A100*"}
-        {"share": 0.25}                 # a quarter of one GPU's compute and memory
-        {"share": 0.5, "memory_mib": 20000}
-        {"memory_mib": 10240}           # a share sized by memory
-        {"mig_profile": "1g.10gb"}
-
-    Raises :class:`BadRequest` naming the field at fault.
-    """
-    if not isinstance(d, dict):
-        raise BadRequest("the request must be a JSON object")
-    models_raw = d.get("model", d.get("models"))
-    if models_raw is None or models_raw == "" or models_raw == []:
-        models: tuple[str, ...] = ()
-    elif isinstance(models_raw, str):
-        models = tuple(p.strip() for p in models_raw.split("|") if p.strip())
-    elif isinstance(models_raw, list) and all(isinstance(p, str) and p.strip() for p in models_raw):
-        models = tuple(p.strip() for p in models_raw)
-    else:
-        raise BadRequest("'model' must be a model name, a glob like 'A100*', or a list of them", field="model")
-    min_mem = _int_field(d, "min_memory_mib", 0, minimum=0) or 0
-
-    kind = d.get("kind")
-    if kind is not None and kind not in ("gpu", "share", "mig"):
-        raise BadRequest(f"'kind' must be 'gpu', 'share' or 'mig', got {kind!r}", field="kind")
-    mig = d.get("mig_profile") or d.get("mig")
-    share = _num_field(d, "share")
-    mem = _int_field(d, "memory_mib", None, minimum=1)
-    if kind == "mig" or (kind is None and mig):
-        if not isinstance(mig, str) or not mig.strip():
-            raise BadRequest("'mig_profile' must name a MIG profile such as '1g.10gb'", field="mig_profile")
-        return Request(kind=SliceKind.MIG, mig_profile=mig.strip(), models=models, min_memory_mib=min_mem)
-    if kind == "share" or (kind is None and (share is not None or (mem is not None and "gpus" not in d))):
-        if share is None and mem is None:
-            raise BadRequest("a share needs 'share' (0 < share < 1) or 'memory_mib'", field="share")
-        share_milli = 0
-        if share is not None:
-            if not 0 < share < 1:
-                raise BadRequest(f"'share' must be between 0 and 1 (exclusive), got {share:g}; ask for 'gpus' for whole GPUs", field="share")
-            share_milli = max(1, round(share * MILLI))
-        return Request(kind=SliceKind.SHARE, share_milli=share_milli, memory_mib=mem or 0, models=models, min_memory_mib=min_mem)
-    gpus = _int_field(d, "gpus", 1, minimum=1)
-    return Request(kind=SliceKind.GPU, gpus=gpus, models=models, min_memory_mib=min_mem)
 
 
 # --------------------------------------------------------------------------- placement
@@ -391,6 +250,9 @@ class Lease:
     server: str = ""  # JupyterHub server name ("" = the default server)
     groups: tuple[str, ...] = ()
     max_wait_s: float | None = None  # withdraw if still queued after this long
+    prefer_gpus: tuple[str, ...] = ()  # GPU/MIG UUIDs tried first (a resume goes back to its GPU)
+    require_gpus: tuple[str, ...] = ()  # only these GPU/MIG UUIDs
+    resuming: bool = False  # brings back the GPU its server lost to an idle reclaim (see Policy.resume_priority)
     seq: int = 0  # arrival order, ties broken by it
     state: LeaseState = LeaseState.QUEUED
     granted_at: float | None = None
@@ -423,6 +285,9 @@ class Lease:
             "tier": self.tier,
             "duration_s": self.duration_s,
             "max_wait_s": self.max_wait_s,
+            "prefer_gpus": list(self.prefer_gpus),
+            "require_gpus": list(self.require_gpus),
+            "resuming": self.resuming,
             "seq": self.seq,
             "state": self.state.value,
             "created_at": self.created_at,
@@ -443,6 +308,8 @@ class Lease:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Lease:
         """Inverse of :meth:`to_dict`: what the store wrote back into a live lease."""
+        from .request import Request  # request.py builds on this module
+
         return cls(
             id=d["id"],
             user=d["user"],
@@ -453,6 +320,9 @@ class Lease:
             server=d.get("server", ""),
             groups=tuple(d.get("groups") or ()),
             max_wait_s=d.get("max_wait_s"),
+            prefer_gpus=tuple(d.get("prefer_gpus") or ()),
+            require_gpus=tuple(d.get("require_gpus") or ()),
+            resuming=bool(d.get("resuming", False)),
             seq=int(d.get("seq") or 0),
             state=LeaseState(d["state"]),
             granted_at=d.get("granted_at"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .settings import setting, settings_of
+
 HOUR = 3600.0
 DAY = 24 * HOUR
 
@@ -99,57 +101,107 @@ DEFAULT_TIERS = {
 
 @dataclass(frozen=True)
 class Policy:
-    """Everything the scheduler needs to know besides the pool and the leases."""
+    """Everything the scheduler needs to know besides the pool and the leases.
+
+    The tiers and quotas are structured settings (see :class:`Tier` and :class:`Quota`); every
+    other field is one :class:`~.settings.Setting`, declared here once: its help, unit, default
+    and range are what the broker's config options and the simulator's policy files are made of.
+    """
 
     tiers: dict[str, Tier] = field(default_factory=lambda: dict(DEFAULT_TIERS))
-    default_tier: str = "experiment"
     default_user_quota: Quota = field(default_factory=Quota)
     user_quotas: dict[str, Quota] = field(default_factory=dict)
     group_quotas: dict[str, Quota] = field(default_factory=dict)
-    fair_share: bool = True
-    fair_share_half_life_s: float = 7 * DAY
-    warn_before_s: float = 10 * 60  # expiry warning ahead of expires_at
-    backfill: bool = True
-    reservation_depth: int = 100  # queued leases that get a reservation (and an ETA) each pass
-    preemption: bool = True
-    preemption_searches_per_pass: int = 4  # waiting leases per pass that look for victims (bounds a pass's cost)
-    # preemption-aware placement: non-preemptible leases are packed onto nodes that already
-    # hold non-preemptible work, preemptible ones onto other nodes, so that preemption can free
-    # whole nodes for multi-GPU requests (False: plain best fit, blind to tiers)
-    placement_by_preemptibility: bool = True
-    # where a share goes among the GPUs that fit (within the preemption-aware node rank):
-    # "best_fit": the fullest partly used GPU, so that idle GPUs stay whole;
-    # "fragmentation": the GPU whose fragmentation grows least, fragmentation of a GPU being
-    # the free compute that a request drawn from the sizes submitted so far could not use
-    # there (FGD, USENIX ATC'23); best fit breaks ties
-    share_placement: str = "best_fit"
-    # aging: a queued lease that has waited this long (seconds) is considered before every
-    # tier's newer leases, oldest first, so its reservation holds against higher tiers too and
-    # a large request cannot be passed forever by a stream of small higher-tier ones
-    # (None: off, strict tier order)
-    aging_s: float | None = 30 * 60
-    # a request for more than one whole GPU ages after aging_s x this: k GPUs of one node are free
-    # together only when the scheduler keeps them free, so large requests need that guard sooner
-    # (1: they age like any other lease; the batch-pod replay uses 0.5, the notebook replay is a
-    # little worse with it: more sessions cut at their step's end)
-    multi_gpu_aging: float = 1.0
-    # a lease of a preemptible tier that finds no room may start on slices promised to a waiting
-    # lease, with its time limit cut to when that promise begins (at least 10 min)
-    short_grants: bool = True
-    extend_when_contended: bool = False  # allow extension even when someone waits for these GPUs
-    confirm_timeout_s: float | None = 15 * 60  # an active lease never confirmed is revoked after this
-    heartbeat_timeout_s: float | None = None  # an active lease whose heartbeats stop is revoked after this
+
+    default_tier: str = setting("experiment", "Tier of requests that name none. Example: 'experiment'.")
+    min_duration_s: float = setting(
+        600.0, "Shortest lease anyone may ask for, in seconds; shorter requests are refused with a message naming it. Example: 600.",
+        unit="seconds", minimum=0,
+    )  # fmt: skip
+    fair_share: bool = setting(True, "Order the queue within a tier by recent usage (less used first).")
+    fair_share_half_life_s: float = setting(
+        7 * DAY, "Half-life of past usage in fair share, in seconds. Example: 604800 (one week).", unit="seconds", above=0, renamed_from=("fair_share_half_life",)
+    )
+    warn_before_s: float = setting(
+        600.0, "Warn a lease's holder this many seconds before it expires; 0: no warning. Example: 600.", unit="seconds", minimum=0, renamed_from=("warn_before",)
+    )
+    backfill: bool = setting(True, "Let small requests start ahead of a blocked big one when they cannot delay it.")
+    reservation_depth: int = setting(
+        100, "How many queued leases get a reservation (and an ETA) each scheduling pass; the rest wait without one. Example: 100.", minimum=0
+    )
+    preemption: bool = setting(True, "Let higher tiers preempt preemptible tiers (after the preempted tier's grace_s).")
+    preemption_searches_per_pass: int = setting(
+        4, "Waiting leases per scheduling pass that may look for leases to preempt (bounds a pass's cost). Example: 4.", minimum=0
+    )
+    placement_by_preemptibility: bool = setting(
+        True,
+        "Keep non-preemptible leases on the nodes that already hold such work, and preemptible ones together elsewhere, "
+        "so that preempting a tier can free whole nodes for multi-GPU requests.",
+    )
+    share_placement: str = setting(
+        "best_fit",
+        "Where a share of one GPU goes. 'best_fit': the fullest GPU it fits on, so that idle GPUs stay whole. 'fragmentation': "
+        "the GPU where it strands the least capacity for the share sizes requested so far (after FGD, USENIX ATC'23). Example: 'fragmentation'.",
+        choices=("best_fit", "fragmentation"),
+    )
+    aging_s: float | None = setting(
+        1800.0,
+        "Seconds after which a waiting lease is considered before newer leases of every tier (oldest first), so that a stream of "
+        "small higher-tier requests cannot starve a large request; 0: never (strict tier order). Example: 1800.",
+        unit="seconds", minimum=0, zero_is_off=True, renamed_from=("aging",),
+    )  # fmt: skip
+    multi_gpu_aging: float = setting(
+        1.0,
+        "A request for more than one whole GPU ages after aging_s times this (every lease queued before it ages with it, so nothing "
+        "passes an older lease of its tier): one GPU frees up often, several on one node only when the scheduler keeps them free. "
+        "1: they age like any other lease. Example: 0.5.",
+        above=0, maximum=1,
+    )  # fmt: skip
+    short_grants: bool = setting(
+        True,
+        "Let a lease of a preemptible tier that finds no room start on GPUs promised to a waiting lease, with its time limit cut to "
+        "when that promise begins (at least 10 minutes). False: it waits like any other lease.",
+    )
+    extend_when_contended: bool = setting(
+        False,
+        "Allow extensions even while other leases wait for the same GPUs. False: an extension is refused while a lease of the same "
+        "or a higher tier waits for one of its GPUs, or one of a lower tier that has aged (see aging_s).",
+    )
+    resume_priority: bool = setting(
+        False,
+        "A request from a server whose lease was reclaimed as idle (its kernel is coming back to run a cell) goes ahead of the "
+        "new requests of its tier.",
+    )
+    confirm_timeout_s: float | None = setting(
+        900.0, "Revoke an active lease whose holder never confirms it (its server never came up) after this many seconds; 0: never. Example: 900.",
+        unit="seconds", minimum=0, zero_is_off=True, renamed_from=("confirm_timeout",),
+    )  # fmt: skip
+    heartbeat_timeout_s: float | None = setting(
+        None, "Revoke an active lease whose heartbeats stop for this many seconds; 0: never (for holders that send none). Example: 600.",
+        unit="seconds", minimum=0, zero_is_off=True, renamed_from=("heartbeat_timeout",), kind=float,
+    )  # fmt: skip
 
     def __post_init__(self):
-        if not 0 < self.multi_gpu_aging <= 1:
-            raise ValueError(f"multi_gpu_aging must be in (0, 1], got {self.multi_gpu_aging!r}")
-        if self.share_placement not in ("best_fit", "fragmentation"):
-            raise ValueError(f"share_placement must be 'best_fit' or 'fragmentation', got {self.share_placement!r}")
+        for s in SETTINGS:
+            object.__setattr__(self, s.name, s.check(getattr(self, s.name)))
         if self.default_tier not in self.tiers:
             raise ValueError(f"default_tier {self.default_tier!r} is not one of the tiers {sorted(self.tiers)}")
+        for t in self.tiers.values():
+            if min(t.max_duration_s, t.default_duration_s) < self.min_duration_s:
+                raise ValueError(
+                    f"tier {t.name!r} grants leases of {t.default_duration_s:g} s by default and {t.max_duration_s:g} s at most, "
+                    f"under min_duration_s ({self.min_duration_s:g} s): lower min_duration_s or lengthen the tier"
+                )
+
+    def settings(self) -> dict[str, Any]:
+        """Every declared setting's value, by name."""
+        return {s.name: getattr(self, s.name) for s in SETTINGS}
 
     def tier(self, name: str | None) -> Tier:
         return self.tiers[name or self.default_tier]
 
     def quota_for_user(self, user: str) -> Quota:
         return self.user_quotas.get(user, self.default_user_quota)
+
+
+SETTINGS = settings_of(Policy)

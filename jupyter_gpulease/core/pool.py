@@ -7,11 +7,15 @@ thousands of GPUs is rejected in O(models), not O(GPUs). Pure Python, no I/O, no
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from .model import GPU, MILLI, MigInstance, Placement, Request, Slice, SliceKind, model_matches
+from .model import GPU, MILLI, MigInstance, Placement, Slice, model_matches
+from .slices import slice_type
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 class GPUState:
@@ -35,21 +39,6 @@ class GPUState:
     def wholly_free(self) -> bool:
         """Can be leased as a whole GPU."""
         return not self.holders and not self.gpu.mig and self.gpu.healthy
-
-
-def share_need(req: Request, gpu: GPU) -> tuple[int, int]:
-    """(compute milli, memory MiB) a share request takes on ``gpu``.
-
-    A share given only as a fraction takes that fraction of the GPU's memory too; a share
-    given only as memory takes the same fraction of compute; both given: both as asked.
-    """
-    milli = req.share_milli
-    mem = req.memory_mib
-    if not mem:
-        mem = (gpu.memory_mib * milli) // MILLI
-    if not milli:
-        milli = max(1, min(MILLI, math.ceil(mem * MILLI / gpu.memory_mib)))
-    return milli, mem
 
 
 class ShareSizes:
@@ -171,8 +160,9 @@ class Pool:
             self._match_cache[key] = hit
         return hit
 
-    def gpu_of_slice(self, s: Slice) -> GPUState | None:
-        return self.gpus.get(s.gpu_uuid)
+    def has_room(self) -> bool:
+        """Anything free at all: an idle GPU, free compute on a shared one, a free MIG instance."""
+        return any(self.idle_by_model.values()) or any(v > 0 for v in self.free_milli_by_model.values()) or any(self.mig_free_by_model.values())
 
     # ----------------------------------------------------------------- feasibility
     def why_never(self, req: Request) -> tuple[str, str] | None:
@@ -185,7 +175,7 @@ class Pool:
             self._never_cache[key] = self._why_never(req)
         return self._never_cache[key]
 
-    def _why_never(self, req: Request) -> tuple[str, str] | None:
+    def _why_never(self, req: Request, only: frozenset[str] | None = None) -> tuple[str, str] | None:
         models = self.models(req.models)
         all_models = ", ".join(sorted(self.by_model)) or "none"
         if req.models and not models:
@@ -197,35 +187,21 @@ class Pool:
         # unhealthy GPUs count: they may come back (a drained or cordoned node, a GPU being reset),
         # so a request that only they could hold waits instead of failing
         cands = [s for m in models for s in self.by_model[m] if s.gpu.memory_mib >= req.min_memory_mib]
-        if req.kind is SliceKind.GPU:
-            per_node: dict[str, int] = defaultdict(int)
-            for s in cands:
-                if not s.gpu.mig:
-                    per_node[s.gpu.node] += 1
-            most = max(per_node.values(), default=0)
-            if req.gpus > most:
-                what = f" of model {'|'.join(req.models)}" if req.models else ""
-                return "gpus", f"asks for {req.gpus} GPUs on one node, but the most any node has{what} is {most}"
-            return None
-        if req.kind is SliceKind.SHARE:
-            if not any(not s.gpu.mig for s in cands):
-                return "share", "every matching GPU is in MIG mode; ask for a MIG profile instead of a share"
-            if req.memory_mib and not any(not s.gpu.mig and s.gpu.memory_mib >= req.memory_mib for s in cands):
-                biggest = max((s.gpu.memory_mib for s in cands if not s.gpu.mig), default=0)
-                return "memory_mib", f"asks for {req.memory_mib} MiB on one GPU, but the largest GPU has {biggest} MiB"
-            return None
-        profiles = sorted({m.profile for s in cands for m in s.gpu.mig})
-        if not any(m.profile == req.mig_profile for s in cands for m in s.gpu.mig):
-            have = ", ".join(profiles) if profiles else "none"
-            return "mig_profile", f"no GPU offers MIG profile {req.mig_profile!r}; profiles in the pool: {have}"
-        return None
+        if only is not None:
+            cands = [s for s in cands if s.gpu.uuid in only or any(m.uuid in only for m in s.gpu.mig)]
+            if not cands:
+                return "require_gpus", "none of the GPUs in 'require_gpus' is in the pool and matches the request"
+        return slice_type(req).why_never(self, req, cands)
+
+    def why_never_on(self, req: Request, only: frozenset[str]) -> tuple[str, str] | None:
+        """Why ``req`` can never be placed on the devices ``only`` (GPU or MIG UUIDs); None if it can."""
+        return self._why_never(req, only)
 
     def note_request(self, req: Request) -> None:
         """Count a submitted request in the size distribution (fragmentation-aware placement)."""
-        if req.kind is SliceKind.SHARE:
-            self.sizes.add(self.gpu_milli_of(req))
-        elif req.kind is SliceKind.GPU:
-            self.sizes.add(MILLI)
+        milli = slice_type(req).size_sample(self, req)
+        if milli is not None:
+            self.sizes.add(milli)
 
     def gpu_milli_of(self, req: Request) -> int:
         key = req.shape()
@@ -235,21 +211,8 @@ class Pool:
         return m
 
     def _gpu_milli_of(self, req: Request) -> int:
-        """Milli-GPUs a request will count as (MIG: its instance's share of memory; shares by memory: smallest GPU)."""
-        if req.kind is SliceKind.GPU:
-            return req.gpus * MILLI
-        models = self.models(req.models, req.min_memory_mib)
-        if req.kind is SliceKind.SHARE:
-            if req.share_milli:
-                return req.share_milli
-            mems = [s.gpu.memory_mib for m in models for s in self.by_model[m] if not s.gpu.mig and s.gpu.memory_mib >= req.memory_mib]
-            return share_need(req, GPU("", "", 0, "", max(mems)))[0] if mems else MILLI
-        for m in models:
-            for s in self.by_model[m]:
-                for inst in s.gpu.mig:
-                    if inst.profile == req.mig_profile:
-                        return max(1, round(inst.memory_mib * MILLI / s.gpu.memory_mib))
-        return 0
+        """Milli-GPUs a request will count as (MIG: its instance's share of memory; shares by memory: largest GPU)."""
+        return slice_type(req).gpu_milli(self, req, self.models(req.models, req.min_memory_mib))
 
     # ----------------------------------------------------------------- placement now
     def node_rank(self, node: str, preemptible: bool | None) -> int:
@@ -276,110 +239,20 @@ class Pool:
             return self.nodes_by_model[models[0]]
         return dict.fromkeys(n for m in models for n in self.nodes_by_model[m])
 
-    def place(self, req: Request, blocked=None, preemptible: bool | None = None) -> Placement | None:
+    def place(self, req: Request, blocked=None, preemptible: bool | None = None, only: frozenset[str] | None = None) -> Placement | None:
         """Find room for ``req`` now, or None.
 
         ``blocked(state, milli, mem, mig_uuid) -> bool`` lets the scheduler keep reserved capacity out
-        (backfill). Best fit: whole GPUs go to the node with the fewest idle GPUs that still
-        fit, shares to the fullest GPU that still fits, so that whole GPUs stay whole.
-        ``preemptible`` (None: ignored) ranks nodes first by :meth:`node_rank`.
+        (backfill). ``preemptible`` (None: ignored) ranks nodes first by :meth:`node_rank`.
+        ``only``: GPU or MIG UUIDs the placement may use (None: any). Each slice kind places in
+        its own way (see :mod:`.slices`).
         """
         models = self.models(req.models, req.min_memory_mib)
         if not models:
             return None
-        if req.kind is SliceKind.GPU:
-            return self._place_whole(req, models, blocked, preemptible)
-        if req.kind is SliceKind.SHARE:
-            return self._place_share(req, models, blocked, preemptible)
-        return self._place_mig(req, models, blocked)
-
-    def _place_whole(self, req: Request, models, blocked, preemptible: bool | None = None) -> Placement | None:
-        n = req.gpus
-        if sum(self.idle_by_model.get(m, 0) for m in models) < n:
-            return None
-        best: list[GPUState] | None = None
-        best_idle = (1 << 30, 1 << 30)
-        nodes = self.nodes_of(models) if len(models) < len(self.by_model) else self.by_node.keys()
-        for node in nodes:
-            idle0 = self.idle_by_node.get(node, 0)
-            if idle0 < n:
-                continue
-            idle = (self.node_rank(node, preemptible), idle0)
-            if idle >= best_idle:
-                continue
-            fit = [
-                s
-                for s in self.by_node[node]
-                if s.wholly_free and s.gpu.model in models and s.gpu.memory_mib >= req.min_memory_mib and not (blocked and blocked(s, MILLI, s.gpu.memory_mib, ""))
-            ]
-            if len(fit) >= n:
-                best, best_idle = fit[:n], idle
-                if idle == (0, n):
-                    break
-        if best is None:
-            return None
-        return Placement(tuple(Slice(s.gpu.uuid, s.gpu.node, s.gpu.index, s.gpu.model, s.gpu.memory_mib, MILLI) for s in best))
-
-    def _place_share(self, req: Request, models, blocked, preemptible: bool | None = None) -> Placement | None:
-        best = None
-        best_key = None
-        rank = self.node_rank
-        # fragmentation-aware: the second key is how much the GPU's fragmentation grows (0 for
-        # plain best fit, so the key then orders exactly as best fit)
-        frag = self.sizes.frag_table() if self.share_placement == "fragmentation" else None
-        for m in models:
-            if self.free_milli_by_model.get(m, 0) <= 0:
-                continue
-            # fullest partly used GPU that still fits first, so that idle GPUs stay whole
-            for s in self.partial_by_model.get(m, ()):
-                g = s.gpu
-                if g.memory_mib < req.min_memory_mib:
-                    continue
-                milli, mem = share_need(req, g)
-                if s.free_milli < milli or s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
-                    continue
-                f = s.free_milli
-                key = (rank(g.node, preemptible), frag[f - milli] - frag[f] if frag else 0, 0, f - milli, g.node, g.index)
-                if best_key is None or key < best_key:
-                    best, best_key = (s, milli, mem), key
-        idle_too = best is None or best_key[0] > 0
-        if not idle_too and frag:
-            # an idle GPU may grow fragmentation less than the best partly used one
-            milli0 = req.share_milli
-            idle_too = not milli0 or frag[MILLI - milli0] - frag[MILLI] < best_key[1]
-        if idle_too:
-            # an idle GPU on a better-ranked node beats a partly used one on a worse node
-            for m in models:
-                for s in self.idle_set_by_model.get(m, ()):
-                    g = s.gpu
-                    if g.memory_mib < req.min_memory_mib:
-                        continue
-                    milli, mem = share_need(req, g)
-                    if s.free_mem < mem or (blocked and blocked(s, milli, mem, "")):
-                        continue
-                    # an idle GPU on the node with the fewest idle GPUs keeps big nodes whole
-                    key = (rank(g.node, preemptible), frag[MILLI - milli] - frag[MILLI] if frag else 0, 1, self.idle_by_node[g.node], g.node, g.index)
-                    if best_key is None or key < best_key:
-                        best, best_key = (s, milli, mem), key
-        if best is None:
-            return None
-        s, milli, mem = best
-        g = s.gpu
-        return Placement((Slice(g.uuid, g.node, g.index, g.model, mem, milli),))
-
-    def _place_mig(self, req: Request, models, blocked) -> Placement | None:
-        for m in models:
-            if self.mig_free_by_model.get(m, 0) <= 0:
-                continue
-            for s in self.by_model[m]:
-                if not s.gpu.healthy or s.gpu.memory_mib < req.min_memory_mib:
-                    continue
-                for inst in s.mig_free.values():
-                    if inst.profile == req.mig_profile and not (blocked and blocked(s, 0, inst.memory_mib, inst.uuid)):
-                        g = s.gpu
-                        milli = max(1, round(inst.memory_mib * MILLI / g.memory_mib))
-                        return Placement((Slice(g.uuid, g.node, g.index, g.model, inst.memory_mib, milli, inst.uuid, inst.profile),))
-        return None
+        if only is not None:
+            blocked = _only(only, blocked)
+        return slice_type(req).place(self, req, models, blocked, preemptible)
 
     # ----------------------------------------------------------------- occupancy
     def take(self, lease_id: str, placement: Placement, preemptible: bool = False) -> None:
@@ -466,3 +339,21 @@ class Pool:
                 "healthy": sum(1 for s in lst if s.gpu.healthy),
             }
         return out
+
+
+def _only(only: frozenset[str], blocked):
+    """A ``blocked`` callback that also keeps out every device not in ``only``."""
+
+    def outside(st: GPUState, milli: int, mem: int, mig_uuid: str) -> bool:
+        if (mig_uuid not in only and st.gpu.uuid not in only) if mig_uuid else st.gpu.uuid not in only:
+            return True
+        return bool(blocked and blocked(st, milli, mem, mig_uuid))
+
+    return outside
+
+
+def pool_from_devices(devices: Iterable[dict]) -> Pool:
+    """An empty Pool of the devices as the broker's ``GET api/pool`` lists them (``GPU.to_dict``),
+    for checks made outside the broker: ``pool_from_devices(doc["devices"]).why_never(request)``
+    gives the broker's own reason why a request can never be granted there."""
+    return Pool(GPU.from_dict(d) for d in devices)

@@ -64,7 +64,7 @@ def _checked(seconds: float, text, negative: bool) -> float:
     if not math.isfinite(seconds):
         raise ValueError(f"not a duration: {text!r} (examples: {EXAMPLES})")
     if seconds < 0 and not negative:
-        raise ValueError(f"a duration cannot be negative here, got {text!r}")
+        raise ValueError(f"not a duration here: {text!r} cannot be negative (examples: {EXAMPLES})")
     return seconds
 
 

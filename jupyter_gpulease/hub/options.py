@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.model import BadRequest, parse_request
+from ..core.model import BadRequest
+from ..core.request import parse_request
 from ..core.text import format_duration
 
 REQUEST_KEYS = ("kind", "gpus", "share", "memory_mib", "mig_profile", "model", "min_memory_mib")

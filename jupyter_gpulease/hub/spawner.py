@@ -529,7 +529,7 @@ class GPULeaseSpawner(Spawner):
             if (lease.get("state") == "active" and "confirmed_at" in lease and lease["confirmed_at"] is None
                     and (self._confirm_task is None or self._confirm_task.done())):
                 # the confirm after start did not reach the broker: the server is up, say so now,
-                # or the broker revokes the lease after its confirm_timeout and the server stops
+                # or the broker revokes the lease after its confirm_timeout_s and the server stops
                 self._confirm_task = asyncio.ensure_future(self._confirm(lease_id))
             return None
         self.log.warning("Lease %s of %s ended (%s: %s)", lease_id, self._log_name, lease.get("state"), lease.get("end_reason"))

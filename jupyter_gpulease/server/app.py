@@ -163,7 +163,7 @@ class GPULeaseExtension(ExtensionApp):
     # ------------------------------------------------------------------ reporting
     heartbeat_interval = Float(
         30.0, help="""Seconds between heartbeats to the broker (usage per device and kernel). Keep it well under the
-        broker's ``heartbeat_timeout``. Example: 30.""",
+        broker's ``heartbeat_timeout_s``. Example: 30.""",
     ).tag(config=True)
     report_activity = Bool(
         True, help="""Report GPU activity as server activity (a ``gpulease_last_activity`` setting), so the hub and its

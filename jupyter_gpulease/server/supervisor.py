@@ -34,7 +34,7 @@ import psutil
 
 from ..client import BrokerError
 from ..core.idle import IdleRule
-from ..core.scheduler import fmt_duration
+from ..core.text import format_duration as fmt_duration
 from ..hub.placement import cpu_only_environment, lease_environment
 from .attribution import KernelGPU, KernelProcess
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason

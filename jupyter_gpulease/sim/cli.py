@@ -15,7 +15,7 @@ from .traces import (
     ALIBABA_NODES,
     ALIBABA_PODS,
     NOTEBOOK,
-    SHARED_FILES,
+    SAMPLE_FILES,
     TraceError,
     default_traces_dir,
     detect_format,
@@ -48,9 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jupyter gpulease simulate",
         description="Replay a GPU-cluster trace through the gpulease scheduler and compare policies side by side.",
     )
-    p.add_argument("--trace", default="alibaba", help="'alibaba', 'notebook' (the shared samples) or the path of a CSV in one of those formats (default: alibaba)")
-    p.add_argument("--traces-dir", default=None, help="folder of the shared samples (default: $GPULEASE_TRACES or ../shared/traces beside the repository)")
-    p.add_argument("--nodes", default=None, help="Alibaba node inventory CSV to draw the pool from (default: the shared one)")
+    p.add_argument("--trace", default="alibaba", help="'alibaba', 'notebook' (the samples shipped with the package) or the path of a CSV in one of those formats (default: alibaba)")
+    p.add_argument("--traces-dir", default=None, help="folder of the trace samples (default: $GPULEASE_TRACES, else the samples shipped in jupyter_gpulease/sim/samples)")
+    p.add_argument("--nodes", default=None, help="Alibaba node inventory CSV to draw the pool from (default: the one shipped with the samples)")
     p.add_argument("--pool-nodes", type=int, default=8, help="nodes in the simulated pool (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; inventory nodes with this many GPUs are drawn (default 8)")
     p.add_argument("--models", default="", help="comma-separated GPU models to draw from the inventory (default: any)")
@@ -89,9 +89,9 @@ def _trace_path(args) -> tuple[str, str]:
     """(path, format) of the workload trace."""
     if args.trace in ("alibaba", "notebook"):
         d = args.traces_dir or default_traces_dir()
-        path = os.path.join(d, SHARED_FILES[args.trace])
+        path = os.path.join(d, SAMPLE_FILES[args.trace])
         if not os.path.exists(path):
-            raise TraceError(path, f"the shared trace sample is not there; pass --traces-dir or set GPULEASE_TRACES (looked in {d})")
+            raise TraceError(path, f"the trace sample is not there; pass --traces-dir or set GPULEASE_TRACES to a folder that has it (looked in {d})")
         return path, ALIBABA_PODS if args.trace == "alibaba" else NOTEBOOK
     fmt = detect_format(args.trace)
     if fmt == ALIBABA_NODES:
@@ -126,7 +126,7 @@ def run(args) -> dict[str, Any]:
     if fmt == ALIBABA_PODS:
         pods = load_alibaba_pods(path)
         wl = alibaba_workload(pods, compress=args.compress, window_days=args.window_days, limit=args.limit)
-        nodes_path = args.nodes or os.path.join(args.traces_dir or default_traces_dir(), SHARED_FILES["alibaba-nodes"])
+        nodes_path = args.nodes or os.path.join(args.traces_dir or default_traces_dir(), SAMPLE_FILES["alibaba-nodes"])
         nodes = load_alibaba_nodes(nodes_path)
         models = [m for m in args.models.split(",") if m]
         pool = pool_from_inventory(nodes, n_nodes=args.pool_nodes, gpus_per_node=args.gpus_per_node, models=models or None, seed=args.seed)

@@ -24,7 +24,10 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.policy import DEFAULT_TIERS, HOUR, Policy, Tier
+from ..core.idle import IdleRule
+from ..core.policy import DEFAULT_TIERS, HOUR, SETTINGS, Policy, Tier
+
+RENAMED = {old: s.name for s in SETTINGS for old in s.renamed_from}
 
 NEVER = 100 * 365 * 24 * HOUR  # "no time limit"
 
@@ -52,54 +55,21 @@ BATCH_STEP_S = HOUR
 BATCH_MULTI_GPU_AGING = 0.5
 
 
-@dataclass(frozen=True)
-class IdleRule:
-    """When a session's idle GPU is taken back.
-
-    ``timeout_s``: fixed idle timeout (None: never). ``learn``: instead, learn each session's
-    timeout online, each time its GPU falls idle:
-
-    - ``method="cost"`` (default): pick the timeout T from ``candidates_s`` that minimises
-      expected idle holding E[min(gap, T)] plus ``regret_cost_s`` × P(T < gap <= T + 10 min),
-      over the session's own earlier gaps mixed with ``prior_weight`` pseudo-gaps drawn from
-      the gaps (and session ends) of sessions seen so far. ``regret_cost_s`` says what one
-      regretted reclaim is worth in GPU-seconds of idle holding.
-    - ``method="quantile"``: the ``quantile`` of its earlier gaps times ``factor``, within
-      [``min_s``, ``max_s``]; ``default_s`` until ``min_gaps`` gaps have been seen.
-    """
-
-    timeout_s: float | None = None
-    learn: bool = False
-    method: str = "cost"
-    regret_cost_s: float = 1800.0
-    prior_weight: float = 2.0
-    candidates_s: tuple[float, ...] = (60, 120, 180, 300, 420, 600, 900, 1200, 1800, 2700, 3600)
-    quantile: float = 90.0
-    factor: float = 1.5
-    min_s: float = 120.0
-    max_s: float = 3600.0
-    min_gaps: int = 3
-    default_s: float = 15 * 60.0
-    label: str = "reclaim"  # "reclaim" (GPU taken back, server kept) or "cull" (server stopped)
-
-    @property
-    def active(self) -> bool:
-        return self.learn or self.timeout_s is not None
-
-    def describe(self) -> str:
-        if self.learn and self.method == "cost":
-            return (
-                f"learnt per session: T minimising idle holding + {self.regret_cost_s / 60:g} GPU-min per regretted reclaim, "
-                f"over its own earlier gaps and a prior of {self.prior_weight:g} pseudo-gaps from sessions seen so far"
-            )
-        if self.learn:
-            return (
-                f"learnt per session: p{self.quantile:g} of its earlier gaps x {self.factor:g}, "
-                f"within {self.min_s / 60:g}-{self.max_s / 60:g} min; {self.default_s / 60:g} min until {self.min_gaps} gaps seen"
-            )
-        if self.timeout_s is None:
-            return "never"
-        return f"fixed {self.timeout_s / 60:g} min ({self.label})"
+def describe_idle(rule: IdleRule, action: str = "reclaim") -> str:
+    """The idle rule in the words of a replay, where each session stands for a user."""
+    if rule.learn and rule.method == "cost":
+        return (
+            f"learnt per session: T minimising idle holding + {rule.regret_cost_s / 60:g} GPU-min per regretted reclaim, "
+            f"over its own earlier gaps and a prior of {rule.prior_weight:g} pseudo-gaps from sessions seen so far"
+        )
+    if rule.learn:
+        return (
+            f"learnt per session: p{rule.quantile:g} of its earlier gaps x {rule.factor:g}, "
+            f"within {rule.min_s / 60:g}-{rule.max_s / 60:g} min; {rule.default_s / 60:g} min until {rule.min_gaps} gaps seen"
+        )
+    if rule.timeout_s is None:
+        return "never"
+    return f"fixed {rule.timeout_s / 60:g} min ({action})"
 
 
 @dataclass(frozen=True)
@@ -111,7 +81,8 @@ class SimPolicy:
     description: str = ""
     whole_gpus: bool = False  # round a share up to one whole GPU
     qos_tiers: dict[str, str] = field(default_factory=dict)  # QoS class -> tier (missing: default tier)
-    idle: IdleRule = IdleRule()
+    idle: IdleRule = field(default_factory=IdleRule)  # the core's idle rule, as the server extension applies it
+    idle_action: str = "reclaim"  # "reclaim" (GPU taken back, server kept) or "cull" (server stopped)
     strict_fcfs: bool = False  # documented expectation: only the head of the queue may start
 
     def tier_for(self, qos: str) -> str:
@@ -125,20 +96,9 @@ class SimPolicy:
             "whole_gpus": self.whole_gpus,
             "strict_fcfs": self.strict_fcfs,
             "qos_tiers": dict(self.qos_tiers),
-            "idle": self.idle.describe(),
+            "idle": describe_idle(self.idle, self.idle_action),
             "tiers": {n: t.to_dict() for n, t in p.tiers.items()},
-            "default_tier": p.default_tier,
-            "backfill": p.backfill,
-            "reservation_depth": p.reservation_depth,
-            "preemption": p.preemption,
-            "fair_share": p.fair_share,
-            "extend_when_contended": p.extend_when_contended,
-            "warn_before_s": p.warn_before_s,
-            "aging_s": p.aging_s,
-            "multi_gpu_aging": p.multi_gpu_aging,
-            "short_grants": p.short_grants,
-            "placement_by_preemptibility": p.placement_by_preemptibility,
-            "share_placement": p.share_placement,
+            **p.settings(),
         }
 
 
@@ -184,7 +144,8 @@ def static_culler(timeout_s: float = 1800.0) -> SimPolicy:
         _static_policy(backfill=True),
         f"static+backfill, servers culled after {timeout_s / 60:g} min idle (blind to GPU activity)",
         whole_gpus=True,
-        idle=IdleRule(timeout_s=timeout_s, label="cull"),
+        idle=IdleRule(timeout_s=timeout_s),
+        idle_action="cull",
     )
 
 
@@ -243,21 +204,7 @@ DEFAULT_POLICIES = ("static", "static+backfill", "static+culler", "gpulease")
 
 
 # --------------------------------------------------------------------------- config files
-_POLICY_KEYS = {
-    "backfill",
-    "reservation_depth",
-    "preemption",
-    "fair_share",
-    "fair_share_half_life_s",
-    "extend_when_contended",
-    "warn_before_s",
-    "default_tier",
-    "share_placement",
-    "aging_s",
-    "multi_gpu_aging",
-    "short_grants",
-    "placement_by_preemptibility",
-}
+_POLICY_KEYS = {s.name for s in SETTINGS}  # every declared scheduling setting, by its one name
 
 
 def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
@@ -266,7 +213,7 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         name = "gpulease-30min"
         base = "gpulease"            # a built-in to start from (default: gpulease)
         whole_gpus = false
-        backfill = true              # any core Policy field listed in _POLICY_KEYS
+        backfill = true              # any declared setting of the core Policy (core.policy.SETTINGS)
         idle_timeout_s = 1800        # or idle_learn = true (+ idle_quantile, idle_factor, idle_min_s, idle_max_s)
         [qos_tiers]
         BE = "learning"
@@ -297,6 +244,8 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
     for k in list(d):
         if k in _POLICY_KEYS:
             kw[k] = d.pop(k)
+        elif k in RENAMED:
+            raise ValueError(f"{source}: policy {name!r}: {k!r} is now called {RENAMED[k]!r}")
     try:
         pol = replace(pol, **kw)
     except (TypeError, ValueError) as e:

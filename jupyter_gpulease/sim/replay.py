@@ -10,7 +10,6 @@ runs. The scheduler is looked up on its module at run time, so a test can wrap i
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -22,16 +21,12 @@ from typing import Any
 
 from ..core import events as ev
 from ..core import scheduler as core_scheduler
-from ..core.model import GPU, MILLI, Conflict, LeaseError, LeaseState, Refused, Request, SliceKind
-from .metrics import StepSeries, percentile
+from ..core.idle import REGRET_WINDOW_S, GapHistogram
+from ..core.model import GPU, MILLI, Conflict, LeaseError, LeaseState, Refused, SliceKind
+from ..core.request import Ask, Request
+from .metrics import StepSeries
 from .policies import SimPolicy
 from .workload import Job, Workload
-
-REGRET_WINDOW_S = 600.0  # a reclaim is regretted when the GPU is needed again within this
-
-# bins of the population gap histogram (seconds); the last bin holds session ends (inf)
-_GAP_EDGES = [30, 60, 90, 120, 180, 240, 300, 420, 600, 780, 900, 1200, 1500, 1800, 2400, 2700, 3000, 3600, 5400, 7200, 14400, 86400]
-_GAP_MID = [15.0] + [(a + b) / 2 for a, b in itertools.pairwise(_GAP_EDGES)] + [math.inf]
 
 # kinds of replay events, in processing order for equal times
 _END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE = range(6)
@@ -166,8 +161,7 @@ class Replay:
         self.arrived = 0
         self._lease_ids = itertools.count(1)
         self._deadlines: set[float] = set()
-        self._pop_hist = [0] * (len(_GAP_EDGES) + 1)
-        self._pop_n = 0
+        self._gaps = GapHistogram()  # every session's idle gaps (inf: a session ended): the learnt timeout's prior
         warn = sim_policy.policy.warn_before_s
         self.warn_before_s = warn
 
@@ -198,14 +192,7 @@ class Replay:
         job = rec.job
         tier = self.sp.tier_for(job.qos)
         try:
-            lease = self.sched.new_lease(
-                user=job.id,
-                request=self._request_for(job),
-                now=now,
-                tier=tier,
-                lease_id=f"L{next(self._lease_ids)}",
-                meta={"job": job.id},
-            )
+            lease = self.sched.new_lease(Ask(user=job.id, request=self._request_for(job), tier=tier, meta={"job": job.id}), now, lease_id=f"L{next(self._lease_ids)}")
         except Refused as e:
             rec.refused = e.message
             rec.finished = True
@@ -379,47 +366,11 @@ class Replay:
         self._request(rec, now)
 
     def _learn_gap(self, gap: float) -> None:
-        """Population histogram of gaps (inf: a session ended) for the learnt timeout's prior."""
-        self._pop_hist[bisect.bisect_right(_GAP_EDGES, gap)] += 1
-        self._pop_n += 1
-
-    def _cost_timeout(self, rec: JobRecord) -> float:
-        rule = self.sp.idle
-        own = rec.gaps
-        w_prior = rule.prior_weight if self._pop_n else 0.0
-        n = len(own) + w_prior
-        if n == 0:
-            return rule.default_s
-        best_t, best_c = rule.candidates_s[-1], math.inf
-        for t in rule.candidates_s:
-            hold = sum(min(g, t) for g in own)
-            regret = sum(1 for g in own if t < g <= t + REGRET_WINDOW_S)
-            if w_prior:
-                h = r = 0.0
-                for i, c in enumerate(self._pop_hist):
-                    if not c:
-                        continue
-                    g = _GAP_MID[i]
-                    h += c * min(g, t)
-                    if t < g <= t + REGRET_WINDOW_S:
-                        r += c
-                hold += w_prior * h / self._pop_n
-                regret += w_prior * r / self._pop_n
-            cost = (hold + rule.regret_cost_s * regret) / n
-            if cost < best_c - 1e-9:
-                best_t, best_c = t, cost
-        return best_t
+        self._gaps.add(gap)
 
     def _idle_timeout(self, rec: JobRecord) -> float | None:
-        rule = self.sp.idle
-        if rule.learn and rule.method == "cost":
-            return self._cost_timeout(rec)
-        if rule.learn:
-            if len(rec.gaps) < rule.min_gaps:
-                return rule.timeout_s if rule.timeout_s is not None else rule.default_s
-            q = percentile(rec.gaps, rule.quantile) or 0.0
-            return min(rule.max_s, max(rule.min_s, q * rule.factor))
-        return rule.timeout_s
+        """The session's idle timeout, from the core's idle rule (its own gaps, and everyone's as a prior)."""
+        return self.sp.idle.timeout(rec.gaps, self._gaps)
 
     def _idle(self, rec: JobRecord, version: int, what: str, now: float) -> None:
         if what == "ended":
@@ -444,7 +395,7 @@ class Replay:
             rec.reclaims += 1
             more = rec.next_burst < len(rec.job.bursts)
             rec.lost_at = now if more else None
-            self._release(rec, now, LeaseState.RECLAIMED, "idle" if self.sp.idle.label == "reclaim" else "culled: server idle")
+            self._release(rec, now, LeaseState.RECLAIMED, "idle" if self.sp.idle_action == "reclaim" else "culled: server idle")
             if not more:
                 rec.finished = True
                 # the broker learns that the session is over only when it stays away

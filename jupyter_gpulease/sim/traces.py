@@ -280,8 +280,8 @@ def load_notebook_events(path: str) -> list[NotebookEvent]:
     return _load(path, NOTEBOOK, _parse_event)
 
 
-# --------------------------------------------------------------------------- shared traces
-SHARED_FILES = {
+# --------------------------------------------------------------------------- the samples shipped
+SAMPLE_FILES = {
     "alibaba": "alibaba_v2023_pods_shared.csv",
     "alibaba-nodes": "alibaba_v2023_nodes.csv",
     "notebook": "adobe_notebook_gpu_events_june2021_shared.csv",
@@ -289,9 +289,7 @@ SHARED_FILES = {
 
 
 def default_traces_dir() -> str:
-    """Where the shared trace samples live: $GPULEASE_TRACES, else ``../shared/traces`` beside the repository."""
-    env = os.environ.get("GPULEASE_TRACES")
-    if env:
-        return env
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(os.path.dirname(repo), "shared", "traces")
+    """Where the trace samples are read from: $GPULEASE_TRACES if set (another copy, e.g. newer
+    downloads), else the samples shipped with the package (``jupyter_gpulease/sim/samples``, with
+    their README: sources, licences, how they were sampled)."""
+    return os.environ.get("GPULEASE_TRACES") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "samples")

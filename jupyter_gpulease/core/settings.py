@@ -1,0 +1,88 @@
+"""Each scheduling setting declared once: name, unit, default, help, range.
+
+A setting is declared on its :class:`~.policy.Policy` field with :func:`setting`; everything
+else is derived from that declaration: the broker's config options (:mod:`.policy_config`),
+the keys of the simulator's policy files, the checks a value goes through wherever it comes
+from, and the name that an error message gives. A new setting is one edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting. ``name`` is both the :class:`Policy` field and the config option."""
+
+    name: str
+    kind: type  # bool, int, float or str
+    default: Any
+    help: str  # what it does, with its unit and an example
+    unit: str = ""  # 'seconds', or '' for a count or a ratio
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # exclusive lower bound
+    choices: tuple[str, ...] = ()
+    zero_is_off: bool = False  # in config, 0 turns it off (None in the Policy)
+    renamed_from: tuple[str, ...] = ()  # older option names, still read with a deprecation warning
+
+    def check(self, value: Any) -> Any:
+        """The value as the Policy holds it, or ValueError naming the setting and what is allowed."""
+        name = self.name
+        if value is None and self.zero_is_off:
+            return None
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or (self.choices and value.lower() not in self.choices):
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, self.choices))}, got {value!r}" if self.choices else f"{name} must be a string")
+            return value.lower() if self.choices else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"{name} must be a number{self._unit_words()}, got {value!r}")
+        if self.kind is int and not float(value).is_integer():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+        if self.zero_is_off and value == 0:
+            return None
+        unit = self._unit_words()
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{name} must be at least {self.minimum:g}{unit}, got {value!r}")
+        if self.maximum is not None and value > self.maximum:
+            raise ValueError(f"{name} must be at most {self.maximum:g}{unit}, got {value!r}")
+        if self.above is not None and value <= self.above:
+            raise ValueError(f"{name} must be more than {self.above:g}{unit}, got {value!r}")
+        return self.kind(value)
+
+    def _unit_words(self) -> str:
+        return f" ({self.unit})" if self.unit else ""
+
+    def config_default(self) -> Any:
+        """The default as a config file writes it (0 for 'off')."""
+        return 0 if self.default is None and self.zero_is_off else self.default
+
+
+def setting(default: Any, help: str, **kw) -> Any:
+    """Declare a :class:`Policy` field as a setting (see :class:`Setting` for the keywords)."""
+    return dataclasses.field(default=default, metadata={"setting": kw | {"help": help, "default": default}})
+
+
+def settings_of(cls) -> tuple[Setting, ...]:
+    """The settings declared on a dataclass's fields, in declaration order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if "setting" not in f.metadata:
+            continue
+        meta = dict(f.metadata["setting"])
+        kind = meta.pop("kind", None)
+        default = meta["default"]
+        if kind is None:
+            kind = type(default) if default is not None else float
+            if kind is int and meta.get("unit") == "seconds":
+                kind = float
+        out.append(Setting(name=f.name, kind=kind, **meta))
+    return tuple(out)
