@@ -13,6 +13,7 @@
 #   4. roles: users may reach the broker (their servers' extension and the %gpu magics do),
 #      the spawner's service holds the admin scope, the broker may stop servers.
 
+import json
 import os
 import secrets
 import sys
@@ -141,6 +142,13 @@ c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server",
 c.Spawner.cmd = [str(Path(sys.executable).with_name("jupyterhub-singleuser"))]
 c.Spawner.default_url = "/lab"
 c.Spawner.poll_interval = 10  # seconds; poll() also notices a lease that ended
+# The servers' GPU figures (status bar, %gpu, the widget) come from the same device backend as
+# the broker's pool. Simulated GPUs (the demo without NVIDIA GPUs): the servers share one state
+# file, so utilization driven there (SimulatedBackend.set_utilization) shows in every notebook.
+if env("GPULEASE_DEVICE_BACKEND"):
+    c.Spawner.environment.update({"GPULEASE_DEVICE_BACKEND": env("GPULEASE_DEVICE_BACKEND")})
+if env("GPULEASE_DEVICE_BACKEND") == "simulated":
+    c.Spawner.environment.update({"GPULEASE_DEVICE_CONFIG": json.dumps({"state_file": str(state / "sim-gpus.json")})})
 if os.getuid() == 0:
     c.Spawner.args = ["--allow-root"]
 c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")
