@@ -119,3 +119,31 @@ def test_plain_ipython_with_a_broker_that_is_not_there_says_it_cannot_reach_it(t
     out = r.stdout + r.stderr
     assert "gpulease: cannot reach the lease broker at http://127.0.0.1:" in out
     assert "Traceback" not in out
+
+
+STANDIN_TORCH = {
+    "torch/__init__.py": "from . import cuda\n",
+    "torch/cuda/__init__.py": (
+        "# a stand-in for torch.cuda's lazy start: calls queued with _lazy_call run when CUDA starts\n"
+        "_queued, _started, fractions = [], False, {}\n"
+        "def _lazy_call(fn):\n    _queued.append(fn)\n"
+        "def is_initialized():\n    return _started\n"
+        "def device_count():\n    return 2\n"
+        "def set_per_process_memory_fraction(fraction, device):\n    assert _started, 'would start CUDA'\n    fractions[device] = fraction\n"
+        "def init():\n    global _started\n    _started = True\n    for fn in _queued: fn()\n"
+    ),
+}
+
+
+def test_a_gpu_share_caps_pytorch_memory_when_cuda_starts_not_before(tmp_path):
+    lib = tmp_path / "lib"
+    for name, text in STANDIN_TORCH.items():
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        (lib / name).write_text(text)
+    code = ("%load_ext jupyter_gpulease\nimport sys\nprint('imported', 'torch' in sys.modules)\n"
+            "import torch\nprint('before', torch.cuda.fractions)\ntorch.cuda.init()\nprint('after', torch.cuda.fractions)")
+    r = _plain_ipython(code, tmp_path, GPULEASE_MEMORY_FRACTION="0.5", PYTHONPATH=str(lib))
+    assert "imported False" in r.stdout, r.stdout + r.stderr  # loading the magics does not import torch
+    assert "before {}" in r.stdout and "after {0: 0.5, 1: 0.5}" in r.stdout, r.stdout + r.stderr
+    r = _plain_ipython(code, tmp_path, PYTHONPATH=str(lib))  # a whole GPU: no cap
+    assert "after {}" in r.stdout, r.stdout + r.stderr

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 def load_ipython_extension(ipython) -> None:
     from .magics import GPUMagics
+    from .memcap import install
 
     ipython.register_magics(GPUMagics)
+    install()  # a GPU share's memory cap for PyTorch (GPULEASE_MEMORY_FRACTION)
 
 
 def unload_ipython_extension(ipython) -> None:
