@@ -130,7 +130,8 @@ def test_the_gpus_slurm_gave_a_job_are_read_from_scontrol():
 
 
 # --------------------------------------------------------------------------- a real hub on real Slurm
-def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"), config_lines=(), spawner="slurm_test_spawner.TestSlurmSpawner"):
+def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"), config_lines=(), spawner="slurm_test_spawner.TestSlurmSpawner",
+                   env: dict | None = None):
     """A hub whose spawner runs servers as Slurm jobs, with the broker's pool read from Slurm."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "slurm_test_spawner.py").write_text(TEST_SPAWNER)
@@ -167,7 +168,7 @@ def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"
         ],
         user_scopes=["access:services!service=gpulease"],
         spawner_class=spawner,
-        env={"GPULEASE_TEST_HOMES": str(tmp_path / "homes"), "SLURM_CONF": str(slurm.conf)},
+        env={"GPULEASE_TEST_HOMES": str(tmp_path / "homes"), "SLURM_CONF": str(slurm.conf), **(env or {})},
         config_lines=[
             f"c.GPULeaseSpawner.broker_url = {broker_url!r}",
             f"c.GPULeaseSpawner.broker_api_token = {token!r}",

@@ -400,6 +400,9 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
 
     async def start(self):
         self._gpu_spec = PodGPUSpec()  # a CPU-only spawn after a GPU one asks for nothing
+        # KubeSpawner's progress() follows _start_future; the lease's wait comes first, so the
+        # last spawn's finished future must not end this spawn's pod events before they begin
+        self._start_future = None
         return await super().start()
 
     async def get_pod_manifest(self):
