@@ -39,8 +39,8 @@ FIXTURE = HERE.parent / "tests" / "fixtures" / "kubernetes" / "gpu-nodes.json"
 SLICES = HERE.parent / "tests" / "fixtures" / "kubernetes" / "resource-slices.json"
 
 from jupyter_gpulease.broker.manager import LeaseManager, SystemClock  # noqa: E402
-from jupyter_gpulease.core.model import parse_request  # noqa: E402
 from jupyter_gpulease.core.policy import Policy  # noqa: E402
+from jupyter_gpulease.core.request import Ask, parse_request  # noqa: E402
 from jupyter_gpulease.core.scheduler import Scheduler  # noqa: E402
 from jupyter_gpulease.devices import get_backend  # noqa: E402
 from jupyter_gpulease.devices.kubernetes import inventory_from_nodes, items_of  # noqa: E402
@@ -107,7 +107,7 @@ async def sync_with_leases(gpus, gpus_without_one_node, leases: int, tmp: Path) 
     await manager.start()
     now = time.time()
     for i in range(leases):
-        lease = sched.new_lease(user=f"u{i % 500}", request=parse_request({"share": 0.25}), now=now, duration_s=3600)
+        lease = sched.new_lease(Ask(user=f"u{i % 500}", request=parse_request({"share": 0.25}), duration_s=3600), now)
         sched.submit(lease, now)
     await manager.tick()
     active = sum(1 for lease in sched.leases.values() if lease.state.value == "active")
