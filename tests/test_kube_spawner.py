@@ -220,6 +220,7 @@ def test_whole_gpus_ask_for_nvidia_gpu_on_the_leased_node_and_model(leases):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
     env = env_of(pod)
     assert env["GPULEASE_LEASE_ID"] == lease["id"] and env["GPULEASE_DEVICE_CHOICE"] == "engine"
+    assert env["GPULEASE_ENGINE"] == "kubernetes"
     assert env["GPULEASE_BROKER_URL"] == "http://proxy-public/services/gpulease/"
     assert "CUDA_VISIBLE_DEVICES" not in env  # the device plugin picks; the broker's names would hide the GPUs
     assert pod["metadata"]["annotations"]["gpulease.jupyter.org/lease-id"] == lease["id"]

@@ -287,6 +287,7 @@ def test_a_gpu_spawn_runs_as_a_slurm_job_on_the_leased_node_and_gpus_and_stoppin
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join(str(i) for i in given)
     assert sorted(given) == sorted(s["index"] for s in lease["placement"]["slices"])
     assert env["GPULEASE_LEASE_ID"] == lease["id"] and env["GPULEASE_DEVICE_CHOICE"] == "engine"
+    assert env["GPULEASE_ENGINE"] == "slurm"
     # the job's time limit is the lease's time left plus the margin (rounded up to minutes)
     left = (lease["expires_at"] - time.time()) / 60
     assert left + 1 <= time_limit_minutes(slurm, job) <= left + 4

@@ -176,7 +176,8 @@ def pod_gpu_spec(lease: dict, opts: KubeGPUOptions, *, claim_name: str = "", nam
         else:
             resources["nvidia.com/gpu"] = str(len(slices))
 
-    env = {"GPULEASE_DEVICE_CHOICE": "broker" if exact else "engine"}
+    # the engine fixes the devices when the pod starts: a lease that ends stops the server
+    env = {"GPULEASE_DEVICE_CHOICE": "broker" if exact else "engine", "GPULEASE_ENGINE": "kubernetes"}
     drop = () if exact else ("CUDA_VISIBLE_DEVICES",)
     # the model by GFD's product label where the device plugin picks the GPU; a claim or HAMi's
     # UUID annotation names the device itself (and HAMi nodes often run no GFD)

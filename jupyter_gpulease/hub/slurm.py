@@ -173,6 +173,7 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
         # Slurm chooses the GPUs inside the node and sets CUDA_VISIBLE_DEVICES for the job
         self._lease_env.pop("CUDA_VISIBLE_DEVICES", None)
         self._lease_env["GPULEASE_DEVICE_CHOICE"] = "engine"
+        self._lease_env["GPULEASE_ENGINE"] = "slurm"  # the job keeps its GPUs: a lease that ends stops the server
 
     async def start(self):
         self._job_spec = None  # a CPU-only spawn after a GPU one asks for nothing
