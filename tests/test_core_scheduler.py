@@ -510,3 +510,21 @@ def test_a_warning_alone_does_not_run_a_scheduling_pass():
     assert s.passes == passes  # nothing a pass decides on has changed
     s.tick(T0 + HOUR)  # the expiry does
     assert s.passes == passes + 1 and a.state is LeaseState.EXPIRED
+
+
+def test_a_mig_lease_already_being_preempted_is_not_taken_again_for_another_waiter():
+    gpu = GPU("G", "n", 0, "A100", 81920, mig=(MigInstance("MIG-a", "3g.40gb", 40960, 0), MigInstance("MIG-b", "3g.40gb", 40960, 1)))
+    s = Scheduler([gpu], P())
+    ending = ask(s, "l1", {"mig_profile": "3g.40gb"}, tier="learning", duration_s=600)  # ends at T0+600 anyway
+    s.tick(T0)
+    newer = ask(s, "l2", {"mig_profile": "3g.40gb"}, now=T0 + 10, tier="learning")
+    s.tick(T0 + 10)
+    first = ask(s, "p1", {"mig_profile": "3g.40gb"}, now=T0 + 20, tier="production")
+    s.tick(T0 + 20)
+    assert newer.preempt_at == T0 + 20 + 600 and newer.preempted_for == first.id  # the newest: least work lost
+    assert s.eta(first.id) == ending.expires_at  # the first waiter is promised the instance that frees first
+    second = ask(s, "p2", {"mig_profile": "3g.40gb"}, now=T0 + 30, tier="production")
+    s.tick(T0 + 30)
+    # the lease in its grace stays preempted for the first waiter: not restarted, not taken over
+    assert newer.preempt_at == T0 + 20 + 600 and newer.preempted_for == first.id
+    assert s.preempting_for(second.id) is None

@@ -94,11 +94,18 @@ class MigSlices(SliceType):
         return best
 
     def victims(self, search: VictimSearch) -> list[str]:
-        """The newest preemptible holder of an instance of the profile that nobody is promised."""
+        """The newest preemptible holder of an instance of the profile that nobody is promised
+        and that is not already being preempted for another waiting lease."""
         req, models = search.request, search.models
         for vid in search.candidates():
             sl = search.placement_of(vid).slices[0]
-            if sl.mig_profile == req.mig_profile and sl.model in models and not search.promised_mig(sl.mig_uuid) and search.allowed(sl.mig_uuid, sl.gpu_uuid):
+            if (
+                sl.mig_profile == req.mig_profile
+                and sl.model in models
+                and search.may_preempt(vid)
+                and not search.promised_mig(sl.mig_uuid)
+                and search.allowed(sl.mig_uuid, sl.gpu_uuid)
+            ):
                 return [vid]
         return []
 
