@@ -108,7 +108,7 @@ class Preemption:
         """Call off the preemptions for ``waiter_id``; the events and the leases that keep running."""
         vids = self.victims_of.pop(waiter_id, None)
         out, kept = [], []
-        for vid in vids or ():
+        for vid in sorted(vids or ()):  # sorted: the same events in the same order in every process
             v = leases.get(vid)
             if v is not None and v.preempt_at is not None and v.preempted_for == waiter_id:
                 v.preempt_at = None
