@@ -215,3 +215,44 @@ def test_metric_math():
     assert s.time_mean(0, 40) == pytest.approx(50 / 40)
     assert s.at(25) == 3 and s.at(-1) == 0
     assert math.isclose(s.integral(15, 25), 2 * 5 + 3 * 5)
+
+
+def test_a_suspended_kernel_comes_back_on_its_gpu_after_the_restore_and_keeps_its_state():
+    sp = P.gpulease_suspend(P.IdleRule(timeout_s=300))
+    r = replay(wl(session([(0, 300), (900, 300)])), uniform_pool(1, 2), sp, linger_s=3600)
+    rec = r.records[0]
+    # reclaimed at 600, back at 900: a GPU at once, then the restore before the cell runs
+    assert rec.resume_delays == [P.RESTORE_S] and rec.state_lost == 0 and rec.shift == P.RESTORE_S
+    assert rec.busy_s == 600 and rec.held_s == 600 + (P.RESTORE_S + 300 + 300)
+    s = summarize(r)["notebook"]
+    assert (s["reclaim_action"], s["kernel_state_lost"], s["resume_delay_mean_s"]) == ("suspend", 0, P.RESTORE_S)
+    assert "back after reclaim: delay mean" in table([summarize(r)])
+
+
+def test_a_resume_asks_for_its_former_gpu_first():
+    # s0 holds GPU 0 until 2060; s1 gets GPU 1 at 10 and loses it at 170; when s1 comes back
+    # at 2510 both GPUs are free: best fit alone would give it GPU 0, the resume asks for GPU 1
+    w = wl(session([(0, 2000)], name="s0"), session([(0, 100), (2500, 100)], arrival=10, name="s1"))
+
+    def grants(sp):
+        got = []
+        replay(w, uniform_pool(1, 2), sp, linger_s=3600, on_event=lambda e: e.kind == "granted" and e.lease.user == "s1" and got.append(e.lease.placement.slices[0].index))
+        return got
+
+    assert grants(P.gpulease_suspend(P.IdleRule(timeout_s=60))) == [1, 1]
+    assert grants(P.gpulease_restart(P.IdleRule(timeout_s=60))) == [1, 0]  # nothing to go back to
+
+
+def test_a_restart_loses_the_kernel_state_and_the_cell_waits_for_the_reload():
+    sp = P.gpulease_restart(P.IdleRule(timeout_s=300))
+    r = replay(wl(session([(0, 300), (900, 300)])), uniform_pool(1, 1), sp, linger_s=3600)
+    rec = r.records[0]
+    assert rec.resume_delays == [P.RELOAD_S] and rec.state_lost == 1 and rec.shift == P.RELOAD_S
+
+
+def test_a_kernel_on_several_gpus_that_cannot_be_suspended_is_restarted():
+    sp = P.gpulease_suspend(P.IdleRule(timeout_s=300), multi_gpu=False)
+    r = replay(wl(session([(0, 300), (900, 300)], gpus=2)), uniform_pool(1, 2), sp, linger_s=3600)
+    assert r.records[0].state_lost == 1 and r.records[0].resume_delays == [P.RELOAD_S]
+    r = replay(wl(session([(0, 300), (900, 300)], gpus=2)), uniform_pool(1, 2), P.gpulease_suspend(P.IdleRule(timeout_s=300)), linger_s=3600)
+    assert r.records[0].state_lost == 0 and r.records[0].resume_delays == [P.RESTORE_S]

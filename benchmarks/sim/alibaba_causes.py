@@ -71,7 +71,7 @@ class Probe:
                         multi_waits = True
                     if self.pool.place(req) is not None:
                         st = "reserved"
-                    elif self.preempting_for(lease.id):
+                    elif self.preempting_for(lease.id) is not None:
                         st = "grace"
                     elif req.kind is SliceKind.SHARE and sum(self.pool.free_milli_by_model.values()) >= req.share_milli:
                         st = "no room (fragmented)"

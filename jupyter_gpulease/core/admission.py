@@ -49,6 +49,14 @@ def check_ask(ask: Ask, now: float, *, policy: Policy, pool: Pool, quotas: Quota
     return t, float(duration_s)
 
 
+def lease_for(ask: Ask, tier: Tier, duration_s: float, now: float, lease_id: str) -> Lease:
+    """The lease an admitted ask becomes, queued but not yet submitted."""
+    return Lease(
+        id=lease_id, user=ask.user, request=ask.request, tier=tier.name, duration_s=duration_s, created_at=now, server=ask.server,
+        groups=ask.groups, max_wait_s=ask.max_wait_s, prefer_gpus=ask.prefer_gpus, require_gpus=ask.require_gpus, meta=dict(ask.meta),
+    )  # fmt: skip
+
+
 def check_extension(lease: Lease, new: float, now: float, fld: str, *, policy: Policy, quotas: Quotas, waiters: list[Lease], aged_cutoff: Callable[[], float | None]) -> None:
     """May ``lease`` run until ``new``? ``waiters``: the waiting leases promised its devices."""
     if new <= lease.expires_at:

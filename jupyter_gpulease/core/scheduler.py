@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import events as ev
-from .admission import check_ask, check_extension
+from .admission import check_ask, check_extension, lease_for
 from .deadlines import Deadline, Deadlines
 from .estimate import DryRun, Estimate
 from .events import Event
@@ -88,20 +88,7 @@ class Scheduler:
     def new_lease(self, ask: Ask, now: float, *, lease_id: str | None = None) -> Lease:
         """Check ``ask`` (see :meth:`check_ask`) and build its lease, queued but not yet submitted."""
         tier, duration_s = self.check_ask(ask, now)
-        return Lease(
-            id=lease_id or _uuid.uuid4().hex[:16],
-            user=ask.user,
-            request=ask.request,
-            tier=tier.name,
-            duration_s=duration_s,
-            created_at=now,
-            server=ask.server,
-            groups=ask.groups,
-            max_wait_s=ask.max_wait_s,
-            prefer_gpus=ask.prefer_gpus,
-            require_gpus=ask.require_gpus,
-            meta=dict(ask.meta),
-        )
+        return lease_for(ask, tier, duration_s, now, lease_id or _uuid.uuid4().hex[:16])
 
     def submit(self, lease: Lease, now: float, actor: str = "") -> list[Event]:
         """Put a lease from :meth:`new_lease` in the queue."""
@@ -129,7 +116,7 @@ class Scheduler:
             tier, duration_s = self.check_ask(ask, now)
         except LeaseError as e:
             return Estimate("never", refused=e)
-        target = self.new_lease(ask, now, lease_id="(estimate)")
+        target = lease_for(ask, tier, duration_s, now, "(estimate)")
         target.seq = self._seq + 1
         target.resuming = (target.user, target.server) in self._book.reclaimed_from
         book = self._book
@@ -395,9 +382,11 @@ class Scheduler:
             "eta_after_wait_limit": eta is not None and gives_up_at is not None and eta > gives_up_at,
         }
 
-    def preempting_for(self, lease_id: str) -> list[str]:
-        """The leases being preempted (in their grace) to make room for ``lease_id``."""
-        return sorted(self._preemption.victims_of.get(lease_id, ()))
+    def preempting_for(self, lease_id: str) -> list[str] | None:
+        """The leases still in their grace, preempted to make room for ``lease_id`` ([] once they
+        have all ended while it still waits; None: no preemption was started for it)."""
+        victims = self._preemption.victims_of.get(lease_id)
+        return None if victims is None else sorted(victims)
 
     def capacity(self) -> dict[str, dict]:
         return self.pool.capacity()

@@ -83,6 +83,14 @@ class SimPolicy:
     qos_tiers: dict[str, str] = field(default_factory=dict)  # QoS class -> tier (missing: default tier)
     idle: IdleRule = field(default_factory=IdleRule)  # the core's idle rule, as the server extension applies it
     idle_action: str = "reclaim"  # "reclaim" (GPU taken back, server kept) or "cull" (server stopped)
+    # what an idle reclaim does to the session's kernel: "release" (the GPU is taken back; the
+    # kernel's state is not modelled), "suspend" (cuda-checkpoint: the state waits in host
+    # memory, the returning cell pays the wait for a GPU plus restore_s; single-GPU sessions
+    # only) or "restart" (the state is lost: the returning cell pays the wait plus reload_s)
+    reclaim_action: str = "release"
+    restore_s: float = 0.0
+    reload_s: float = 0.0
+    suspend_multi_gpu: bool = False  # may a kernel on several GPUs be suspended (see gpulease_suspend)?
     strict_fcfs: bool = False  # documented expectation: only the head of the queue may start
 
     def tier_for(self, qos: str) -> str:
@@ -97,6 +105,10 @@ class SimPolicy:
             "strict_fcfs": self.strict_fcfs,
             "qos_tiers": dict(self.qos_tiers),
             "idle": describe_idle(self.idle, self.idle_action),
+            "reclaim_action": self.reclaim_action,
+            "restore_s": self.restore_s,
+            "reload_s": self.reload_s,
+            "suspend_multi_gpu": self.suspend_multi_gpu,
             "tiers": {n: t.to_dict() for n, t in p.tiers.items()},
             **p.settings(),
         }
@@ -170,6 +182,59 @@ def gpulease(idle: IdleRule | None = None, *, extend_when_contended: bool = Fals
     return SimPolicy("gpulease", pol, desc, qos_tiers=dict(GPULEASE_QOS_TIERS), idle=idle)
 
 
+# ASSUMPTION: bringing a suspended kernel back (cuda-checkpoint --action restore, then unlock)
+# copies its GPU memory back from host memory over PCIe and re-attaches its CUDA contexts: 10 s
+# stands for ~40 GB at ~5 GB/s including the driver's own work (NVIDIA reports checkpoints and
+# restores of multi-GB processes in seconds; benchmarks/gpu_check.py times it where installed).
+RESTORE_S = 10.0
+# ASSUMPTION: after a restart the kernel's state is gone; its user reruns the cells that load
+# data and models before the interrupted cell can run: 5 minutes.
+RELOAD_S = 300.0
+# CHOICE: with suspend, a regretted reclaim costs its user a wait for a GPU plus the restore,
+# not a reload: the learnt timeout weighs it as 2 minutes of idle holding (the core default of
+# 30 minutes weighs a reclaim that throws work away). benchmarks/sim/reclaim_actions.txt shows others.
+SUSPEND_REGRET_COST_S = 120.0
+
+
+def gpulease_suspend(idle: IdleRule | None = None, *, multi_gpu: bool = True) -> SimPolicy:
+    """gpulease whose idle reclaim suspends the kernel, brings it back on its former GPU first,
+    and lets a resume go ahead of new requests of its tier.
+
+    ``multi_gpu``: ASSUMPTION that a kernel on several GPUs drives them from its own process
+    without NCCL communicators (DataParallel-style), which cuda-checkpoint can suspend; False:
+    such kernels use NCCL and are restarted instead (their state is lost)."""
+    sp = gpulease(idle or IdleRule(learn=True, regret_cost_s=SUSPEND_REGRET_COST_S))
+    multi = (
+        "kernels on several GPUs too (ASSUMPTION: one process, no NCCL)"
+        if multi_gpu
+        else f"kernels on one GPU only (ASSUMPTION: kernels on several GPUs use NCCL, which cuda-checkpoint cannot suspend: they restart, reload {RELOAD_S / 60:g} min)"
+    )
+    return replace(
+        sp,
+        name="gpulease+suspend" if multi_gpu else "gpulease+suspend-1gpu",
+        policy=replace(sp.policy, resume_priority=True),
+        reclaim_action="suspend",
+        restore_s=RESTORE_S,
+        reload_s=RELOAD_S,
+        suspend_multi_gpu=multi_gpu,
+        description=sp.description + f"; an idle reclaim suspends the kernel, {multi} (ASSUMPTION: restore {RESTORE_S:g} s per kernel, "
+        "each GPU's memory copied back over its own link); a resume prefers its former GPU and goes ahead of new requests of its tier "
+        "(resume_priority)",
+    )
+
+
+def gpulease_restart(idle: IdleRule | None = None) -> SimPolicy:
+    """gpulease whose idle reclaim restarts the kernel: its state is lost and reloaded."""
+    sp = gpulease(idle)
+    return replace(
+        sp,
+        name="gpulease+restart",
+        reclaim_action="restart",
+        reload_s=RELOAD_S,
+        description=sp.description + f"; an idle reclaim restarts the kernel (state lost; ASSUMPTION: reload {RELOAD_S / 60:g} min before the cell runs)",
+    )
+
+
 def gpulease_batch() -> SimPolicy:
     """gpulease for a trace of batch pods (Alibaba): preempted pods get a Kubernetes-like
     grace of :data:`BATCH_GRACE_S` instead of the 10 minutes meant for notebook users, and the
@@ -199,7 +264,14 @@ def for_trace(name: str, batch: bool) -> SimPolicy:
     return BUILTIN[name]()
 
 
-BUILTIN = {"static": static, "static+backfill": static_backfill, "static+culler": static_culler, "gpulease": gpulease}
+BUILTIN = {
+    "static": static,
+    "static+backfill": static_backfill,
+    "static+culler": static_culler,
+    "gpulease": gpulease,
+    "gpulease+suspend": gpulease_suspend,
+    "gpulease+restart": gpulease_restart,
+}
 DEFAULT_POLICIES = ("static", "static+backfill", "static+culler", "gpulease")
 
 
@@ -271,10 +343,17 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         qos_tiers={**base.qos_tiers, **d.pop("qos_tiers", {})},
         idle=idle,
         strict_fcfs=bool(d.pop("strict_fcfs", base.strict_fcfs)),
+        reclaim_action=d.pop("reclaim_action", base.reclaim_action),
+        restore_s=float(d.pop("restore_s", base.restore_s)),
+        reload_s=float(d.pop("reload_s", base.reload_s)),
+        suspend_multi_gpu=bool(d.pop("suspend_multi_gpu", base.suspend_multi_gpu)),
     )
+    if sp.reclaim_action not in ("release", "suspend", "restart"):
+        raise ValueError(f"{source}: policy {name!r}: reclaim_action must be 'release', 'suspend' or 'restart', got {sp.reclaim_action!r}")
     if d:
         raise ValueError(
             f"{source}: policy {name!r}: unknown setting(s) {sorted(d)}; known: base, description, whole_gpus, strict_fcfs, qos_tiers, tiers, "
+            "reclaim_action, restore_s, reload_s, suspend_multi_gpu, "
             f"idle_timeout_s, idle_learn, idle_quantile, idle_factor, idle_min_s, idle_max_s, idle_min_gaps, idle_default_s, {', '.join(sorted(_POLICY_KEYS))}"
         )
     for tier in sp.qos_tiers.values():

@@ -29,7 +29,7 @@ from .policies import SimPolicy
 from .workload import Job, Workload
 
 # kinds of replay events, in processing order for equal times
-_END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE = range(6)
+_END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE, _RESUME = range(7)
 
 
 @dataclass
@@ -64,6 +64,11 @@ class JobRecord:
     busy_since: float | None = None
     idle_version: int = 0
     lost_at: float | None = None  # when the GPU was last taken back (reclaim)
+    lost_was_reclaim: bool = False  # it waits for a GPU because an idle reclaim took it
+    kernel_after_reclaim: str = ""  # "" (not reclaimed, or state not modelled), "suspended" or "lost"
+    last_gpus: tuple[str, ...] = ()  # the GPUs of its last grant (a resume prefers them)
+    resume_delays: list[float] = field(default_factory=list)  # a cell back after a reclaim: wait for a GPU + restore or reload
+    state_lost: int = 0  # reclaims that lost the kernel's state (restart, or a suspend that cannot apply)
     gaps: list[float] = field(default_factory=list)
     alloc_milli: int = 0
     busy_milli: int = 0
@@ -192,7 +197,9 @@ class Replay:
         job = rec.job
         tier = self.sp.tier_for(job.qos)
         try:
-            lease = self.sched.new_lease(Ask(user=job.id, request=self._request_for(job), tier=tier, meta={"job": job.id}), now, lease_id=f"L{next(self._lease_ids)}")
+            prefer = rec.last_gpus if rec.kernel_after_reclaim == "suspended" else ()  # a resume goes back to its GPU first
+            ask = Ask(user=job.id, request=self._request_for(job), tier=tier, meta={"job": job.id}, prefer_gpus=prefer)
+            lease = self.sched.new_lease(ask, now, lease_id=f"L{next(self._lease_ids)}")
         except Refused as e:
             rec.refused = e.message
             rec.finished = True
@@ -248,10 +255,20 @@ class Replay:
             self._set_busy(rec, now, True)
             self._push(rec.work_end, _END, (rec, lease.id))
         else:
-            rec.shift += wait
+            rec.last_gpus = tuple(dict.fromkeys(sl.gpu_uuid for sl in lease.placement.slices))
             i = rec.pending_burst if rec.pending_burst is not None else rec.next_burst
-            rec.pending_burst = None
-            self._run_burst(rec, i, now)
+            # back after an idle reclaim: the kernel is restored (suspended) or set up again (lost)
+            extra = {"suspended": self.sp.restore_s, "lost": self.sp.reload_s}.get(rec.kernel_after_reclaim, 0.0)
+            if rec.lost_was_reclaim:
+                rec.resume_delays.append(wait + extra)
+                rec.lost_was_reclaim = False
+            rec.kernel_after_reclaim = ""
+            rec.shift += wait + extra
+            if extra:
+                self._push(now + extra, _RESUME, (rec, lease.id, i))  # the cell runs once the kernel is back
+            else:
+                rec.pending_burst = None
+                self._run_burst(rec, i, now)
 
     def _needs_until(self, rec: JobRecord, now: float) -> float | None:
         """Until when the holder still wants its lease (None: it does not care)."""
@@ -365,6 +382,16 @@ class Replay:
         rec.next_burst = i
         self._request(rec, now)
 
+    def _resumed(self, rec: JobRecord, lease_id: str, i: int, now: float) -> None:
+        """The kernel is back on its GPU (restored or set up again): the waiting cell runs."""
+        if rec.pending_burst != i:
+            return
+        if rec.active and rec.lease_id == lease_id:
+            rec.pending_burst = None
+            self._run_burst(rec, i, now)
+        elif not rec.active and not rec.finished:
+            self._request(rec, now)  # the lease ended while the kernel came back: ask again
+
     def _learn_gap(self, gap: float) -> None:
         self._gaps.add(gap)
 
@@ -395,6 +422,16 @@ class Replay:
             rec.reclaims += 1
             more = rec.next_burst < len(rec.job.bursts)
             rec.lost_at = now if more else None
+            rec.lost_was_reclaim = more
+            action = self.sp.reclaim_action
+            if action != "release" and more:
+                # a kernel on several GPUs can be suspended only when it drives them from its own
+                # process without NCCL (cuda-checkpoint's limits); otherwise it is restarted
+                if action == "suspend" and (len(rec.last_gpus) <= 1 or self.sp.suspend_multi_gpu):
+                    rec.kernel_after_reclaim = "suspended"
+                else:
+                    rec.kernel_after_reclaim = "lost"
+                    rec.state_lost += 1
             self._release(rec, now, LeaseState.RECLAIMED, "idle" if self.sp.idle_action == "reclaim" else "culled: server idle")
             if not more:
                 rec.finished = True
@@ -454,6 +491,9 @@ class Replay:
                 elif kind == _IDLE:
                     rec, version, what = payload
                     self._idle(rec, version, what, now)
+                elif kind == _RESUME:
+                    rec, lease_id, i = payload
+                    self._resumed(rec, lease_id, i, now)
             if not need_tick:
                 continue
             end = now

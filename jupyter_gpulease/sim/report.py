@@ -93,6 +93,7 @@ def summarize(r: ReplayResult) -> dict[str, Any]:
         bursts = sum(len(x.job.bursts) for x in sessions)
         returning = [w for x in sessions for w in x.return_waits]
         all_waits = [w for x in sessions for w in x.waits]
+        resumes = [d for x in sessions for d in x.resume_delays]
         out["notebook"] = {
             "sessions": len(sessions),
             "bursts": bursts,
@@ -108,6 +109,13 @@ def summarize(r: ReplayResult) -> dict[str, Any]:
             # every wait a user sat through before a cell could run, spread over all cells
             "wait_per_burst_mean_s": sum(all_waits) / bursts if bursts else 0.0,
             "expired_or_preempted_sessions": sum(1 for x in sessions if x.expired or x.preempted),
+            # a cell that comes back after an idle reclaim: its wait for a GPU plus the time its
+            # kernel takes to come back (restore after a suspend, setting up again after a restart)
+            "reclaim_action": r.policy.reclaim_action,
+            "resume_delays": len(resumes),
+            "resume_delay_mean_s": mean(resumes) if resumes else 0.0,
+            "resume_delay_p95_s": percentile(resumes, 95) if resumes else 0.0,
+            "kernel_state_lost": sum(x.state_lost for x in sessions),
         }
     return out
 
@@ -168,6 +176,12 @@ def table(summaries: list[dict[str, Any]]) -> str:
             ("returning wait mean", nb("returning_wait_mean_s", format_figure)),
             ("wait per cell (mean)", nb("wait_per_burst_mean_s", format_figure)),
         ]
+        if any(s.get("notebook", {}).get("reclaim_action", "release") != "release" for s in summaries):
+            rows += [
+                ("back after reclaim: delay mean", nb("resume_delay_mean_s", format_figure)),
+                ("back after reclaim: delay p95", nb("resume_delay_p95_s", format_figure)),
+                ("kernel state lost", nb("kernel_state_lost")),
+            ]
     rows.append(("replay events/s", lambda s: f"{s['replay']['events_per_s']:.0f}"))
     names = [s["policy"] for s in summaries]
     cells = [[label] + [f(s) for s in summaries] for label, f in rows]
