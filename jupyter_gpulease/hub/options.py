@@ -9,7 +9,7 @@ Accepted ``user_options`` (all optional; ``{}`` means "the default")::
 
     {"preset": "a100"}                              # a named preset of the admin
     {"gpus": 2, "model": "A100*", "tier": "experiment", "duration_h": 4}
-    {"share": 0.5, "model": "L4"}                   # half of one GPU (compute and memory)
+    {"share": 0.5, "model": "L4"}                   # a 0.5 share of one L4: half its memory and compute, shared
     {"mig_profile": "3g.40gb"}
     {"kind": "cpu"}                                 # no GPU
     ... plus "duration_s" (or "duration_h"), "max_wait_s" (or "max_wait_min"), "min_memory_mib", "memory_mib"
