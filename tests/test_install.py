@@ -17,6 +17,7 @@ import http.cookiejar
 import importlib.util
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+ARTIFACTS = ROOT / "test-artifacts" / "install"  # the hub's log of the last run
 
 
 def readme_blocks(text: str) -> list[tuple[str, str]]:
@@ -165,6 +167,16 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.strip().startswith(str(tmp_path / "venv")), probe.stdout
     assert (tmp_path / "venv" / "bin" / "jupyterhub-singleuser").exists()
+    # the prebuilt JupyterLab extension and the server extension came with the wheel, enabled
+    jupyter = str(tmp_path / "venv" / "bin" / "jupyter")
+    def listing(*args) -> str:
+        r = subprocess.run([jupyter, *args], capture_output=True, text=True, timeout=120, check=False)
+        return re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)  # without the colours
+
+    lab = listing("labextension", "list")
+    assert re.search(r"jupyter-gpulease v\S+ enabled OK", lab), lab
+    server = listing("server", "extension", "list")
+    assert re.search(r"jupyter_gpulease\S* enabled", server), server
 
     # README's snippets, in the site's own folders (README's /etc/jupyterhub, /srv/jupyterhub) and with a free port
     etc, srv = tmp_path / "etc", tmp_path / "srv"
@@ -204,7 +216,7 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
             return status == 200 and (model["servers"].get("") or {}).get("ready")
 
         for user in ("alice", "bob"):
-            wait_for(lambda u=user: ready(u), 120, f"{user}'s server did not become ready\n{hub.log_tail()}")
+            wait_for(lambda u=user: ready(u), 300, f"{user}'s server did not become ready\n{_about(hub, user)}")
 
         status, leases = hub.request("GET", f"{broker}/leases?state=active", token=hub.admin_token)
         by_user = {lease["user"]: lease for lease in leases["leases"]}
@@ -219,6 +231,10 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
             assert status == 200, f"{user}'s /lab answered {status}"
             status, specs = hub.request("GET", f"{hub.url}/user/{user}/api/kernelspecs", token=hub.admin_token)
             assert status == 200 and "python3" in specs["kernelspecs"], specs
+            # the server extension runs in the installed server and knows the server's lease
+            status, gl = hub.request("GET", f"{hub.url}/user/{user}/gpulease/api/status", token=hub.admin_token)
+            assert status == 200, gl
+            assert (gl.get("lease") or {}).get("id") == by_user[user]["id"], gl
 
         # stopping the servers ends their leases
         for user in ("alice", "bob"):
@@ -226,6 +242,14 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
         wait_for(lambda: not _live(hub, broker), 60, "the leases did not end when the servers stopped")
     finally:
         hub.stop()
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(hub.log_file, ARTIFACTS / "jupyterhub.log")
+
+
+def _about(hub, user: str) -> str:
+    """The hub log's lines about ``user`` and its errors, for a failure message."""
+    lines = hub.log_file.read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if user in line or "Error" in line or "Traceback" in line)[-6000:]
 
 
 def _live(hub, broker) -> list:
