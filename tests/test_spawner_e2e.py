@@ -309,9 +309,9 @@ def test_cancelled_pending_spawn_withdraws_its_lease(hub1):
 @pytest.mark.parametrize(
     "options, words",
     [
-        ({"gpus": 1, "model": "H100"}, "no GPU model matches 'H100'; the pool has: L4"),
+        ({"gpus": 1, "model": "H100"}, "no GPU model in the pool matches 'H100'; the pool has: L4"),
         ({"gpus": 0}, "'gpus' must be at least 1"),
-        ({"gpus": 1000}, "'gpus' is 1000, but at most 1 GPU"),
+        ({"gpus": 1000}, "asks for 1000 GPUs on one node, but the most any node has is 1"),
         ({"gpus": 1, "tier": "staff"}, "staff"),
         ({"gpus": 1, "tier": "short", "duration_s": 3600}, "over the 'short' tier's limit of 60 s (1 min)"),
     ],

@@ -17,12 +17,12 @@ Accepted ``user_options`` (all optional; ``{}`` means "the default")::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.model import BadRequest
-from ..core.request import parse_request
+from ..core.pool import pool_from_devices
+from ..core.request import Ask, parse_ask, parse_request
 from ..core.text import format_duration
 
 REQUEST_KEYS = ("kind", "gpus", "share", "memory_mib", "mig_profile", "model", "min_memory_mib")
@@ -153,41 +153,14 @@ def default_preset(presets: list[Preset]) -> Preset | None:
 
 
 # --------------------------------------------------------------------------- numbers
-def _number(opts: dict, key: str, *, positive: bool = True) -> float | None:
-    v = opts.get(key)
-    if v is None or v == "":
-        return None
-    if isinstance(v, str):
-        try:
-            v = float(v.strip())
-        except ValueError:
-            raise OptionsError(f"'{key}' must be a number, got {opts[key]!r}", key) from None
+def _times(opts: dict) -> Ask:
+    """The duration and the wait limit of ``opts``, read by core's one parser (numbers, or "2h"-style
+    durations; the option given is kept in ``duration_field``)."""
+    body = {k: opts[k] for k in ("duration_s", "duration_h", "max_wait_s", "max_wait_min") if k in opts}
     try:
-        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    except OverflowError:  # an integer too large for a float
-        finite = False
-    if not finite:
-        shown = repr(opts[key]) if len(repr(opts[key])) <= 40 else repr(opts[key])[:40] + "…"
-        raise OptionsError(f"'{key}' must be a number, got {shown}", key)
-    if positive and v <= 0:
-        raise OptionsError(f"'{key}' must be more than 0, got {v:g}", key)
-    return float(v)
-
-
-def _duration(opts: dict) -> float | None:
-    s = _number(opts, "duration_s")
-    h = _number(opts, "duration_h")
-    if s is not None and h is not None and abs(s - h * 3600) > 1:
-        raise OptionsError("give the duration once: 'duration_s' (seconds) or 'duration_h' (hours), not both", "duration_s")
-    return s if s is not None else (h * 3600 if h is not None else None)
-
-
-def _max_wait(opts: dict) -> float | None:
-    s = _number(opts, "max_wait_s")
-    m = _number(opts, "max_wait_min")
-    if s is not None:
-        return s
-    return m * 60 if m is not None else None
+        return parse_ask(body, user="-")
+    except BadRequest as e:
+        raise OptionsError(e.message, e.field) from None
 
 
 # --------------------------------------------------------------------------- the pool
@@ -206,51 +179,19 @@ def pool_models(pool: dict) -> dict[str, dict]:
     return out
 
 
-def _matching_models(patterns: list[str], models: dict[str, dict]) -> list[str]:
-    import fnmatch
-
-    if not patterns:
-        return list(models)
-    return [m for m in models if any(fnmatch.fnmatchcase(m.lower(), p.lower()) for p in patterns)]
-
-
 def check_against_pool(request: dict, tier: str | None, duration_s: float | None, pool: dict, *,
                        duration_field: str = "duration_s") -> None:
-    """Catch what can never work with this pool and these tiers, with a message saying what to change.
+    """Catch what can never work with this pool and these tiers, with the broker's own words.
 
-    The broker decides in the end (quotas, who may use a tier); this only gives early, clear answers.
+    Whether the request fits the pool's devices is core's :meth:`Pool.why_never` on the devices
+    of the broker's ``GET api/pool``; tiers and durations are checked against the tiers the
+    broker lists for this user. The broker decides in the end (quotas, the queue).
     """
-    req = parse_request(request)
-    models = pool_models(pool)
-    if not models:
+    if not pool.get("devices"):
         raise OptionsError("the GPU pool is empty right now; choose a CPU-only server or try again later", "model")
-    names = ", ".join(sorted(models))
-    matching = _matching_models(list(req.models), models)
-    if req.models and not matching:
-        raise OptionsError(f"no GPU model matches {'|'.join(req.models)!r}; the pool has: {names}", "model")
-    cands = {m: models[m] for m in matching}
-    kind = req.kind.value
-    if kind == "gpu":
-        most = max((max(c["per_node"].values(), default=0) for c in cands.values()), default=0)
-        if most == 0:
-            raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be leased whole (all are in MIG mode); ask for a MIG profile", "gpus")
-        if req.gpus > most:
-            where = f" of model {'|'.join(req.models)}" if req.models else ""
-            ask = "ask for 1" if most == 1 else f"ask for 1 to {most}"
-            raise OptionsError(f"'gpus' is {req.gpus}, but at most {most} GPU{'s' if most > 1 else ''}{where} "
-                               f"{'sits' if most == 1 else 'sit'} on one node; {ask}", "gpus")
-    elif kind == "share":
-        if not any(c["shareable"] for c in cands.values()):
-            raise OptionsError(f"no {'|'.join(req.models) or 'GPU'} can be shared (all are in MIG mode); ask for a MIG profile", "share")
-        if req.memory_mib and req.memory_mib > max(c["memory_mib"] for c in cands.values()):
-            raise OptionsError(f"'memory_mib' {req.memory_mib} is more than any matching GPU has", "memory_mib")
-    else:
-        profiles = sorted(set().union(*(c["mig_profiles"] for c in cands.values())))
-        if req.mig_profile not in profiles:
-            have = ", ".join(profiles) if profiles else "none"
-            raise OptionsError(f"MIG profile {req.mig_profile!r} is not in the pool; available profiles: {have}", "mig_profile")
-    if req.min_memory_mib and not any(c["memory_mib"] >= req.min_memory_mib for c in cands.values()):
-        raise OptionsError(f"no GPU has {req.min_memory_mib} MiB of memory; the largest has {max(c['memory_mib'] for c in cands.values())} MiB", "min_memory_mib")
+    why = pool_from_devices(pool["devices"]).why_never(parse_request(request))
+    if why is not None:
+        raise OptionsError(why[1], why[0])
     check_tier(tier, duration_s, pool, duration_field=duration_field)
 
 
@@ -331,9 +272,8 @@ def parse_user_options(
         else:
             opts = {"gpus": 1}
 
-    duration_s = _duration(opts)
-    duration_field = "duration_h" if opts.get("duration_h") is not None and opts.get("duration_s") is None else "duration_s"
-    max_wait_s = _max_wait(opts)
+    times = _times(opts)
+    duration_s, duration_field, max_wait_s = times.duration_s, times.duration_field, times.max_wait_s
 
     if "preset" in opts:
         slug = opts["preset"]
@@ -376,7 +316,7 @@ def parse_user_options(
     try:
         req = parse_request(request)
     except BadRequest as e:
-        raise OptionsError(_explain(e, allow_cpu_only=allow_cpu_only), e.field) from None
+        raise OptionsError(_explain(e), e.field) from None
     tier = opts.get("tier")
     if tier is not None and not isinstance(tier, str):
         raise OptionsError(f"'tier' must be a tier name, got {tier!r}", "tier")
@@ -388,12 +328,7 @@ def parse_user_options(
     return LeaseChoice(request=normal, tier=tier, duration_s=duration_s, max_wait_s=max_wait_s, label=req.describe())
 
 
-def _explain(e: BadRequest, *, allow_cpu_only: bool = True) -> str:
-    no_gpu = ', or {"kind": "cpu"} for no GPU' if allow_cpu_only else ""
+def _explain(e: BadRequest) -> str:
     if e.field == "gpus" and "at least" in e.message:
-        return f"{e.message}: ask for 1 or more whole GPUs, a 'share' of one GPU{no_gpu}"
-    if e.field == "kind":
-        kinds = "'gpu', 'share', 'mig' or 'cpu' (no GPU)" if allow_cpu_only else "'gpu', 'share' or 'mig'"
-        got = e.message.rsplit("got ", 1)[-1] if "got " in e.message else ""
-        return f"'kind' must be {kinds}" + (f", got {got}" if got else "")
+        return f"{e.message}: ask for 1 or more whole GPUs, or a 'share' of one GPU"
     return e.message
