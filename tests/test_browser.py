@@ -107,6 +107,7 @@ def test_log_in_pick_a_gpu_run_a_cell_see_the_lease_on_the_home_page_while_a_sec
                 position.wait_for(timeout=60_000)
                 assert position.inner_text() == "Position 1 of 1 in the queue"
                 assert bob.locator(".progress").is_hidden()
+                assert bob.locator("#stop-server-btn").inner_text() == "Leave the queue"
                 assert bob.locator("#gpulease-queue .gpulease-queue-what").inner_text() == "Waiting for 1 × L4 (22 GB)"
                 bob.screenshot(path=str(ARTIFACTS / "04-bob-waits-in-the-queue.png"), full_page=True)
                 assert ("bob", "queued") in demo.leases()
