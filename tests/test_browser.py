@@ -53,7 +53,11 @@ def run_a_cell_in_jupyterlab(page, code: str, timeout_ms: int = 120_000) -> str:
     page.keyboard.type(code)
     page.keyboard.press("Shift+Enter")
     out = page.locator(".jp-NotebookPanel .jp-OutputArea-output").first
-    out.wait_for(timeout=timeout_ms)
+    try:
+        out.wait_for(timeout=timeout_ms)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "failed-no-cell-output.png"))
+        raise
     dismiss_news_question(page)
     return out.inner_text().strip()
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from jupyter_gpulease.core.text import format_duration, format_figure, format_table, parse_duration
+from jupyter_gpulease.core.text import format_duration, format_figure, format_table, format_time_left, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -49,6 +49,14 @@ def test_durations_are_printed_in_the_unit_that_matters_at_their_size(seconds, h
 @pytest.mark.parametrize("seconds", [0, 45, 600, 4320, 5400, 86400, 3 * 86400 + 7200])
 def test_the_compact_form_reads_back(seconds):
     assert parse_duration(format_duration(seconds, compact=True)) == seconds
+
+
+@pytest.mark.parametrize(
+    "seconds,shown",
+    [(-3, "0 s"), (59.9, "59 s"), (119, "1 min"), (2 * 3600 - 10, "1 h 59 min"), (3600, "1 h"), (3 * 86400 - 1, "2 d 23 h")],
+)
+def test_time_left_never_reads_more_than_is_left(seconds, shown):
+    assert format_time_left(seconds) == shown
 
 
 def test_figures_keep_one_decimal_in_one_unit():

@@ -98,6 +98,22 @@ def format_duration(seconds: float, *, compact: bool = False) -> str:
     return sign + " ".join(f"{n} {u}" for n, u in parts)
 
 
+def format_time_left(seconds: float, *, compact: bool = False) -> str:
+    """What is left of a lease or a wait, rounded *down* to the unit shown ('1 h 59 min', not '2 h').
+
+    A countdown must never promise more than there is: 1 h 59 min 50 s left reads '1 h 59 min'
+    where :func:`format_duration` would round it up to '2 h'. Negative values read as '0 s'.
+    """
+    s = max(0.0, float(seconds))
+    if s >= 48 * 3600:
+        s = 3600 * math.floor(s / 3600)
+    elif s >= 60:
+        s = 60 * math.floor(s / 60)
+    else:
+        s = math.floor(s)
+    return format_duration(s, compact=compact)
+
+
 def format_figure(seconds: float | None) -> str:
     """A measured duration in one unit with one decimal, for tables that compare figures: '30s', '7.4m', '1.8h', '2.5d'."""
     if seconds is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..core.text import format_duration
+from ..core.text import format_duration, format_time_left
 from .placement import describe_request
 
 TEMPLATE_PATH = str(Path(__file__).resolve().parent / "templates")
@@ -115,7 +115,7 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
         exp = lease.get("expires_at")
         if exp is not None:
             out["expires_at"] = float(exp)
-            out["time_left"] = format_duration(max(0.0, float(exp) - now))
+            out["time_left"] = format_time_left(float(exp) - now)
             out["until"] = _when(float(exp), now)
         if warning and warning.get("kind") in ("warned", "preempt-warned"):
             out["lines"].append(str(warning.get("reason") or "The broker warned that this lease ends soon."))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.text import format_duration, format_table
+from ..core.text import format_duration, format_table, format_time_left
 
 
 def _mib(v: float | None) -> str:
@@ -71,7 +71,7 @@ def lease_line(lease: dict[str, Any] | None, now: float) -> str:
     if state == "active":
         left = ""
         if lease.get("expires_at") is not None:
-            left = f", {format_duration(float(lease['expires_at']) - now)} left"
+            left = f", {format_time_left(float(lease['expires_at']) - now)} left"
         tier = f" (tier {lease['tier']})" if lease.get("tier") else ""
         return f"lease {lid}: {describe_slices(lease)}{tier}{left}"
     why = lease.get("end_message") or lease.get("end_reason") or ""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import ipywidgets as W
 
-from ..core.text import format_duration
+from ..core.text import format_duration, format_time_left
 from . import text
 from .endpoint import ServerError
 from .feed import StatusFeed, shared_feed
@@ -152,7 +152,7 @@ class LeaseWidget(W.VBox):
         _set(self.header, "value", f"<b>GPU</b> {html.escape(head)}")
         countdown = ""
         if lease and state == "active" and lease.get("expires_at") is not None:
-            countdown = format_duration(max(0.0, float(lease["expires_at"]) - now)) + " left"
+            countdown = format_time_left(float(lease["expires_at"]) - now) + " left"
             ends = time.strftime("%H:%M", time.localtime(float(lease["expires_at"])))
             _set(self.countdown, "value", f'<span class="gpulease-countdown">Time left: <b>{countdown[:-5]}</b> (ends at {ends})</span>')
         else:
