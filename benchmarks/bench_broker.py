@@ -1,19 +1,21 @@
-"""Broker benchmarks: REST request-to-grant latency on loopback, and memory holding many leases.
+"""Broker benchmarks: throughput and latency under 200 concurrent clients, side by side with a
+baseline build; and memory holding many leases.
 
-    python benchmarks/bench_broker.py [--requests 2000] [--leases 100000] [--out benchmarks/results/broker.json]
+    python benchmarks/bench_broker.py [--clients 200] [--seconds 20] [--base 8bdb240] [--leases 100000]
 
-1. Latency: an in-process broker (SQLite file, WAL, synchronous=FULL) on 127.0.0.1; one
-   client POSTs a lease that is granted at once, then releases it; p50/p99 of the POST
-   (request to grant, including the commit) and of the release. The hub's token check is
-   left out (the broker caches it per token; with a hub it adds one lookup per new token).
-   Baselines, interleaved in the same loop so both see the same machine: a read of the same
-   lease (``GET api/leases/{id}``: HTTP, auth and JSON without a commit), and the same grant
-   on a broker whose SQLite commits skip the fsync (``synchronous=OFF``), which shows what
-   durability costs.
-2. Memory: the broker's process RSS before and after holding ``--leases`` live leases
-   (1 000 active on 1 000 GPUs, the rest queued), and the time of one scheduling pass over them.
+1. Load: the broker runs as its own process (SQLite file, WAL, synchronous=FULL: every commit
+   fsyncs) on 127.0.0.1 with a pool of 256 GPUs. A second process runs ``--clients`` clients,
+   each on its own keep-alive connection, in a loop of the mixed calls a hub makes: request a
+   lease (granted at once), read it, extend it, release it. For ``--seconds`` it counts the
+   calls answered per second and their latency by kind (writes: request, extend, release).
+   The same load runs first against the ``--base`` build (a ``git worktree`` of that commit,
+   made in a temporary folder) and then against this tree, in the same script, one after the
+   other, so both see the same machine. The hub's token check is left out of both (the caller
+   is named by the token, as in the unit tests): it is a cached lookup per token.
+2. Memory: this build's process RSS before and after holding ``--leases`` live leases (1 000
+   active on 1 000 GPUs, the rest queued), and the time of a scheduling pass over them.
 
-Figures are printed and saved as JSON; nothing here asserts on them.
+Figures are printed and saved as JSON (``--out``); nothing here asserts on them.
 """
 
 from __future__ import annotations
@@ -24,21 +26,182 @@ import gc
 import json
 import os
 import resource
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+POOL = [{"node": f"n{i}", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920} for i in range(32)]
 
-from brokerutil import _fake_authenticate, broker_url, make_broker
+# Runs the broker of the source tree given as argv[1] (its own package first on sys.path), with
+# the caller named by the token: the same for any build that has GPULeaseBroker and
+# APIHandler.authenticate, which both builds compared here have.
+SERVE = r'''
+import asyncio, json, sys
+src, db, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path.insert(0, src)
+from traitlets.config import Config
 from jupyter_gpulease.broker import handlers
-from jupyter_gpulease.broker.manager import SystemClock
-from jupyter_gpulease.client import BrokerClient
-from jupyter_gpulease.core.request import Ask, parse_request
+from jupyter_gpulease.broker.app import GPULeaseBroker
+
+async def authenticate(self):
+    h = self.request.headers.get("Authorization", "")
+    name = h.split(None, 1)[1].strip() if h.lower().startswith("token ") else ""
+    return {"kind": "user", "name": name, "groups": [], "scopes": ["access:services!service=gpulease"], "admin": False} if name else None
+
+handlers.APIHandler.authenticate = authenticate
+c = Config()
+c.GPULeaseBroker.db_url = f"sqlite:///{db}"
+c.GPULeaseBroker.device_backend = "simulated"
+c.GPULeaseBroker.devices = {"gpus": json.loads(sys.argv[4])}
+c.GPULeaseBroker.bind_url = f"http://127.0.0.1:{port}"
+c.GPULeaseBroker.base_url = "/services/gpulease/"
+c.GPULeaseBroker.config_file = ""
+c.GPULeaseBroker.reconcile_interval = 0
+c.GPULeaseBroker.log_level = "WARN"
+app = GPULeaseBroker(config=c)
+app.initialize([])
+import jupyter_gpulease
+print("serving", jupyter_gpulease.__file__, flush=True)
+app.start()
+'''
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+# --------------------------------------------------------------------------- the load
+class Conn:
+    """One keep-alive HTTP/1.1 connection: as little client work per call as possible."""
+
+    def __init__(self, port: int, user: str):
+        self.port, self.user = port, user
+        self.reader = self.writer = None
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        data = json.dumps(body).encode() if body is not None else b""
+        head = (f"{method} /services/gpulease/{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: token {self.user}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        self.writer.write(head.encode() + data)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            k, _, v = line.decode().partition(":")
+            if k.lower() == "content-length":
+                length = int(v)
+        payload = await self.reader.readexactly(length) if length else b""
+        return int(status_line.split()[1]), (json.loads(payload) if payload else {})
+
+
+# one client's loop: what a hub's spawner and a server do with a lease
+CYCLE = [
+    ("request", "POST", None, {"gpus": 1, "duration_s": 3600}),
+    ("get", "GET", None, None),
+    ("extend", "POST", "extend", {"by_s": 60}),
+    ("release", "POST", "release", {}),
+]
+
+
+async def client(port: int, i: int, stop_at: float, lat: dict[str, list[float]], errors: list[str]) -> None:
+    conn = Conn(port, f"user{i}")
+    while time.perf_counter() < stop_at:
+        lease_id = None
+        for kind, method, action, body in CYCLE:
+            path = "api/leases" if kind == "request" else f"api/leases/{lease_id}" + (f"/{action}" if action else "")
+            t0 = time.perf_counter()
+            status, answer = await conn.call(method, path, body)
+            lat[kind].append((time.perf_counter() - t0) * 1000)
+            if status >= 400:
+                errors.append(f"{kind} {status} {answer.get('message', '')[:80]}")
+                break
+            if kind == "request":
+                lease_id = answer["id"]
+                if answer["state"] != "active":
+                    errors.append(f"request answered {answer['state']}")
+
+
+def load_main(port: int, clients: int, seconds: float, out: str) -> None:
+    async def go():
+        lat: dict[str, list[float]] = {k: [] for k in ("request", "get", "extend", "release")}
+        errors: list[str] = []
+        warm = time.perf_counter() + 2
+        warm_lat: dict[str, list[float]] = {k: [] for k in lat}
+        await asyncio.gather(*(client(port, i, warm, warm_lat, []) for i in range(clients)))  # connect and warm up
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(port, i, t0 + seconds, lat, errors) for i in range(clients)))
+        elapsed = time.perf_counter() - t0
+        n = sum(len(v) for v in lat.values())
+        writes = lat["request"] + lat["extend"] + lat["release"]
+        res = {"clients": clients, "seconds": round(elapsed, 1), "calls": n, "warm_up_calls": sum(len(v) for v in warm_lat.values()), "calls_per_s": round(n / elapsed, 1), "errors": len(errors), "first_errors": errors[:3],
+               "write_ms_p50": round(statistics.median(writes), 1), "write_ms_p99": round(pct(writes, 99), 1),
+               "read_ms_p50": round(statistics.median(lat["get"]), 1), "read_ms_p99": round(pct(lat["get"], 99), 1)}
+        for k, v in lat.items():
+            res[f"{k}_ms_p50"], res[f"{k}_ms_p99"] = round(statistics.median(v), 1), round(pct(v, 99), 1)
+        Path(out).write_text(json.dumps(res))
+
+    asyncio.run(go())
+
+
+def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float) -> dict:
+    port = free_port()
+    db = tmp / f"{name}.sqlite"
+    log = open(tmp / f"{name}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
+    broker = subprocess.Popen([sys.executable, "-c", SERVE, str(src), str(db), str(port), json.dumps(POOL)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if broker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{name}-broker.log').read_text()[-2000:]}") from None
+                time.sleep(0.2)
+        out = tmp / f"{name}-load.json"
+        subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out)], check=True, timeout=seconds + 300)
+        res = json.loads(out.read_text())
+    finally:
+        broker.terminate()
+        try:
+            broker.wait(30)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+        log.close()
+    served = next((line for line in (tmp / f"{name}-broker.log").read_text().splitlines() if line.startswith("serving ")), "")
+    res["build"] = name
+    res["served_from"] = served.split(" ", 1)[-1]
+    return res
+
+
+def base_tree(rev: str, tmp: Path) -> Path:
+    """A git worktree of ``rev`` (the baseline build) in ``tmp``."""
+    dest = tmp / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev], check=True, capture_output=True)
+    return dest
+
+
+# --------------------------------------------------------------------------- memory
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -47,85 +210,28 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
-
-
-async def latency(tmp: Path, n: int) -> dict:
-    handlers.APIHandler.authenticate = _fake_authenticate  # no hub in this benchmark
-    pool = [{"node": "n1", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920}]
-    app = make_broker(tmp, SystemClock(), pool=pool, db_name="latency.sqlite")
-    fast = make_broker(tmp, SystemClock(), pool=pool, db_name="latency-nosync.sqlite", sqlite_synchronous="OFF")
-    await app.start_async()
-    await fast.start_async()
-    c = BrokerClient(broker_url(app), "alice")
-    cf = BrokerClient(broker_url(fast), "alice")
-    grant, release, read, grant_nosync = [], [], [], []
-    try:
-        for _ in range(50):  # warm up
-            for cl in (c, cf):
-                lease = await cl.request_lease({"gpus": 1})
-                await cl.release(lease["id"])
-        for _ in range(n):
-            t0 = time.perf_counter()
-            lease = await c.request_lease({"gpus": 1})
-            t1 = time.perf_counter()
-            assert lease["state"] == "active"
-            await c.get_lease(lease["id"])
-            t2 = time.perf_counter()
-            await c.release(lease["id"])
-            t3 = time.perf_counter()
-            lf = await cf.request_lease({"gpus": 1})
-            t4 = time.perf_counter()
-            await cf.release(lf["id"])
-            grant.append((t1 - t0) * 1000)
-            read.append((t2 - t1) * 1000)
-            release.append((t3 - t2) * 1000)
-            grant_nosync.append((t4 - t3) * 1000)
-    finally:
-        await app.stop_async()
-        await fast.stop_async()
-    return {
-        "requests": n,
-        "grant_ms_p50": round(statistics.median(grant), 3),
-        "grant_ms_p99": round(pct(grant, 99), 3),
-        "release_ms_p50": round(statistics.median(release), 3),
-        "release_ms_p99": round(pct(release, 99), 3),
-        "baseline_read_ms_p50": round(statistics.median(read), 3),
-        "baseline_read_ms_p99": round(pct(read, 99), 3),
-        "baseline_grant_without_fsync_ms_p50": round(statistics.median(grant_nosync), 3),
-        "baseline_grant_without_fsync_ms_p99": round(pct(grant_nosync, 99), 3),
-    }
-
-
 async def memory(tmp: Path, n: int) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from brokerutil import make_broker
+    from jupyter_gpulease.broker.manager import SystemClock
+    from jupyter_gpulease.core.request import Ask, parse_request
+
     gpus = 1000
     app = make_broker(tmp, SystemClock(), pool=[{"node": f"n{i}", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920} for i in range(gpus // 8)], db_name="memory.sqlite")
     m = app.manager
     await m.start()
     before = rss_mib()
-    sched, now = m.scheduler, m.now()
+    one = parse_request({"gpus": 1})
     t0 = time.perf_counter()
-    events = []
-    for i in range(n):
-        lease = sched.new_lease(Ask(user=f"user{i % 500}", request=parse_request({"gpus": 1})), now, lease_id=f"bench{i:06d}")
-        events += sched.submit(lease, now)
-    t_submit = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    events += sched.tick(now)
-    t_tick = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i in range(0, len(events), 5000):
-        await m._persist(events[i : i + 5000])
-    t_store = time.perf_counter() - t0
-    del events  # measure what the broker holds, not this script's list
+    for start in range(0, n, 5000):  # each chunk: one group commit
+        await asyncio.gather(*(m.request(Ask(user=f"user{i % 500}", request=one)) for i in range(start, min(n, start + 5000))))
+    t_requests = time.perf_counter() - t0
     gc.collect()
     t0 = time.perf_counter()
-    sched.tick(now + 1)
-    t_tick2 = time.perf_counter() - t0
+    m.scheduler.tick(m.now() + 1)
+    t_pass = time.perf_counter() - t0
     after = rss_mib()
-    active = sum(1 for lease in sched.leases.values() if lease.state.value == "active")
+    active = sum(1 for d in m.committed.values() if d["state"] == "active")
     await m.close()
     return {
         "leases": n,
@@ -134,30 +240,47 @@ async def memory(tmp: Path, n: int) -> dict:
         "rss_before_mib": round(before, 1),
         "rss_after_mib": round(after, 1),
         "rss_per_1000_leases_mib": round((after - before) / n * 1000, 2),
-        "submit_s": round(t_submit, 2),
-        "first_pass_s": round(t_tick, 3),
-        "next_pass_s": round(t_tick2, 3),
-        "persist_s": round(t_store, 2),
+        "requests_s": round(t_requests, 2),
+        "commits": m.commits,
+        "next_pass_s": round(t_pass, 3),
     }
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--_load":
+        load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--leases", type=int, default=100_000)
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "broker.json"))
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=20)
+    p.add_argument("--base", default="8bdb240", help="git revision of the baseline build (default: the broker before group commit)")
+    p.add_argument("--base-src", default=None, help="a folder holding the baseline's jupyter_gpulease package, instead of a git worktree of --base")
+    p.add_argument("--leases", type=int, default=100_000, help="live leases for the memory figure (0: skip it)")
+    p.add_argument("--out", default=str(HERE / "results" / "broker.json"))
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
-    cmd = "python benchmarks/bench_broker.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    result = {"command": cmd, "python": sys.version.split()[0], "cpus": os.cpu_count()}
-    result["latency"] = asyncio.run(latency(tmp, args.requests))
-    print(json.dumps(result["latency"], indent=2))
-    result["memory"] = asyncio.run(memory(tmp, args.leases))
-    print(json.dumps(result["memory"], indent=2))
+    result = {"command": "python benchmarks/bench_broker.py " + " ".join(argv), "python": sys.version.split()[0], "cpus": os.cpu_count()}
+    base = Path(args.base_src).resolve() if args.base_src else base_tree(args.base, tmp)
+    try:
+        result["load"] = [
+            run_load(base, tmp, f"base {args.base}", args.clients, args.seconds),
+            run_load(ROOT, tmp, "this tree", args.clients, args.seconds),
+        ]
+    finally:
+        if not args.base_src:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False, capture_output=True)
+    for r in result["load"]:
+        print(f"{r['build']:>16}: {r['calls_per_s']:7.1f} calls/s, writes p50 {r['write_ms_p50']} ms p99 {r['write_ms_p99']} ms, "
+              f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s)")
+    if args.leases:
+        result["memory"] = asyncio.run(memory(tmp, args.leases))
+        print(json.dumps(result["memory"], indent=2))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -1,26 +1,41 @@
-"""The broker's HTTP client: the one module that talks to the lease broker over HTTP.
+"""The one HTTP client of the project: every call to the lease broker and to the Hub API.
 
-Used by the spawner, the server extension, the kernel magics and the command line. It does
-not import jupyterhub (single-user images may not have it); only tornado.
+Used by the spawner, the server extension, the kernel magics, the command line and the
+broker itself (for its Hub-API calls). It does not import jupyterhub (single-user images may
+not have it); only tornado.
+
+Retries: a call that could not reach its server (connection refused or reset, a timeout) or
+got 502/503/504 (a proxy whose service is restarting) is tried again with exponential
+back-off (0.1 s, 0.2 s, 0.4 s … at most 5 s apart, with jitter) until its ``retry_for``
+deadline. That carries clients through a broker restart or a standby's take-over. Calls that
+change something are retried only when they carry an ``Idempotency-Key`` header, which every
+:class:`BrokerClient` write sends: the broker answers a repeated key with the result of the
+first call, so a retry after a lost answer never makes a second lease or a second extension.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 SERVICE_NAME = "gpulease"
+RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class BrokerError(Exception):
-    """The broker said no (``status`` 400/401/403/404/409), or could not be reached (``status`` 0).
+    """The server said no (``status`` 400/401/403/404/409/…), or could not be reached (``status`` 0).
 
-    ``message`` is the broker's own words, meant for a person; ``field`` names the request
-    field at fault when there is one.
+    ``message`` is meant for a person; ``field`` names the request field at fault when there
+    is one.
     """
 
     def __init__(self, status: int, message: str, field: str | None = None, error: str = ""):
@@ -31,8 +46,121 @@ class BrokerError(Exception):
         self.error = error
 
 
+HTTPCallError = BrokerError  # the same failure, named for calls that are not to the broker
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long to keep retrying (``retry_for`` seconds in all) and how far apart."""
+
+    retry_for: float = 30.0
+    first: float = 0.1
+    factor: float = 2.0
+    cap: float = 5.0
+
+    def delays(self):
+        d = self.first
+        while True:
+            yield d * random.uniform(0.5, 1.0)
+            d = min(self.cap, d * self.factor)
+
+
+NO_RETRY = Backoff(retry_for=0)
+
+
 def _join(base: str, path: str) -> str:
     return base.rstrip("/") + "/" + path.lstrip("/")
+
+
+def _parse(body: bytes) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+async def fetch_json(
+    method: str,
+    url: str,
+    *,
+    token: str = "",
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    backoff: Backoff = Backoff(),
+    what: str = "the server",
+) -> tuple[int, Any, dict[str, str]]:
+    """One HTTP call with JSON in and out, retried as the module doc says.
+
+    Returns ``(status, parsed JSON or None, response headers)`` for 2xx/3xx answers; raises
+    :class:`BrokerError` for 4xx/5xx (the server's ``message``/``field``/``error`` when it sent
+    JSON) and with status 0 when ``what`` could not be reached within ``backoff.retry_for``.
+    """
+    hdrs = {"Accept": "application/json", **(headers or {})}
+    if token:
+        hdrs["Authorization"] = f"token {token}"
+    data = None
+    if body is not None:
+        hdrs["Content-Type"] = "application/json"
+        data = json.dumps(body)
+    elif method in ("POST", "PUT", "PATCH"):
+        data = ""
+    safe = method in ("GET", "HEAD", "OPTIONS", "DELETE") or "Idempotency-Key" in hdrs
+    deadline = time.monotonic() + backoff.retry_for
+    delays = backoff.delays()
+    while True:
+        req = HTTPRequest(
+            url,
+            method=method,
+            headers=hdrs,
+            body=data,
+            request_timeout=timeout,
+            connect_timeout=min(10.0, timeout),
+            follow_redirects=False,
+            allow_nonstandard_methods=True,
+        )
+        try:
+            resp = await AsyncHTTPClient().fetch(req)
+            return resp.code, _parse(resp.body), dict(resp.headers)
+        except HTTPClientError as e:
+            if e.code in (301, 302, 303, 307, 308) and e.response is not None:
+                return e.code, None, dict(e.response.headers)
+            retryable = e.code == 599 or e.code in RETRY_STATUSES
+            error = _error(e, url, what)
+        except OSError as e:
+            retryable = True
+            error = BrokerError(0, f"cannot reach {what} at {_base(url)}: {e}")
+        # a timeout (599) of a call that changes something may have been carried out: retry
+        # only with an idempotency key
+        if not retryable or not (safe or error.status in (502, 503) or _refused(error)):
+            raise error
+        delay = next(delays)
+        if time.monotonic() + delay > deadline:
+            raise error
+        await asyncio.sleep(delay)
+
+
+def _refused(error: BrokerError) -> bool:
+    # nothing was sent when the connection was refused: always safe to retry
+    return error.status == 0 and ("refused" in error.message.lower() or "errno 111" in error.message.lower())
+
+
+def _base(url: str) -> str:
+    p = urlsplit(url)
+    return urlunsplit((p.scheme, p.netloc, p.path, "", ""))
+
+
+def _error(e: HTTPClientError, url: str, what: str) -> BrokerError:
+    if e.code == 599:
+        return BrokerError(0, f"cannot reach {what} at {_base(url)}: {e.message}")
+    resp = e.response
+    d = _parse(resp.body if resp is not None else b"")
+    if not isinstance(d, dict):
+        d = {}
+    message = d.get("message") or (resp.reason if resp is not None else "") or str(e)
+    return BrokerError(e.code, message, d.get("field"), d.get("error", ""))
 
 
 def default_broker_url(env: dict[str, str] | None = None) -> str:
@@ -59,19 +187,24 @@ def default_broker_url(env: dict[str, str] | None = None) -> str:
 
 
 class BrokerClient:
-    """Async client of the broker's REST API (see the README's API summary)."""
+    """Async client of the broker's REST API (see the README's API summary).
 
-    def __init__(self, url: str, token: str, *, timeout: float = 30):
+    ``retry_for``: seconds to keep retrying a call through a broker restart or hand-over
+    (0: one try).
+    """
+
+    def __init__(self, url: str, token: str, *, timeout: float = 30, retry_for: float = 30.0):
         if not url:
             raise BrokerError(0, "no broker URL: set GPULEASE_BROKER_URL (e.g. http://127.0.0.1:8000/services/gpulease/)")
         self.url = url if url.endswith("/") else url + "/"
         self.token = token
         self.timeout = timeout
+        self.backoff = Backoff(retry_for=retry_for)
 
     @classmethod
-    def from_env(cls) -> BrokerClient:
+    def from_env(cls, **kw) -> BrokerClient:
         token = os.environ.get("GPULEASE_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN", "")
-        return cls(default_broker_url(), token)
+        return cls(default_broker_url(), token, **kw)
 
     def __repr__(self) -> str:
         return f"BrokerClient({self.url!r})"
@@ -82,67 +215,47 @@ class BrokerClient:
             q = {k: v for k, v in query.items() if v is not None}
             if q:
                 url += "?" + urlencode(q)
-        headers = {"Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"token {self.token}"
-        data = None
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-            data = json.dumps(body)
-        elif method in ("POST", "PUT", "PATCH"):
-            data = ""
-        req = HTTPRequest(
-            url,
-            method=method,
-            headers=headers,
-            body=data,
-            request_timeout=timeout or self.timeout,
-            connect_timeout=min(10.0, self.timeout),
-            follow_redirects=False,
-            allow_nonstandard_methods=True,
+        headers = {}
+        if method == "POST":
+            headers["Idempotency-Key"] = uuid.uuid4().hex  # one per call, the same for its retries
+        status, data, resp_headers = await fetch_json(
+            method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout, backoff=self.backoff, what="the lease broker"
         )
-        try:
-            resp = await AsyncHTTPClient().fetch(req)
-        except HTTPClientError as e:
-            raise self._error(e) from None
-        except OSError as e:
-            raise BrokerError(0, f"cannot reach the lease broker at {self.url}: {e}") from None
-        if not resp.body:
-            return None
-        return json.loads(resp.body)
+        if 300 <= status < 400:
+            raise self._redirected(resp_headers.get("Location", ""))
+        if data is None and status != 204:
+            raise BrokerError(status, f"{self.url} answered without JSON: it does not look like the lease broker's API (the URL ends in /services/{SERVICE_NAME}/)")
+        return data
 
-    def _error(self, e: HTTPClientError) -> BrokerError:
-        if e.code == 599:
-            return BrokerError(0, f"cannot reach the lease broker at {self.url}: {e.message}")
-        body = e.response.body if e.response is not None else b""
-        try:
-            d = json.loads(body or b"{}")
-        except ValueError:
-            d = {}
-        if not isinstance(d, dict):
-            d = {}
-        message = d.get("message") or (e.response.reason if e.response is not None else "") or str(e)
-        if e.code in (301, 302, 303, 307):
-            message = "the broker asked to log in: the token was missing or refused"
-        return BrokerError(e.code, message, d.get("field"), d.get("error", ""))
+    def _redirected(self, location: str) -> BrokerError:
+        if "/hub/login" in location or "oauth" in location:
+            if f"/services/{SERVICE_NAME}" in self.url:
+                return BrokerError(401, "the broker sent the call to the hub's login page: the token was missing or refused")
+            return BrokerError(
+                400, f"{self.url} is not the lease broker's API but a page that needs a browser login (it sent the call to {location}); "
+                f"the broker's URL ends in /services/{SERVICE_NAME}/, e.g. {_join(self.url, f'services/{SERVICE_NAME}/')}"
+            )
+        return BrokerError(400, f"{self.url} redirected the call to {location}: it is not the lease broker's API (the URL ends in /services/{SERVICE_NAME}/)")
 
     # ------------------------------------------------------------------ the API
-    async def pool(self, user: str | None = None, groups: list[str] | tuple[str, ...] | None = None) -> dict:
+    async def pool(self, user: str | None = None, groups: list[str] | tuple[str, ...] | None = None, *, every_tier: bool = False) -> dict:
         """The pool, with the tiers and quota/usage of the caller, or (admins) of ``user``.
 
         ``groups``: ``user``'s groups, when the caller knows them (the spawner does); without
-        them the broker asks the hub for them.
+        them the broker asks the hub for them. ``every_tier``: admins see every tier, not only
+        those open to the user.
         """
-        if user is None:
-            return await self._call("GET", "api/pool")
-        query = [("user", user)] + [("group", g) for g in (groups or ())]
-        return await self._call("GET", "api/pool?" + urlencode(query))
+        query = [("user", user)] if user is not None else []
+        query += [("group", g) for g in (groups or ())]
+        if every_tier:
+            query.append(("all", "true"))
+        return await self._call("GET", "api/pool" + ("?" + urlencode(query) if query else ""))
 
     async def request_lease(self, body: dict) -> dict:
         return await self._call("POST", "api/leases", body)
 
     async def get_lease(self, lease_id: str) -> dict:
-        return await self._call("GET", f"api/leases/{lease_id}")
+        return await self._call("GET", f"api/leases/{quote(lease_id, safe='')}")
 
     async def list_leases(self, state: str | None = None, user: str | None = None, limit: int | None = None) -> list[dict]:
         """Leases by state ('live' by default; 'ended' and 'all' list at most ``limit`` ended ones, newest first)."""
@@ -154,22 +267,27 @@ class BrokerClient:
             body["by_s"] = by_s
         if until is not None:
             body["until"] = until
-        return await self._call("POST", f"api/leases/{lease_id}/extend", body)
+        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/extend", body)
 
-    async def release(self, lease_id: str, reason: str = "", state: str | None = None) -> dict:
-        """End a lease: queued -> withdrawn, active -> ``state`` (default 'released'; the holder's
-        own release, also when an admin such as the spawner acts for the holder), or 'revoked' /
-        'reclaimed' (admins)."""
+    async def release(self, lease_id: str, reason: str = "", state: str | None = None, *, keep_server: bool = False) -> dict:
+        """End a lease: queued -> withdrawn, active -> ``state``: 'released' (default: the
+        holder's own release, also when an admin service such as the spawner acts for it),
+        'reclaimed' (the holder's idle reclaim) or 'revoked' (admins). ``keep_server``: the
+        holder's server keeps running without GPUs (the spawner does not stop it)."""
         body: dict[str, Any] = {"reason": reason}
         if state is not None:
             body["state"] = state
-        return await self._call("POST", f"api/leases/{lease_id}/release", body)
+        if keep_server:
+            body["keep_server"] = True
+        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/release", body)
 
     async def confirm(self, lease_id: str) -> dict:
-        return await self._call("POST", f"api/leases/{lease_id}/confirm", {})
+        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/confirm", {})
 
     async def heartbeat(self, lease_id: str, usage: dict | None = None) -> dict:
-        return await self._call("POST", f"api/leases/{lease_id}/heartbeat", {"usage": usage or {}})
+        """Report usage; the answer is the lease (its state, ``end_message`` once it ended) with
+        ``warnings`` (coming preemption, near expiry, the end)."""
+        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/heartbeat", {"usage": usage or {}})
 
     async def estimate(self, asks: list[dict]) -> list[dict]:
         """What each ask (a body of ``POST api/leases``) would get now, without asking: one estimate per ask, in order."""
@@ -177,6 +295,10 @@ class BrokerClient:
 
     async def queue(self) -> list[dict]:
         return (await self._call("GET", "api/queue"))["queue"]
+
+    async def drain(self, drain: bool = True) -> bool:
+        """Stop (or resume) granting leases (admins); returns whether the broker now drains."""
+        return (await self._call("POST", "api/drain", {"drain": drain}))["draining"]
 
     async def events(self, since: int = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
         """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one."""
@@ -186,3 +308,43 @@ class BrokerClient:
             query={"since": int(since), "lease": lease_id, "timeout": timeout},
             timeout=max(self.timeout, timeout + 15),
         )
+
+
+class HubClient:
+    """The Hub REST API (``JUPYTERHUB_API_URL``) with a service's token, through :func:`fetch_json`."""
+
+    def __init__(self, api_url: str, token: str, *, timeout: float = 30, retry_for: float = 10.0):
+        self.api_url = api_url.rstrip("/") + "/"
+        self.token = token
+        self.timeout = timeout
+        self.backoff = Backoff(retry_for=retry_for)
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """(status, JSON) of a Hub API call; BrokerError (status 0: no answer) on failure."""
+        status, data, _ = await fetch_json(method, _join(self.api_url, path), token=self.token, body=body, timeout=self.timeout, backoff=self.backoff, what="the hub")
+        return status, data
+
+    async def user(self, name: str) -> dict | None:
+        """The hub's model of user ``name`` (with ``servers`` and ``groups``); None if there is none."""
+        try:
+            return (await self.call("GET", f"users/{quote(name, safe='')}"))[1]
+        except BrokerError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def groups(self) -> list[str]:
+        """Names of every group on the hub (needs ``read:groups``)."""
+        names: list[str] = []
+        offset = 0
+        while True:
+            _, page = await self.call("GET", f"groups?offset={offset}&limit=200")
+            items = page.get("items", []) if isinstance(page, dict) else (page or [])
+            names += [g["name"] for g in items if isinstance(g, dict) and "name" in g]
+            if len(items) < 200:
+                return names
+            offset += len(items)
+
+    async def stop_server(self, user: str, server: str = "") -> int:
+        path = f"users/{quote(user, safe='')}/servers/{quote(server, safe='')}" if server else f"users/{quote(user, safe='')}/server"
+        return (await self.call("DELETE", path))[0]

@@ -1,29 +1,42 @@
-"""The durable lease store: SQLAlchemy tables for leases and their events.
+"""The durable lease store: SQL tables for leases and their events, migrations, leadership.
 
-The broker is the only writer. Every batch of scheduler events is written in ONE
-transaction together with the leases they changed (:meth:`LeaseStore.apply`), so after a
-crash the store holds either all of a decision or none of it; the event rows are the audit
-log and the feed (`GET api/events`), their autoincrement id is the feed's cursor.
+The broker is the only writer. A batch of scheduler decisions is written in ONE transaction
+together with the leases they changed (:meth:`LeaseStore.write`), so after a crash the store
+holds either all of a decision or none of it. The event rows are the audit log and the feed
+(`GET api/events`); their autoincrement id is the feed's cursor.
 
-SQLite by default (a file, WAL journal, ``synchronous=FULL``: an answered request is on
-disk even after a power cut, at the cost of one fsync per commit, a few per second at
-most); any SQLAlchemy URL (``postgresql+psycopg://…``) for larger sites.
+SQLite by default (a file, WAL journal, ``synchronous=FULL``: a commit is on disk even after a
+power cut, at one fsync per commit); PostgreSQL (``postgresql+psycopg://…``) for larger sites
+and for a hot standby. The schema is versioned with Alembic (``jupyter_gpulease/migrations``);
+:meth:`LeaseStore.upgrade` brings any earlier database up to date, including the unversioned
+schema of the first releases.
 
-The store is synchronous. The broker calls it through a single-thread executor so that
-commits happen in the order the scheduler made its decisions and never block the event
-loop; lease objects are serialised on the caller's thread first (:meth:`snapshot`).
+Leadership: of the brokers that share one database, only the holder of the store's lock
+writes (:meth:`LeaseStore.acquire_leadership`). PostgreSQL: a session advisory lock, held by
+the very connection the writes go through, so a broker that lost its connection (and with it
+the lock) can write nothing more. SQLite: an exclusive ``flock`` on ``<database>.lock``,
+released by the kernel when the process dies.
+
+The store is synchronous. The broker calls writes from one thread (commits stay in the order
+the scheduler decided) and reads from others; it never blocks the event loop on it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import threading
+import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Float, Integer, String, Text, create_engine, event, func, select
-from sqlalchemy.engine import Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy import JSON, Float, Integer, String, Text, create_engine, delete, event, func, insert, inspect, select, text, update
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
 from .core.events import Event
@@ -32,6 +45,13 @@ from .core.model import Lease, LeaseState
 log = logging.getLogger(__name__)
 
 LIVE_STATES = (LeaseState.QUEUED.value, LeaseState.ACTIVE.value)
+TERMINAL_STATES = tuple(s.value for s in LeaseState if s.terminal)
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+FIRST_REVISION = "0001"  # the schema of the first releases, which had no version table
+
+
+class StoreError(Exception):
+    """The database cannot be used as configured; the message says what to change."""
 
 
 # --------------------------------------------------------------------------- tables
@@ -63,35 +83,46 @@ class EventRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     lease_id: Mapped[str] = mapped_column(String(64), index=True)
-    time: Mapped[float] = mapped_column(Float)
+    time: Mapped[float] = mapped_column(Float, index=True)
     kind: Mapped[str] = mapped_column(String(32))
     from_state: Mapped[str] = mapped_column(String(16), default="")
     to_state: Mapped[str] = mapped_column(String(16), default="")
     actor: Mapped[str] = mapped_column(String(255), default="")
     reason: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict] = mapped_column(JSON, default=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "lease_id": self.lease_id,
-            "kind": self.kind,
-            "time": self.time,
-            "from_state": self.from_state,
-            "to_state": self.to_state,
-            "reason": self.reason,
-            "actor": self.actor,
-            "data": self.data or {},
-        }
+    # the client's idempotency key of the call that caused this event (a retried call finds it)
+    request_key: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)
 
 
-# --------------------------------------------------------------------------- the store
+LEASES = LeaseRow.__table__
+EVENTS = EventRow.__table__
+EVENT_COLUMNS = (EVENTS.c.id, EVENTS.c.lease_id, EVENTS.c.time, EVENTS.c.kind, EVENTS.c.from_state, EVENTS.c.to_state, EVENTS.c.actor, EVENTS.c.reason, EVENTS.c.data)
+
+
+def event_dict(row) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "lease_id": row.lease_id,
+        "kind": row.kind,
+        "time": row.time,
+        "from_state": row.from_state,
+        "to_state": row.to_state,
+        "reason": row.reason,
+        "actor": row.actor,
+        "data": row.data or {},
+    }
+
+
+# --------------------------------------------------------------------------- batches
 @dataclass
 class Batch:
     """What one :meth:`LeaseStore.write` commits: plain dicts, safe to hand to another thread."""
 
     leases: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.events)
 
 
 def _row_values(d: dict[str, Any]) -> dict[str, Any]:
@@ -113,24 +144,65 @@ def _row_values(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class LeaseStore:
-    """Leases and their event log in SQL. Synchronous; one writer (the broker)."""
+def _event_values(e: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "lease_id": e["lease_id"],
+        "time": e["time"],
+        "kind": e["kind"],
+        "from_state": e.get("from_state", ""),
+        "to_state": e.get("to_state", ""),
+        "actor": e.get("actor", ""),
+        "reason": e.get("reason", ""),
+        "data": e.get("data") or {},
+        "request_key": e.get("request_key"),
+    }
 
-    def __init__(self, db_url: str = "sqlite:///gpulease.sqlite", *, sqlite_synchronous: str = "FULL", echo: bool = False):
+
+def _is_in_memory_sqlite(db_url: str) -> bool:
+    if not db_url.startswith("sqlite"):
+        return False
+    rest = db_url.split(":", 1)[1].lstrip("/") if ":" in db_url else ""
+    return rest in ("", ":memory:") or ":memory:" in db_url or "mode=memory" in db_url
+
+
+def _sqlite_path(db_url: str) -> Path | None:
+    if not db_url.startswith("sqlite") or _is_in_memory_sqlite(db_url):
+        return None
+    from sqlalchemy.engine import make_url
+
+    db = make_url(db_url).database
+    return Path(db).resolve() if db else None
+
+
+# --------------------------------------------------------------------------- the store
+class LeaseStore:
+    """Leases and their event log in SQL. Synchronous; one writer (the broker that leads)."""
+
+    def __init__(self, db_url: str = "sqlite:///gpulease.sqlite", *, sqlite_synchronous: str = "FULL", echo: bool = False, migrate: bool = True):
         self.db_url = db_url
-        kwargs: dict[str, Any] = {"echo": echo, "future": True}
-        in_memory = db_url.startswith("sqlite") and (":memory:" in db_url or db_url.rstrip("/") in ("sqlite:", "sqlite:"))
+        kwargs: dict[str, Any] = {"echo": echo}
+        self.in_memory = _is_in_memory_sqlite(db_url)
+        self.sqlite_path = _sqlite_path(db_url)
         if db_url.startswith("sqlite"):
-            # the broker writes from one executor thread, reads may come from another
+            # the broker writes from one thread and reads from others
             kwargs["connect_args"] = {"check_same_thread": False}
-            if in_memory:
+            if self.in_memory:
                 # one shared connection, or every thread would see its own empty database
                 kwargs["poolclass"] = StaticPool
-        self.engine: Engine = create_engine(db_url, **kwargs)
-        if self.engine.dialect.name == "sqlite":
+            if self.sqlite_path is not None and not self.sqlite_path.parent.is_dir():
+                raise StoreError(f"db_url {db_url!r}: the folder {self.sqlite_path.parent} does not exist; create it or point db_url elsewhere")
+        else:
+            kwargs["pool_pre_ping"] = True
+        try:
+            self.engine: Engine = create_engine(db_url, **kwargs)
+        except Exception as e:  # a missing driver, a malformed URL
+            raise StoreError(f"db_url {db_url!r} cannot be used: {e}") from None
+        self.dialect = self.engine.dialect.name
+        if self.dialect == "sqlite":
             sync = sqlite_synchronous.upper()
             if sync not in ("OFF", "NORMAL", "FULL", "EXTRA"):
                 raise ValueError(f"sqlite_synchronous must be OFF, NORMAL, FULL or EXTRA, got {sqlite_synchronous!r}")
+            in_memory = self.in_memory
 
             @event.listens_for(self.engine, "connect")
             def _pragmas(dbapi_conn, _record):
@@ -141,13 +213,175 @@ class LeaseStore:
                 cur.execute("PRAGMA busy_timeout=10000")
                 cur.close()
 
-        Base.metadata.create_all(self.engine)
-        self._session = sessionmaker(self.engine, expire_on_commit=False)
+        self._wconn: Connection | None = None  # the writer's own connection (holds the PostgreSQL lock)
+        self._lock_fd: int | None = None
+        self._leader = False
+        self._lease_upsert = self._make_upsert()
+        if migrate:
+            self.upgrade()
 
     def close(self) -> None:
+        self.release_leadership()
+        if self._wconn is not None:
+            try:
+                self._wconn.close()
+            except Exception:  # closing a broken connection
+                pass
+            self._wconn = None
         self.engine.dispose()
 
+    # ------------------------------------------------------------------ schema
+    def _alembic_config(self, conn: Connection):
+        from alembic.config import Config
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        cfg.attributes["connection"] = conn
+        return cfg
+
+    def schema_revision(self) -> str | None:
+        """The database's schema revision; None for an empty database."""
+        from alembic.runtime.migration import MigrationContext
+
+        with self.engine.connect() as conn:
+            rev = MigrationContext.configure(conn).get_current_revision()
+            if rev is None and inspect(conn).has_table(LEASES.name):
+                return FIRST_REVISION  # the first releases made tables without a version table
+            return rev
+
+    @staticmethod
+    def head_revision() -> str:
+        from alembic.config import Config
+        from alembic.script import ScriptDirectory
+
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        return ScriptDirectory.from_config(cfg).get_current_head()
+
+    def upgrade(self) -> tuple[str | None, str]:
+        """Bring the schema to the newest revision; returns (from, to). A SQLite file that had
+        tables is copied to ``<file>.<from>.bak`` first."""
+        from alembic import command
+
+        before = self.schema_revision()
+        head = self.head_revision()
+        if before == head:
+            return before, head
+        if before is not None and self.sqlite_path is not None and self.sqlite_path.exists():
+            backup = self.sqlite_path.with_name(f"{self.sqlite_path.name}.{before}.bak")
+            with self.engine.connect() as conn:  # fold the WAL in so the copy is whole
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            shutil.copy2(self.sqlite_path, backup)
+            log.info("Upgrading the lease database from schema %s to %s (copy kept at %s)", before, head, backup)
+        with self.engine.begin() as conn:
+            cfg = self._alembic_config(conn)
+            if before == FIRST_REVISION and self._unversioned(conn):
+                command.stamp(cfg, FIRST_REVISION)
+            command.upgrade(cfg, "head")
+        return before, head
+
+    @staticmethod
+    def _unversioned(conn: Connection) -> bool:
+        from alembic.runtime.migration import MigrationContext
+
+        return MigrationContext.configure(conn).get_current_revision() is None
+
+    # ------------------------------------------------------------------ leadership
+    def _lock_key(self) -> int:
+        # one advisory lock id per database name, stable across processes
+        return zlib.crc32(f"jupyter-gpulease:{self.engine.url.database}".encode()) & 0x7FFFFFFF
+
+    def try_acquire_leadership(self) -> bool:
+        """Take the writer's lock if nobody holds it; True when this store now leads."""
+        if self._leader:
+            return True
+        if self.dialect == "postgresql":
+            conn = self._writer_conn()
+            with conn.begin():
+                got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self._lock_key()}).scalar())
+        elif self.sqlite_path is not None:
+            import fcntl
+
+            if self._lock_fd is None:
+                self._lock_fd = os.open(f"{self.sqlite_path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                got = True
+            except BlockingIOError:
+                got = False
+        else:
+            got = True  # an in-memory database belongs to this process alone
+        self._leader = got
+        return got
+
+    def acquire_leadership(self, stop: threading.Event | None = None, poll_s: float = 0.2, on_wait=None) -> bool:
+        """Wait until this store leads (True), or ``stop`` is set (False). ``on_wait()`` is called
+        once when the lock is held by another broker."""
+        waited = False
+        while not (stop is not None and stop.is_set()):
+            if self.try_acquire_leadership():
+                return True
+            if not waited and on_wait is not None:
+                on_wait()
+            waited = True
+            if stop is not None:
+                stop.wait(poll_s)
+            else:
+                time.sleep(poll_s)
+        return False
+
+    def check_leadership(self) -> None:
+        """Raise when the lock may have been lost (PostgreSQL: the connection that holds it broke)."""
+        if self.dialect == "postgresql" and self._leader:
+            conn = self._writer_conn()
+            with conn.begin():
+                conn.execute(text("SELECT 1"))
+
+    def release_leadership(self) -> None:
+        if not self._leader:
+            return
+        self._leader = False
+        if self.dialect == "postgresql" and self._wconn is not None:
+            try:
+                with self._wconn.begin():
+                    self._wconn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._lock_key()})
+            except Exception:  # the connection is gone, and the lock with it
+                pass
+        if self._lock_fd is not None:
+            import fcntl
+
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @property
+    def leader(self) -> bool:
+        return self._leader
+
+    def describe(self) -> str:
+        """The database for log lines, without its password."""
+        return self.engine.url.render_as_string(hide_password=True)
+
     # ------------------------------------------------------------------ writing
+    def _writer_conn(self) -> Connection:
+        if self._wconn is None:
+            self._wconn = self.engine.connect()
+            if self.dialect == "postgresql":
+                with self._wconn.begin():
+                    self._wconn.execute(text("SELECT set_config('application_name', :n, false)"), {"n": f"gpulease-broker pid={os.getpid()}"})
+        return self._wconn
+
+    def _make_upsert(self):
+        cols = [c.name for c in LEASES.columns if c.name != "id"]
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        elif self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        else:
+            return None
+        ins = dialect_insert(LEASES)
+        return ins.on_conflict_do_update(index_elements=[LEASES.c.id], set_={c: ins.excluded[c] for c in cols})
+
     @staticmethod
     def snapshot(events: Iterable[Event], leases: Iterable[Lease] = ()) -> Batch:
         """Serialise events and the leases they touched *now* (the caller's thread).
@@ -157,8 +391,7 @@ class LeaseStore:
         """
         batch = Batch()
         for ev in events:
-            d = ev.to_dict()
-            batch.events.append(d)
+            batch.events.append(ev.to_dict())
             lease = getattr(ev, "lease", None)
             if lease is not None:
                 batch.leases[lease.id] = lease.to_dict()
@@ -167,96 +400,126 @@ class LeaseStore:
         return batch
 
     def write(self, batch: Batch) -> list[dict[str, Any]]:
-        """Upsert the batch's leases and insert its events, in one transaction.
+        """Upsert the batch's leases and insert its events in ONE transaction (one fsync).
 
         Returns the event dicts with their new ``id`` (the feed's cursor), in order.
         """
-        if not batch.leases and not batch.events:
+        if not batch:
             return []
-        with self._session.begin() as s:
-            if batch.leases:
-                existing = set(s.scalars(select(LeaseRow.id).where(LeaseRow.id.in_(list(batch.leases)))))
-                for lid, d in batch.leases.items():
-                    values = _row_values(d)
-                    if lid in existing:
-                        row = s.get(LeaseRow, lid)
-                        for k, v in values.items():
-                            setattr(row, k, v)
-                    else:
-                        s.add(LeaseRow(**values))
-            rows = [
-                EventRow(
-                    lease_id=e["lease_id"],
-                    time=e["time"],
-                    kind=e["kind"],
-                    from_state=e.get("from_state", ""),
-                    to_state=e.get("to_state", ""),
-                    actor=e.get("actor", ""),
-                    reason=e.get("reason", ""),
-                    data=e.get("data") or {},
-                )
-                for e in batch.events
-            ]
-            s.add_all(rows)
-            s.flush()
-            return [r.to_dict() for r in rows]
+        conn = self._writer_conn()
+        try:
+            with conn.begin():
+                if batch.leases:
+                    rows = [_row_values(d) for d in batch.leases.values()]
+                    if self._lease_upsert is not None:
+                        conn.execute(self._lease_upsert, rows)
+                    else:  # another dialect: update what exists, insert the rest
+                        have = set(conn.scalars(select(LEASES.c.id).where(LEASES.c.id.in_(list(batch.leases)))))
+                        for r in rows:
+                            if r["id"] in have:
+                                conn.execute(update(LEASES).where(LEASES.c.id == r["id"]).values(**{k: v for k, v in r.items() if k != "id"}))
+                            else:
+                                conn.execute(insert(LEASES).values(**r))
+                ids: list[int] = []
+                if batch.events:
+                    values = [_event_values(e) for e in batch.events]
+                    ids = list(conn.scalars(insert(EVENTS).returning(EVENTS.c.id, sort_by_parameter_order=True), values))
+        except Exception:
+            if self.dialect != "postgresql" and self._wconn is not None:
+                # a fresh connection next time (a PostgreSQL one holds the lock: keep it, the caller decides)
+                self._wconn.close()
+                self._wconn = None
+            raise
+        out = []
+        for e, i in zip(batch.events, ids):
+            d = {k: v for k, v in e.items() if k != "request_key"}
+            d["id"] = i
+            d.setdefault("data", {})
+            out.append(d)
+        return out
 
     def apply(self, events: Iterable[Event], leases: Iterable[Lease] = ()) -> list[dict[str, Any]]:
         """:meth:`snapshot` then :meth:`write`, on this thread."""
         return self.write(self.snapshot(events, leases))
 
-    # ------------------------------------------------------------------ reading
-    @staticmethod
-    def _leases(rows) -> list[Lease]:
-        return [Lease.from_dict(r.data) for r in rows]
+    def prune_events(self, before: float, limit: int = 5000) -> int:
+        """Delete at most ``limit`` events older than ``before`` of leases that have ended; the
+        number deleted. Lease rows stay (usage reports read them)."""
+        live = select(LEASES.c.id).where(LEASES.c.state.in_(LIVE_STATES))
+        conn = self._writer_conn()
+        with conn.begin():
+            ids = list(conn.scalars(select(EVENTS.c.id).where(EVENTS.c.time < before, EVENTS.c.lease_id.not_in(live)).order_by(EVENTS.c.id).limit(limit)))
+            if ids:
+                conn.execute(delete(EVENTS).where(EVENTS.c.id.in_(ids)))
+        return len(ids)
 
+    # ------------------------------------------------------------------ reading
     def load_live(self) -> list[Lease]:
         """Every queued and active lease, in arrival order (for :meth:`Scheduler.restore`)."""
-        with self._session() as s:
-            rows = s.scalars(select(LeaseRow).where(LeaseRow.state.in_(LIVE_STATES)).order_by(LeaseRow.seq, LeaseRow.created_at))
-            return self._leases(rows)
+        with self.engine.connect() as conn:
+            rows = conn.scalars(select(LEASES.c.data).where(LEASES.c.state.in_(LIVE_STATES)).order_by(LEASES.c.seq, LEASES.c.created_at))
+            return [Lease.from_dict(d) for d in rows]
+
+    def load_live_dicts(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            return list(conn.scalars(select(LEASES.c.data).where(LEASES.c.state.in_(LIVE_STATES)).order_by(LEASES.c.seq, LEASES.c.created_at)))
+
+    def get_lease_dict(self, lease_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            return conn.scalar(select(LEASES.c.data).where(LEASES.c.id == lease_id))
 
     def get_lease(self, lease_id: str) -> Lease | None:
         """Any lease, ended ones included; None when unknown."""
-        with self._session() as s:
-            row = s.get(LeaseRow, lease_id)
-            return Lease.from_dict(row.data) if row is not None else None
+        d = self.get_lease_dict(lease_id)
+        return Lease.from_dict(d) if d is not None else None
 
-    def list_leases(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None) -> list[Lease]:
-        """Leases, newest first, filtered by user and states (values of :class:`LeaseState`)."""
-        q = select(LeaseRow)
+    def list_lease_dicts(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None) -> list[dict[str, Any]]:
+        """Lease dicts, newest first, filtered by user and states (values of :class:`LeaseState`)."""
+        q = select(LEASES.c.data)
         if user is not None:
-            q = q.where(LeaseRow.user == user)
+            q = q.where(LEASES.c.user == user)
         if states is not None:
-            q = q.where(LeaseRow.state.in_([getattr(st, "value", st) for st in states]))
-        q = q.order_by(LeaseRow.created_at.desc(), LeaseRow.seq.desc())
+            q = q.where(LEASES.c.state.in_([getattr(st, "value", st) for st in states]))
+        q = q.order_by(LEASES.c.created_at.desc(), LEASES.c.seq.desc())
         if limit:
             q = q.limit(limit)
-        with self._session() as s:
-            return self._leases(s.scalars(q))
+        with self.engine.connect() as conn:
+            return list(conn.scalars(q))
+
+    def list_leases(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None) -> list[Lease]:
+        return [Lease.from_dict(d) for d in self.list_lease_dicts(user, states, limit=limit)]
 
     def history(self, since: float, until: float | None = None) -> list[Lease]:
         """Ended leases that held GPUs at some time after ``since`` (usage reconstruction)."""
-        q = select(LeaseRow).where(LeaseRow.ended_at.is_not(None), LeaseRow.granted_at.is_not(None), LeaseRow.ended_at >= since)
+        q = select(LEASES.c.data).where(LEASES.c.ended_at.is_not(None), LEASES.c.granted_at.is_not(None), LEASES.c.ended_at >= since)
         if until is not None:
-            q = q.where(LeaseRow.granted_at <= until)
-        with self._session() as s:
-            return self._leases(s.scalars(q.order_by(LeaseRow.granted_at)))
+            q = q.where(LEASES.c.granted_at <= until)
+        with self.engine.connect() as conn:
+            return [Lease.from_dict(d) for d in conn.scalars(q.order_by(LEASES.c.granted_at))]
 
     def events_since(self, since: int = 0, lease_id: str | None = None, limit: int = 1000, *, user: str | None = None) -> list[dict[str, Any]]:
         """Events with id > ``since``, oldest first, at most ``limit``; of one lease, or of one user's leases."""
-        q = select(EventRow).where(EventRow.id > since)
+        q = select(*EVENT_COLUMNS).where(EVENTS.c.id > since)
         if lease_id is not None:
-            q = q.where(EventRow.lease_id == lease_id)
+            q = q.where(EVENTS.c.lease_id == lease_id)
         if user is not None:
-            q = q.join(LeaseRow, LeaseRow.id == EventRow.lease_id).where(LeaseRow.user == user)
-        with self._session() as s:
-            return [r.to_dict() for r in s.scalars(q.order_by(EventRow.id).limit(limit))]
+            q = q.join(LEASES, LEASES.c.id == EVENTS.c.lease_id).where(LEASES.c.user == user)
+        with self.engine.connect() as conn:
+            return [event_dict(r) for r in conn.execute(q.order_by(EVENTS.c.id).limit(limit))]
+
+    def find_request_key(self, key: str) -> str | None:
+        """The lease an earlier call with this idempotency key changed; None if none did."""
+        with self.engine.connect() as conn:
+            return conn.scalar(select(EVENTS.c.lease_id).where(EVENTS.c.request_key == key).limit(1))
 
     def last_event_id(self) -> int:
-        with self._session() as s:
-            return int(s.scalar(select(func.max(EventRow.id))) or 0)
+        with self.engine.connect() as conn:
+            return int(conn.scalar(select(func.max(EVENTS.c.id))) or 0)
 
     def count_leases(self) -> int:
-        with self._session() as s:
-            return int(s.scalar(select(func.count()).select_from(LeaseRow)) or 0)
+        with self.engine.connect() as conn:
+            return int(conn.scalar(select(func.count()).select_from(LEASES)) or 0)
+
+    def count_events(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.scalar(select(func.count()).select_from(EVENTS)) or 0)

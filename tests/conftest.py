@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 # pytest-jupyter's jp_serverapp / jp_fetch (those tests are plain `async def`, run by the plugin)
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+pytest_plugins = ["pytest_jupyter.jupyter_server", "pgserver"]  # pgserver: a real PostgreSQL (fixtures postgres, db_url)
 
 import tooling  # noqa: E402 - after the path is set
 

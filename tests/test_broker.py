@@ -131,7 +131,9 @@ async def _raw_post(client, raw: bytes):
     try:
         await AsyncHTTPClient().fetch(client.url + "api/leases", method="POST", body=raw, headers={"Authorization": f"token {client.token}"})
     except HTTPClientError as e:
-        raise client._error(e) from None
+        from jupyter_gpulease.client import _error
+
+        raise _error(e, client.url, "the lease broker") from None
 
 
 def test_ended_leases_cannot_be_extended_or_released_again(tmp_path):
@@ -275,7 +277,7 @@ def test_the_admin_page_lists_holders_queue_and_pool():
     import tempfile
     from pathlib import Path
 
-    from jupyter_gpulease.broker.handlers import render_admin_page
+    from jupyter_gpulease.broker.pages import render_admin_page
 
     tmp = Path(tempfile.mkdtemp())
     app = make_broker(tmp)
@@ -287,13 +289,13 @@ def test_the_admin_page_lists_holders_queue_and_pool():
         await m.start()
         await m.request(Ask(user="alice", request=parse_request({"gpus": 2, "model": "A100*"})))
         await m.request(Ask(user="bob<script>", request=parse_request({"gpus": 1, "model": "A100*"})))
-        page = render_admin_page(m, m.now())
+        page = render_admin_page(m)
         await m.close()
         return page
 
     page = asyncio.run(fill())
-    assert "alice" in page and "n1/0 A100-SXM4-80GB" in page
-    assert "bob&lt;script&gt;" in page and "<script>" not in page
+    assert "alice" in page and "A100-SXM4-80GB #0 on n1" in page
+    assert "bob&lt;script&gt;" in page and "bob<script>" not in page
     assert "Queue" in page and "Pool" in page
 
 
@@ -440,8 +442,10 @@ def test_admins_see_another_users_tiers_and_quota_others_get_403(tmp_path):
             # a user the hub does not know: no groups
             pool = await admin.pool(user="zoe")
             assert {t["name"] for t in pool["tiers"]} == {"open"}
-            # an admin's own pool lists every tier; a user's own, theirs
-            assert {t["name"] for t in (await admin.pool())["tiers"]} == {"open", "physics"}
+            # an admin's own pool lists the tiers the admin's own requests may use; every tier on request
+            assert {t["name"] for t in (await admin.pool())["tiers"]} == {"open"}
+            assert {t["name"] for t in (await admin.pool(every_tier=True))["tiers"]} == {"open", "physics"}
+            await expect_error(bob.pool(every_tier=True), 403, "all")
             assert {t["name"] for t in (await bob.pool(user="bob"))["tiers"]} == {"open"}  # token groups: chemistry
             await expect_error(bob.pool(user="alice"), 403, "user")
             await expect_error(admin.pool(user=" "), 400, "user")

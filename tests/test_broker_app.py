@@ -10,6 +10,7 @@ import pytest
 
 from hubharness import free_port, wait_for
 from jupyter_gpulease.broker.app import GPULeaseBroker
+from jupyter_gpulease.broker.checks import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +39,9 @@ def test_a_bad_tier_setting_is_reported_by_name(tmp_path):
     cfg = tmp_path / "bad.py"
     cfg.write_text("c.GPULeaseBroker.tiers = {'fast': {'priority': 1, 'max_hours': 3}}\nc.GPULeaseBroker.default_tier = 'fast'\n")
     app = GPULeaseBroker()
-    with pytest.raises(ValueError, match="max_hours"):
+    with pytest.raises(ConfigError, match=r"bad.py: GPULeaseBroker.tiers\['fast'\]: .*max_hours") as info:
         app.initialize(["--config", str(cfg), "--db-url", "sqlite://"])
+    assert "\n" not in str(info.value)
 
 
 def test_generate_config_writes_every_option_with_its_help(tmp_path):
@@ -80,7 +82,7 @@ def test_the_broker_stops_cleanly_on_a_signal(tmp_path, sig):
             assert proc.poll() is None, f"the broker exited:\n{log.read_text()}"
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/services/gpulease/api/openapi.json", timeout=2).status == 200
 
-        wait_for(up, 30, "the broker did not start")
+        wait_for(up, 120, "the broker did not start")
         proc.send_signal(sig)
         rc = proc.wait(20)
     finally:
@@ -89,3 +91,46 @@ def test_the_broker_stops_cleanly_on_a_signal(tmp_path, sig):
             proc.wait()
     assert rc == 0, log.read_text()
     assert "GPU lease broker stopped" in log.read_text()
+
+
+BAD_CONFIGS = [
+    ("c.GPULeaseBroker.default_tier = 'cource'\n", "GPULeaseBroker.default_tier 'cource' is not a tier"),
+    ("c.GPULeaseBroker.tiers = {'fast': {'priority': 1, 'maximum': 3}}\nc.GPULeaseBroker.default_tier = 'fast'\n", "GPULeaseBroker.tiers['fast']"),
+    ("c.GPULeaseBroker.device_backend = 'static'\nc.GPULeaseBroker.devices = {'gpus': [{'node': 'n', 'model': 'A100', 'count': 2}]}\n", "memory_mib"),
+    ("c.GPULeaseBroker.group_quotas = {'students': {'max_gpu': 2}}\n", "GPULeaseBroker.group_quotas['students']"),
+    ("c.GPULeaseBroker.tiers = {'a': \n", "line 2"),
+    ("c.GPULeaseBroker.tick_interval = 'often'\n", "tick_interval"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text,words", BAD_CONFIGS, ids=["default_tier", "tier key", "gpu without memory", "quota key", "syntax", "type"])
+def test_a_config_mistake_ends_the_broker_with_one_line_naming_the_option_the_file_and_the_fix(tmp_path, text, words):
+    cfg = tmp_path / "gpulease_config.py"
+    cfg.write_text("c.GPULeaseBroker.device_backend = 'simulated'\n" + text)
+    for extra in ([], ["--check-config"]):
+        r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.broker", "--config", str(cfg), "--db-url", f"sqlite:///{tmp_path / 'x.sqlite'}", *extra],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+        assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+        errors = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("[")]
+        assert "Traceback" not in r.stderr, r.stderr
+        first = errors[0]
+        assert words in first and str(cfg) in first, first
+        assert "fix" in first.lower() or "(fix" in first or "one of" in first, first
+
+
+@pytest.mark.timeout(300)
+def test_check_config_says_ok_and_warns_about_names_that_match_no_tier(tmp_path):
+    cfg = tmp_path / "gpulease_config.py"
+    cfg.write_text(
+        "c.GPULeaseBroker.device_backend = 'simulated'\n"
+        "c.GPULeaseBroker.tiers = {'experiment': {'priority': 20}, 'learning': {'priority': 10, 'preemptible': True, 'preempted_by': ['staf']}}\n"
+        "c.GPULeaseBroker.group_quotas = {'students': {'max_gpus': 2}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.broker", "--config", str(cfg), "--db-url", f"sqlite:///{tmp_path / 'x.sqlite'}", "--check-config"],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "OK (1 warning(s))" in r.stdout and "pool: 4 GPU(s)" in r.stdout
+    assert "preempted_by names 'staf', which is not a tier" in r.stderr
+    assert "groups named: students (not checked against the hub" in r.stdout

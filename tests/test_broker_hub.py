@@ -8,76 +8,33 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import urllib.error
 
 import pytest
 
-from hubharness import HubHarness, free_port, pid_alive, wait_for
+from brokerhub import hub_for_broker, wait_for_broker
+from hubharness import pid_alive, wait_for
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
 pytestmark = pytest.mark.timeout(180)
 
-POOL = [
-    {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
-    {"node": "n2", "model": "L4", "count": 4, "memory_mib": 23034},
-]
-
-BROKER_CONFIG = """
-c.GPULeaseBroker.db_url = {db_url!r}
-c.GPULeaseBroker.device_backend = "simulated"
-c.GPULeaseBroker.devices = {{"gpus": {pool!r}}}
-c.GPULeaseBroker.tick_interval = 1
-c.GPULeaseBroker.confirm_timeout_s = 0
+# typos an admin makes: a group that does not exist on the hub, in a tier and in the quotas
+TYPOS = """
+c.GPULeaseBroker.tiers = {
+    "experiment": {"priority": 20},
+    "staff": {"priority": 30, "groups": ["stafff"]},
+    "learning": {"priority": 10, "preemptible": True, "preempted_by": ["staf"]},
+}
+c.GPULeaseBroker.group_quotas = {"physics": {"max_gpus": 4}, "studnets": {"max_gpus": 2}}
+c.GPULeaseBroker.reconcile_interval = 2
 """
-
-
-def hub_for_broker(tmp_path) -> HubHarness:
-    """A hub running the broker as a managed service, roles as the README tells admins to set them."""
-    port = free_port()
-    cfg = tmp_path / "gpulease_config.py"
-    cfg.write_text(BROKER_CONFIG.format(db_url=f"sqlite:///{tmp_path / 'gpulease.sqlite'}", pool=POOL))
-    return HubHarness(
-        tmp_path,
-        users=["alice", "bob", "carol"],
-        admin_users=["root"],
-        groups={"physics": ["alice"]},
-        services=[
-            {
-                "name": "gpulease",
-                "url": f"http://127.0.0.1:{port}",
-                "command": [sys.executable, "-m", "jupyter_gpulease.broker", "--config", str(cfg)],
-                "cwd": str(tmp_path),
-                "oauth_no_confirm": True,
-                "oauth_client_allowed_scopes": ["custom:gpulease:admin"],
-                "display": True,
-            }
-        ],
-        custom_scopes={"custom:gpulease:admin": {"description": "see and change every GPU lease; request leases for users"}},
-        roles=[
-            {"name": "gpulease-admin", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["carol"]},
-            {"name": "gpulease-service", "scopes": ["admin:servers"], "services": ["gpulease"]},
-        ],
-        user_scopes=["access:services!service=gpulease"],
-    )
-
-
-def wait_for_broker(hub: HubHarness, token: str, timeout: float = 60) -> None:
-    def up():
-        status, _ = hub.request("GET", hub.service_url("gpulease") + "api/pool", token=token)
-        return status == 200
-
-    try:
-        wait_for(up, timeout, "the broker did not answer through the proxy")
-    except AssertionError as e:
-        raise AssertionError(f"{e}\n--- hub log ---\n{hub.log_tail(60)}") from None
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = hub_for_broker(tmp_path_factory.mktemp("hub"))
+    h = hub_for_broker(tmp_path_factory.mktemp("hub"), extra_config=TYPOS)
     h.start()
     try:
         h.tokens = {name: h.create_token(name) for name in ("alice", "bob", "carol", "root")}
@@ -85,6 +42,22 @@ def hub(tmp_path_factory):
         yield h
     finally:
         h.stop()
+
+
+def test_names_in_the_config_that_match_nothing_are_warned_about_at_start_and_when_the_hub_changes(hub):
+    def log():
+        return hub.log_file.read_text(errors="replace")
+
+    wait_for(lambda: "the hub has no group 'stafff'" in log(), 30, "no warning about the group 'stafff'")
+    text = log()
+    assert "tiers['staff'].groups" in text and "the hub has no group 'studnets'" in text and "group_quotas" in text
+    assert "the hub has no group 'physics'" not in text
+    assert "preempted_by names 'staf', which is not a tier" in text
+    # the admin creates the group on the hub: the broker notices at its next check
+    status, _ = hub.api("POST", "groups/stafff")
+    assert status == 201
+    wait_for(lambda: "the hub has the group 'stafff' now" in log(), 30, "the new group was not noticed")
+    assert log().count("the hub has no group 'studnets'") == 1, "a warning was repeated although nothing changed"
 
 
 def client(hub, who) -> BrokerClient:
@@ -217,14 +190,73 @@ def test_the_admin_page_shows_lease_admins_the_holders_and_refuses_others(hub):
     lease = run(hold())
     try:
         browser = hub.login("carol")
-        page = browser.open(hub.service_url("gpulease"), timeout=60).read().decode()
+        page = browser.open(hub.service_url("gpulease") + "admin", timeout=60).read().decode()
         assert "Who holds what" in page and "alice" in page and lease["id"] in page
+        # the service root (the hub's Services menu) is carol's own leases, with a link to the admin page
+        mine = browser.open(hub.service_url("gpulease"), timeout=60).read().decode()
+        assert "GPU leases of carol" in mine and 'href="/services/gpulease/admin"' in mine
         other = hub.login("bob")
         with pytest.raises(urllib.error.HTTPError) as info:
-            other.open(hub.service_url("gpulease"), timeout=60)
+            other.open(hub.service_url("gpulease") + "admin", timeout=60)
         assert info.value.code == 403
+        refusal = info.value.read().decode()
+        assert "custom:gpulease:admin" in refusal and 'href="/services/gpulease/"' in refusal, refusal
     finally:
         run(client(hub, "alice").release(lease["id"]))
+
+
+def _form_xsrf(page: str) -> str:
+    import re
+
+    m = re.search(r'name="_xsrf" value="([^"]+)"', page)
+    assert m, "the page has no xsrf token in its forms"
+    return m.group(1)
+
+
+def test_my_leases_page_shows_a_users_leases_and_their_buttons_work(hub):
+    """Every user's page at the service root: leases now and history, extend and release buttons."""
+    import urllib.parse
+
+    async def hold():
+        return await client(hub, "alice").request_lease({"gpus": 1, "model": "L4", "duration_s": 3600})
+
+    lease = run(hold())
+    browser = hub.login("alice")
+    url = hub.service_url("gpulease")
+    page = browser.open(url, timeout=60).read().decode()
+    assert "GPU leases of alice" in page and lease["id"][:12] in page and "L4 #" in page
+    assert "admin" not in page.split("</nav>")[0], "a non-admin must not be linked to the admin page"
+    xsrf = _form_xsrf(page)
+    # extend by 2 h through the page's form
+    done = browser.open(f"{url}leases/{lease['id']}/extend", data=urllib.parse.urlencode({"_xsrf": xsrf, "by": "7200"}).encode(), timeout=60)
+    assert "now runs until" in done.read().decode()
+    after = run(client(hub, "alice").get_lease(lease["id"]))
+    assert after["expires_at"] > lease["expires_at"] + 3000
+    # release, keeping the server: the lease says so for the spawner
+    done = browser.open(f"{url}leases/{lease['id']}/release", data=urllib.parse.urlencode({"_xsrf": xsrf, "keep_server": "1"}).encode(), timeout=60)
+    text = done.read().decode()
+    assert "keeps running without GPUs" in text
+    ended = run(client(hub, "alice").get_lease(lease["id"]))
+    assert ended["state"] == "released" and ended["keep_server"] is True
+    assert ended["ended_by"]["kind"] == "holder" and ended["end_message"].startswith("Released")
+    # the history lists it with how it ended
+    assert ended["end_message"].split(":")[0] in text and 'id="history"' in text
+    # a form post without the xsrf token does nothing
+    other = run(client(hub, "alice").request_lease({"gpus": 1, "model": "L4"}))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            browser.open(f"{url}leases/{other['id']}/release", data=b"keep_server=1", timeout=60)
+        assert info.value.code in (302, 403)
+        assert run(client(hub, "alice").get_lease(other["id"]))["state"] == "active"
+        # nor may bob's page act on alice's lease
+        bob = hub.login("bob")
+        bob_page = bob.open(url, timeout=60).read().decode()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            bob.open(f"{url}leases/{other['id']}/release", data=urllib.parse.urlencode({"_xsrf": _form_xsrf(bob_page) if "_xsrf" in bob_page else ""}).encode(), timeout=60)
+        assert info.value.code == 403
+        assert run(client(hub, "alice").get_lease(other["id"]))["state"] == "active"
+    finally:
+        run(client(hub, "alice").release(other["id"]))
 
 
 def test_a_broker_killed_mid_run_restarts_with_every_lease_and_no_double_grant(hub):

@@ -27,11 +27,65 @@ def test_from_env_prefers_the_gpulease_token(monkeypatch):
     assert c.url == "http://127.0.0.1:1/services/gpulease/" and c.token == "lease-token"
 
 
-def test_an_unreachable_broker_is_a_broker_error_with_status_0():
-    c = BrokerClient(f"http://127.0.0.1:{free_port()}/services/gpulease/", "t", timeout=5)
+def test_an_unreachable_broker_is_a_broker_error_with_status_0_after_retrying():
+    import time
+
+    c = BrokerClient(f"http://127.0.0.1:{free_port()}/services/gpulease/", "t", timeout=5, retry_for=1.0)
+    t0 = time.monotonic()
     with pytest.raises(BrokerError) as info:
         asyncio.run(c.pool())
     assert info.value.status == 0 and "cannot reach the lease broker" in info.value.message
+    assert time.monotonic() - t0 >= 0.5, "the client gave up without retrying"
+
+
+def test_a_client_retries_through_a_broker_restart_and_a_retried_write_makes_one_lease(tmp_path, monkeypatch):
+    """The broker is down when the call starts and comes up a moment later (a standby taking
+    over): the call succeeds; a request whose first answer was lost is not made twice."""
+    from brokerutil import make_broker, patch_auth
+    from jupyter_gpulease.broker.manager import ManualClock
+
+    patch_auth(monkeypatch)
+
+    async def main():
+        app = make_broker(tmp_path, ManualClock())
+        url = app.bind_url.rstrip("/") + app.base_url
+        c = BrokerClient(url, "alice", retry_for=30)
+        call = asyncio.ensure_future(c.request_lease({"gpus": 1}))
+        await asyncio.sleep(1.0)
+        assert not call.done()
+        await app.start_async()
+        try:
+            lease = await asyncio.wait_for(call, 30)
+            assert lease["state"] == "active"
+            assert app.store.count_leases() == 1
+        finally:
+            await app.stop_async()
+
+    asyncio.run(main())
+
+
+def test_the_hub_root_given_as_the_broker_url_is_named_as_the_mistake(tmp_path):
+    """`--url http://hub/` answers with a redirect to the hub's login: say the URL is wrong, not the token."""
+    from tornado.httpserver import HTTPServer
+    from tornado.web import Application, RequestHandler
+
+    class Hub(RequestHandler):
+        def get(self, *a):
+            self.redirect("/hub/login?next=%2Fapi%2Fpool")
+
+    async def main():
+        port = free_port()
+        server = HTTPServer(Application([(r"/(.*)", Hub)]))
+        server.listen(port, "127.0.0.1")
+        try:
+            with pytest.raises(BrokerError) as info:
+                await BrokerClient(f"http://127.0.0.1:{port}/", "t", retry_for=0).pool()
+            assert "not the lease broker's API" in info.value.message and "/services/gpulease/" in info.value.message
+            assert "token" not in info.value.message
+        finally:
+            server.stop()
+
+    asyncio.run(main())
 
 
 def test_no_url_is_a_clear_error():

@@ -1,4 +1,6 @@
-"""The durable store: leases and events survive a reopen, batches commit all or nothing."""
+"""The durable store: leases and events survive a reopen, batches commit all or nothing,
+schemas are upgraded, one broker leads. Every test that takes ``db_url`` runs against a SQLite
+file and against a real PostgreSQL server (tests/pgserver.py)."""
 
 import pytest
 import sqlalchemy
@@ -62,8 +64,8 @@ def test_lease_round_trips_with_placement_usage_and_meta():
     assert e.kind == "granted"
 
 
-def test_events_and_leases_survive_reopen(tmp_path):
-    url = f"sqlite:///{tmp_path / 'leases.sqlite'}"
+def test_events_and_leases_survive_reopen(db_url):
+    url = db_url
     store = LeaseStore(url)
     a, b = make_lease(1), make_lease(2, user="bob")
     ids = store.apply([ev(a, "requested", 1001, "", "queued"), ev(b, "requested", 1002, "", "queued")])
@@ -93,8 +95,8 @@ def test_events_and_leases_survive_reopen(tmp_path):
     store.close()
 
 
-def test_history_lists_ended_leases_that_held_gpus(tmp_path):
-    store = LeaseStore(f"sqlite:///{tmp_path / 'h.sqlite'}")
+def test_history_lists_ended_leases_that_held_gpus(db_url):
+    store = LeaseStore(db_url)
     a, b, c = make_lease(1), make_lease(2), make_lease(3)
     for lease, end in ((a, 3000.0), (b, 9000.0)):
         granted(lease)
@@ -106,8 +108,8 @@ def test_history_lists_ended_leases_that_held_gpus(tmp_path):
     assert [lease.id for lease in store.history(since=5000)] == ["l2"]
 
 
-def test_a_failing_batch_writes_nothing(tmp_path):
-    store = LeaseStore(f"sqlite:///{tmp_path / 't.sqlite'}")
+def test_a_failing_batch_writes_nothing(db_url):
+    store = LeaseStore(db_url)
     a = make_lease(1)
     store.apply([ev(a, "requested", 1001, "", "queued")])
     batch = store.snapshot([ev(make_lease(2), "requested", 1002, "", "queued")])
@@ -118,8 +120,8 @@ def test_a_failing_batch_writes_nothing(tmp_path):
     assert store.last_event_id() == 1
 
 
-def test_heartbeat_only_changes_are_persisted_without_events(tmp_path):
-    store = LeaseStore(f"sqlite:///{tmp_path / 'hb.sqlite'}")
+def test_heartbeat_only_changes_are_persisted_without_events(db_url):
+    store = LeaseStore(db_url)
     a = make_lease(1)
     granted(a)
     store.apply([ev(a, "granted", 2000, "queued", "active")])
@@ -151,3 +153,96 @@ def test_in_memory_database_is_shared_across_threads():
     with ThreadPoolExecutor(1) as pool:
         pool.submit(store.apply, [ev(a, "requested", 1001, "", "queued")]).result()
     assert store.load_live() == [a]
+
+
+def test_a_retried_calls_key_finds_the_lease_it_changed(db_url):
+    store = LeaseStore(db_url)
+    a = make_lease(1)
+    batch = store.snapshot([ev(a, "requested", 1001, "", "queued")])
+    batch.events[0]["request_key"] = "alice:k1"
+    (written,) = store.write(batch)
+    assert "request_key" not in written
+    assert store.find_request_key("alice:k1") == "l1"
+    assert store.find_request_key("alice:k2") is None
+    store.close()
+
+
+def test_old_events_of_ended_leases_are_pruned_and_lease_rows_kept(db_url):
+    store = LeaseStore(db_url)
+    done, live = make_lease(1), make_lease(2)
+    store.apply([ev(done, "requested", 1000, "", "queued"), ev(live, "requested", 1000, "", "queued")])
+    done.state, done.ended_at = LeaseState.WITHDRAWN, 1100.0
+    store.apply([ev(done, "ended", 1100, "queued", "withdrawn")])
+    assert store.prune_events(before=5000) == 2
+    assert [e["lease_id"] for e in store.events_since(0)] == ["l2"]
+    assert store.get_lease("l1").state is LeaseState.WITHDRAWN
+    assert store.prune_events(before=5000) == 0
+    store.close()
+
+
+def test_only_one_store_leads_a_database_until_it_lets_go(db_url):
+    first, second = LeaseStore(db_url), LeaseStore(db_url, migrate=False)
+    try:
+        assert first.try_acquire_leadership()
+        assert not second.try_acquire_leadership()
+        first.release_leadership()
+        assert second.try_acquire_leadership()
+        assert not first.try_acquire_leadership()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_database_of_the_first_releases_is_upgraded_in_place(tmp_path):
+    """The first releases made their tables without a version table: they are stamped and
+    upgraded, and every lease and event is kept (a copy of the file is kept beside it)."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript(
+        """
+        CREATE TABLE leases (id VARCHAR(64) PRIMARY KEY, user VARCHAR(255) NOT NULL, server VARCHAR(255) NOT NULL,
+            tier VARCHAR(64) NOT NULL, state VARCHAR(16) NOT NULL, seq INTEGER NOT NULL, created_at FLOAT NOT NULL,
+            granted_at FLOAT, expires_at FLOAT, ended_at FLOAT, end_reason TEXT NOT NULL, request JSON NOT NULL,
+            placement JSON, data JSON NOT NULL);
+        CREATE INDEX ix_leases_user ON leases (user);
+        CREATE INDEX ix_leases_state ON leases (state);
+        CREATE INDEX ix_leases_ended_at ON leases (ended_at);
+        CREATE TABLE lease_events (id INTEGER PRIMARY KEY AUTOINCREMENT, lease_id VARCHAR(64) NOT NULL, time FLOAT NOT NULL,
+            kind VARCHAR(32) NOT NULL, from_state VARCHAR(16) NOT NULL, to_state VARCHAR(16) NOT NULL, actor VARCHAR(255) NOT NULL,
+            reason TEXT NOT NULL, data JSON NOT NULL);
+        CREATE INDEX ix_lease_events_lease_id ON lease_events (lease_id);
+        """
+    )
+    lease = make_lease(7)
+    d = lease.to_dict()
+    import json
+
+    con.execute("INSERT INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (d["id"], d["user"], "", d["tier"], "queued", 7, d["created_at"], None, None, None, "", json.dumps(d["request"]), None, json.dumps(d)))
+    con.execute("INSERT INTO lease_events (lease_id, time, kind, from_state, to_state, actor, reason, data) VALUES ('l7', 1007, 'requested', '', 'queued', 'alice', '', '{}')")
+    con.commit()
+    con.close()
+
+    store = LeaseStore(f"sqlite:///{path}", migrate=False)
+    assert store.schema_revision() == "0001"
+    assert store.upgrade() == ("0001", store.head_revision())
+    assert store.schema_revision() == store.head_revision()
+    assert store.load_live() == [lease]
+    assert [e["kind"] for e in store.events_since(0)] == ["requested"]
+    store.apply([ev(lease, "granted", 2000, "queued", "active")])  # the new columns work
+    assert (tmp_path / "old.sqlite.0001.bak").exists()
+    assert store.upgrade() == (store.head_revision(), store.head_revision())  # nothing left to do
+    store.close()
+
+
+def test_an_empty_postgresql_database_gets_the_newest_schema(postgres):
+    url = postgres.create_database("fresh_schema")
+    store = LeaseStore(url)
+    try:
+        assert store.schema_revision() == store.head_revision()
+        assert store.count_leases() == 0
+        assert store.describe().startswith("postgresql")
+    finally:
+        store.close()

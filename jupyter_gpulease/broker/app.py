@@ -1,9 +1,21 @@
 """The lease broker: a JupyterHub service (traitlets Application + tornado).
 
+This module wires config into the parts; each part has one job:
+
+* :mod:`.manager` — the scheduler, the store and the clock: every decision, committed before
+  it is answered (group commit), the only door handlers and metrics use;
+* :mod:`.handlers` — the REST API and the event feed; :mod:`.pages` — the "my leases" and
+  admin pages (Jinja2 templates);
+* :mod:`.hubapi` — what the broker asks of the Hub API (groups, stopping servers, the check
+  that every lease still has its server);
+* :mod:`.supervisor` — keeps a hot standby ready and restarts a broker that died;
+* :mod:`.checks` — config mistakes found before they cost anything.
+
 Run by JupyterHub as a managed service (``c.JupyterHub.services``), or by hand with the
 ``JUPYTERHUB_*`` environment variables of an external service::
 
     jupyter gpulease broker --config gpulease_config.py
+    jupyter gpulease broker --config gpulease_config.py --check-config
     python -m jupyter_gpulease.broker --generate-config   # writes gpulease_config.py
 """
 
@@ -15,23 +27,28 @@ import logging
 import os
 import signal
 import sys
+import threading
 from importlib import resources
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.web import Application as WebApplication
-from traitlets import Any, Bool, CaselessStrEnum, Dict, Float, List, Unicode, default, validate
-from traitlets.config import Application, catch_config_error
+from traitlets import Any, Bool, CaselessStrEnum, Dict, Float, Integer, List, TraitError, Unicode, default, validate
+from traitlets.config import Application
 
 from .. import __version__
 from ..core.events import ENDED
 from ..core.model import LeaseState
 from ..core.policy_config import PolicyConfig
+from . import checks, hubapi
+from .checks import ConfigError
+from .inputs import Limits
 from .manager import LeaseManager, SystemClock
 
 SERVICE_NAME = "gpulease"
+EXIT_CONFIG = 2  # the config is wrong: restarting will not help
+EXIT_LOST_DB = 3  # the database failed: a fresh broker (or the standby) carries on
 
 
 def load_openapi() -> dict:
@@ -51,16 +68,26 @@ class GPULeaseBroker(PolicyConfig, Application):
         "db-url": "GPULeaseBroker.db_url",
         "bind-url": "GPULeaseBroker.bind_url",
         "device-backend": "GPULeaseBroker.device_backend",
+        "standbys": "GPULeaseBroker.standbys",
         "log-level": "Application.log_level",
     }
     flags = {
         "generate-config": ({"GPULeaseBroker": {"generate_config": True}}, "write a commented gpulease_config.py with every option and exit"),
+        "check-config": (
+            {"GPULeaseBroker": {"check_config": True}},
+            "check the config file (options, tiers, quotas, the pool, the database, and the hub's groups when the hub can be asked) and exit: 0 when it is fine",
+        ),
+        "no-supervise": ({"GPULeaseBroker": {"supervise": False}}, "run one broker process, without a supervisor or standby"),
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "log at DEBUG level"),
     }
 
     @default("log_level")
     def _default_log_level(self):
         return logging.INFO
+
+    @default("raise_config_file_errors")
+    def _default_raise_config_file_errors(self):
+        return True  # a config file that does not load stops the broker (with one line), never half-applied
 
     @default("log_format")
     def _default_log_format(self):
@@ -72,6 +99,7 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     config_file = Unicode("gpulease_config.py", help="Config file to load (Python, traitlets). Example: --config=/etc/jupyterhub/gpulease_config.py").tag(config=True)
     generate_config = Bool(False, help="Write a commented default config file to `config_file` and exit.").tag(config=True)
+    check_config = Bool(False, help="Check the config and exit (0: fine; 2: an error, printed as one line naming the option).").tag(config=True)
 
     # ------------------------------------------------------------------ storage
     db_url = Unicode(
@@ -79,8 +107,10 @@ class GPULeaseBroker(PolicyConfig, Application):
         help="""SQLAlchemy URL of the lease database.
 
         A SQLite file by default (WAL journal, synchronous=FULL: every answered request is on
-        disk). For larger sites point it at PostgreSQL, e.g.
-        ``postgresql+psycopg://gpulease:secret@db/gpulease``.
+        disk). For larger sites, and for a standby on another machine, PostgreSQL, e.g.
+        ``postgresql+psycopg://gpulease:secret@db/gpulease`` (install ``psycopg``). The schema
+        is upgraded automatically at start (a SQLite file is copied to ``<file>.<rev>.bak``
+        first).
         """,
     ).tag(config=True)
 
@@ -89,10 +119,17 @@ class GPULeaseBroker(PolicyConfig, Application):
         "FULL",
         help="""SQLite's ``synchronous`` setting, when ``db_url`` is a SQLite file.
 
-        FULL (default): a request is answered only after its change is on disk, at one fsync
-        per commit (about 10 ms on a plain disk). NORMAL: with WAL, a power cut may lose the
-        last commits (a process crash loses nothing); about twice as fast. Example: "NORMAL".
+        FULL (default): a request is answered only after its change is on disk, one fsync per
+        group commit. NORMAL: with WAL, a power cut may lose the last commits (a process crash
+        loses nothing). Example: "NORMAL".
         """,
+    ).tag(config=True)
+
+    event_retention_days = Float(
+        365.0,
+        help="""Days the events (the audit log) of ended leases are kept; older ones are deleted
+        once an hour. Lease rows themselves stay (usage reports read them). 0: keep every
+        event. Example: 90.""",
     ).tag(config=True)
 
     # ------------------------------------------------------------------ the pool
@@ -100,14 +137,14 @@ class GPULeaseBroker(PolicyConfig, Application):
         "auto",
         help="""Where the pool's GPUs come from: 'nvml' (the GPUs of this machine), 'static' (a
         declared inventory, e.g. for several nodes), 'simulated' (fake GPUs, for demos and
-        tests), 'auto' (NVML when it finds GPUs, else simulated), 'kubernetes' (the cluster's
-        GPU nodes, from their labels and capacity) or 'slurm' (the GRES of ``scontrol show node``).
+        tests), or 'auto' (NVML when it finds GPUs, else simulated).
         """,
     ).tag(config=True)
 
     devices = Dict(
         help="""Config of the device backend. For 'static' and 'simulated', ``gpus`` declares the
-        inventory, one entry per group of identical GPUs on one node, e.g.::
+        inventory, one entry per group of identical GPUs on one node (``memory_mib`` required),
+        e.g.::
 
             c.GPULeaseBroker.devices = {"gpus": [
                 {"node": "gpu-1", "model": "A100-SXM4-80GB", "count": 4, "memory_mib": 81920},
@@ -135,10 +172,12 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     stop_servers_on_end = Bool(
         False,
-        help="""When the broker ends a lease (expired, preempted, revoked, failed), ask the Hub
-        to stop the holder's server. Needs the broker's service to hold the ``admin:servers``
-        scope (a role in jupyterhub_config.py, see the README). Off for the local engine,
-        where a server may outlive its lease.
+        help="""Whether the broker itself asks the Hub to stop a server when the broker ends its lease
+        (expired, preempted, revoked, failed; see ``stop_server_states``). A GPULeaseSpawner stops its
+        own server when its lease ends whether or not this is on (at its next poll,
+        ``c.Spawner.poll_interval``); turn this on for servers whose spawner does not, or to stop them
+        sooner. Needs the broker's service to hold the ``admin:servers`` scope (a role in
+        jupyterhub_config.py, see the README).
         """,
     ).tag(config=True)
     stop_server_states = List(
@@ -153,9 +192,9 @@ class GPULeaseBroker(PolicyConfig, Application):
         still has its server (running or starting); also checked once at start. A lease whose
         server has been gone for ``reconcile_grace`` seconds is revoked (withdrawn if still
         queued): this ends the leases of servers the hub stopped, or spawns it forgot, while the
-        broker could not hear of it (the hub stops its
-        services before its servers on shutdown). 0: never check. Needs the broker's service to
-        hold the scopes ``read:users`` and ``read:servers`` (a role in jupyterhub_config.py).
+        broker could not hear of it. The same pass warns about group names in this config that
+        the hub does not know. 0: never check. Needs the broker's service to hold the scopes
+        ``read:users``, ``read:servers`` and ``read:groups`` (a role in jupyterhub_config.py).
         Example: 300.""",
     ).tag(config=True)
     reconcile_grace = Float(
@@ -173,7 +212,48 @@ class GPULeaseBroker(PolicyConfig, Application):
         """,
     ).tag(config=True)
 
+    show_preemptor_names = Bool(
+        False,
+        help="""Tell the holder of a preempted lease whose request preempted it. False (default): only
+        the preempting request's tier; admins always see the name.""",
+    ).tag(config=True)
+
+    token_cache_max_age = Float(
+        10.0,
+        help="""Seconds the broker trusts a token it has checked with the hub before checking it
+        again: a token revoked on the hub stops working here within this time. Longer saves
+        calls to the hub; JupyterHub's own default is 300. Example: 10.""",
+    ).tag(config=True)
+
     authenticate_metrics = Bool(True, help="Require a hub token to read /metrics (false: anyone who can reach the broker).").tag(config=True)
+
+    max_body_bytes = Integer(64 * 1024, help="Largest request body accepted, bytes; larger is answered 413. Example: 65536.").tag(config=True)
+    max_meta_bytes = Integer(4096, help="Largest ``meta`` object of a lease request, bytes of JSON. Example: 4096.").tag(config=True)
+    max_usage_bytes = Integer(4096, help="Largest ``usage`` object of a heartbeat, bytes of JSON. Example: 4096.").tag(config=True)
+    max_reason_chars = Integer(1000, help="Longest ``reason`` of a release, characters. Example: 1000.").tag(config=True)
+    max_json_depth = Integer(16, help="Deepest nesting of a request body's JSON, levels. Example: 16.").tag(config=True)
+    max_streams_per_user = Integer(
+        20,
+        help="""Event streams (SSE) and waiting long polls one user may hold open at once; more are
+        answered 429. Callers with the admin scope (the spawner) are bounded by ``max_streams``
+        only. Example: 20.""",
+    ).tag(config=True)
+    max_streams = Integer(5000, help="Event streams and waiting long polls open at once, all users together. Example: 5000.").tag(config=True)
+    stream_buffer_events = Integer(
+        1000,
+        help="""Events buffered for one event stream; a client that falls further behind is dropped
+        with a reason (it reconnects with Last-Event-ID and catches up). Example: 1000.""",
+    ).tag(config=True)
+
+    supervise = Bool(
+        True,
+        help="""Run the broker under a small supervisor process that keeps ``standbys`` more broker
+        processes waiting: when the active broker dies, a standby takes over within about a second
+        (it waits on the database's lock), and the supervisor starts a new standby. False: one
+        process (the hub's service poll restarts it, 10-30 s later).""",
+    ).tag(config=True)
+    standbys = Integer(1, help="Standby broker processes the supervisor keeps waiting (0: none; it still restarts a broker that died). Example: 1.").tag(config=True)
+    worker = Bool(False, help="Internal: this process is a worker of the supervisor.").tag(config=True)
 
     bind_url = Unicode(help="Where to listen, e.g. http://127.0.0.1:10101. Default: $JUPYTERHUB_SERVICE_URL.").tag(config=True)
 
@@ -199,50 +279,70 @@ class GPULeaseBroker(PolicyConfig, Application):
         return SystemClock()
 
     # ------------------------------------------------------------------ building
-    @catch_config_error
-    def initialize(self, argv=None):
+    def initialize(self, argv=None, *, build_manager: bool = True):
+        """Parse the command line, load the config file, build the parts (``build_manager``:
+        the pool, scheduler and store too). A config mistake raises :class:`ConfigError` (one
+        line naming the option, the file and the fix)."""
         self._tasks: set[asyncio.Task] = set()  # background tasks, referenced until done
-        super().initialize(argv)
+        self._stop_waiting = threading.Event()
+        try:
+            super().initialize(argv)
+        except TraitError as e:
+            raise ConfigError(f"command line: {e}") from None
         if self.generate_config:
             return
         if self.config_file and os.path.exists(self.config_file):
-            self.load_config_file(self.config_file)
-            # command-line options win over the file
-            self.update_config(self.cli_config)
+            checks.load_config_file(self, self.config_file)
+            try:
+                self.update_config(self.cli_config)  # command-line options win over the file
+            except TraitError as e:
+                raise ConfigError(checks.trait_error("(command line)", e)) from None
         elif self.config_file and "config_file" in self.cli_config.get("GPULeaseBroker", {}):
-            raise FileNotFoundError(f"config file not found: {self.config_file}")
-        self.policy = self.build_policy()
-        self.init_manager()
+            raise ConfigError(f"config file not found: {self.config_file} (fix: pass --config with the path of an existing file)")
+        self.policy = checks.build(self, self.build_policy, what="the tiers and quotas")
+        for line in checks.policy_warnings(self.policy):
+            self.log.warning("Config %s: %s", self.config_file or "(command line)", line)
+        if build_manager and not self.check_config:
+            checks.build(self, self.init_manager, what="the pool and the database")
 
     def init_manager(self) -> None:
         from ..core.scheduler import Scheduler
         from ..devices import get_backend
         from ..store import LeaseStore
+        from .feed import Feed
         from .metrics import BrokerMetrics
 
         self.backend = get_backend(self.device_backend, self.devices)
         inventory = self.backend.inventory()
         self._inventory = list(inventory)
+        self._refreshing = False
         self.log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
         self.scheduler = Scheduler(inventory, self.policy)
-        self.store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous)
-        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log)
+        self.store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
+        feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
+        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
         self.metrics = BrokerMetrics(self.manager)
         self.manager.listeners.append(self.metrics.observe)
         self.manager.listeners.append(self._on_events)
 
+    @property
+    def limits(self) -> Limits:
+        return Limits(body_bytes=self.max_body_bytes, meta_bytes=self.max_meta_bytes, usage_bytes=self.max_usage_bytes, reason_chars=self.max_reason_chars, json_depth=self.max_json_depth)
+
     def make_web_app(self) -> WebApplication:
         from jupyterhub.services.auth import HubAuth, HubOAuth
 
-        from .handlers import make_handlers
+        from .handlers import api_handlers
+        from .pages import page_handlers
 
-        hub_auth = HubAuth(parent=self, base_url=self.base_url)
-        hub_oauth = HubOAuth(parent=self, base_url=self.base_url)
+        hub_auth = HubAuth(parent=self, base_url=self.base_url, cache_max_age=int(self.token_cache_max_age))
+        hub_oauth = HubOAuth(parent=self, base_url=self.base_url, cache_max_age=int(self.token_cache_max_age))
         self.hub_auth = hub_auth
         settings = {
             "hub_auth": hub_auth,
             "hub_oauth": hub_oauth,
             "cookie_secret": os.urandom(32),
+            "xsrf_cookies": True,
             "login_url": hub_oauth.login_url,
             "gpulease_manager": self.manager,
             "gpulease_broker": self,
@@ -250,22 +350,50 @@ class GPULeaseBroker(PolicyConfig, Application):
             "gpulease_metrics": self.metrics,
             "gpulease_openapi": load_openapi(),
             "gpulease_authenticate_metrics": self.authenticate_metrics,
+            "gpulease_limits": self.limits,
             "log_function": self._log_request,
         }
-        return WebApplication(make_handlers(self.base_url), **settings)
+        return WebApplication(api_handlers(self.base_url) + page_handlers(self.base_url), **settings)
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()
+        if status < 400 and self._quiet_successes:
+            return  # the logger takes every level (its handler filters): skip building the record
+        if getattr(handler, "_reported", False):
+            return  # the handler's own line already says what went wrong
         level = self.log.debug if status < 400 else self.log.info if status < 500 else self.log.error
-        level("%d %s %s %.1fms", status, handler.request.method, handler.request.uri.split("?")[0], 1000 * handler.request.request_time())
+        # the path only: a query string may carry a token
+        level("%d %s %s %.1fms", status, handler.request.method, handler.request.path, 1000 * handler.request.request_time())
 
-    # ------------------------------------------------------------------ stopping servers
+    # ------------------------------------------------------------------ the hub
+    def hub_home_url(self) -> str:
+        """The hub's home page, for links from the broker's pages."""
+        return "/" + (os.environ.get("JUPYTERHUB_BASE_URL", "/").strip("/") + "/hub/home").lstrip("/")
+
+    @property
+    def hub(self):
+        """The Hub API with the broker's own token."""
+        from ..client import HubClient
+
+        if getattr(self, "_hub", None) is None:
+            api_url = os.environ.get("JUPYTERHUB_API_URL") or (self.hub_auth.api_url if getattr(self, "hub_auth", None) else "")
+            token = os.environ.get("JUPYTERHUB_API_TOKEN") or (self.hub_auth.api_token if getattr(self, "hub_auth", None) else "")
+            self._hub = HubClient(api_url or "http://127.0.0.1:8081/hub/api", token)
+        return self._hub
+
+    async def user_groups(self, user: str) -> tuple[str, ...]:
+        return await hubapi.user_groups(self.hub, user, self.log)
+
+    async def stop_server(self, user: str, server: str, why: str) -> None:
+        await hubapi.stop_server(self.hub, user, server, why, self.log)
+
     def _on_events(self, written, events) -> None:
         if not self.stop_servers_on_end:
             return
         for e in events:
-            if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and getattr(e, "lease", None):
-                self._background(self.stop_server(e.lease.user, e.lease.server, e.to_state))
+            lease = getattr(e, "lease", None)
+            if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and lease is not None:
+                self._background(self.stop_server(lease.user, lease.server, e.to_state))
 
     def _background(self, coro) -> None:
         """Run ``coro`` as a task that is kept referenced until done (the loop holds tasks weakly)."""
@@ -273,141 +401,96 @@ class GPULeaseBroker(PolicyConfig, Application):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def stop_server(self, user: str, server: str, why: str) -> None:
-        """Ask the Hub API to stop ``user``'s ``server`` (its lease ended: ``why``)."""
-        path = f"users/{quote(user, safe='')}/servers/{quote(server, safe='')}" if server else f"users/{quote(user, safe='')}/server"
-        url = self.hub_auth.api_url.rstrip("/") + "/" + path
-        req = HTTPRequest(url, method="DELETE", headers={"Authorization": f"token {self.hub_auth.api_token}"}, request_timeout=60)
-        try:
-            await AsyncHTTPClient().fetch(req)
-            self.log.info("Asked the hub to stop %s's server %r: its lease was %s", user, server, why)
-        except HTTPClientError as e:
-            if e.code in (400, 404):  # not running any more
-                self.log.info("Server %r of %s was not running (%s)", server, user, e.code)
-            else:
-                self.log.error("Could not stop %s's server %r after its lease was %s: %s", user, server, why, e)
-        except OSError as e:
-            self.log.error("Could not reach the hub to stop %s's server %r: %s", user, server, e)
-
-    # ------------------------------------------------------------------ the Hub API
-    async def hub_api(self, method: str, path: str) -> tuple[int, dict | None]:
-        """Call the Hub API with the broker's own token: (status, JSON), or (0, None) when the hub
-        does not answer."""
-        url = self.hub_auth.api_url.rstrip("/") + "/" + path.lstrip("/")
-        req = HTTPRequest(url, method=method, headers={"Authorization": f"token {self.hub_auth.api_token}"}, request_timeout=30, connect_timeout=10)
-        try:
-            resp = await AsyncHTTPClient().fetch(req)
-        except HTTPClientError as e:
-            if e.code == 599:
-                return 0, None
-            return e.code, None
-        except OSError:
-            return 0, None
-        try:
-            return resp.code, json.loads(resp.body) if resp.body else None
-        except ValueError:
-            return resp.code, None
-
-    async def user_groups(self, user: str) -> tuple[str, ...]:
-        """``user``'s groups from the hub (needs ``read:users:groups``); none if the hub will not say."""
-        status, model = await self.hub_api("GET", f"users/{quote(user, safe='')}")
-        if status == 200 and isinstance(model, dict) and isinstance(model.get("groups"), list):
-            return tuple(str(g) for g in model["groups"])
-        if status != 404:
-            self.log.warning("Could not read the groups of %s from the hub (%s); counting none", user, status or "no answer")
-        return ()
-
-    # ------------------------------------------------------------------ reconciliation with the hub
-    RECONCILE_REASON = "its server is not running (found by the broker's check with the hub)"
+    RECONCILE_REASON = hubapi.RECONCILE_REASON
 
     async def reconcile(self) -> list[str]:
-        """End leases of a JupyterHub spawner whose server has been gone from the hub for
-        ``reconcile_grace`` seconds: active ones are revoked, queued ones withdrawn (a hub that
-        died mid-spawn leaves one behind; granted, it would hold GPUs nobody uses). Returns the
-        ids ended. A hub that does not answer, or answers without server models, changes
-        nothing (logged once until it answers again)."""
-        from ..core.model import LeaseError
+        """One check with the hub (see ``reconcile_interval``); the ids of the leases it ended."""
+        if not hasattr(self, "_reconcile_state"):
+            self._reconcile_state = hubapi.ReconcileState()
+        return await hubapi.reconcile(self.manager, self.hub, self._reconcile_state, grace=self.reconcile_grace, interval=self.reconcile_interval, log=self.log)
 
-        if not hasattr(self, "_gone_since"):
-            self._gone_since: dict[str, float] = {}
-            self._hub_trouble = ""
-        held = [lease for lease in self.manager.live() if (lease.meta or {}).get("spawner") == "jupyter-gpulease"]
-        ids = {lease.id for lease in held}
-        for lid in list(self._gone_since):
-            if lid not in ids:
-                del self._gone_since[lid]
-        servers_of: dict[str, dict | None] = {}
-        revoked = []
-        for lease in held:
-            if lease.user not in servers_of:
-                status, model = await self.hub_api("GET", f"users/{quote(lease.user, safe='')}")
-                if status == 404:
-                    servers_of[lease.user] = {}  # the user is gone, and their servers with them
-                elif status == 200 and isinstance(model, dict) and isinstance(model.get("servers"), dict):
-                    servers_of[lease.user] = model["servers"]
-                else:
-                    trouble = ("did not answer" if status == 0 else
-                               f"answered {status}" + (" without server models" if status == 200 else "") +
-                               " (the broker's service needs the scopes read:users and read:servers)")
-                    if trouble != self._hub_trouble:
-                        self.log.warning("Lease check with the hub skipped: the hub %s; checking again in %g s", trouble, self.reconcile_interval)
-                        self._hub_trouble = trouble
-                    return revoked
-            if self._hub_trouble:
-                self.log.info("Lease check with the hub: the hub answers again")
-                self._hub_trouble = ""
-            now = self.manager.now()
-            if (lease.server or "") in servers_of[lease.user]:
-                self._gone_since.pop(lease.id, None)
-                continue
-            gone = self._gone_since.setdefault(lease.id, now)
-            granted = lease.granted_at if lease.granted_at is not None else lease.created_at
-            if now - gone < self.reconcile_grace or now - granted < self.reconcile_grace:
-                continue
-            try:
-                await self.manager.release(lease.id, state=LeaseState.REVOKED, reason=self.RECONCILE_REASON, actor="broker:reconcile")
-            except LeaseError:  # it ended meanwhile
-                continue
-            finally:
-                self._gone_since.pop(lease.id, None)
-            self.log.warning("Ended lease %s of %s (server %r): %s", lease.id, lease.user, lease.server, self.RECONCILE_REASON)
-            revoked.append(lease.id)
-        return revoked
+    async def check_hub_groups(self) -> None:
+        """Warn about group names in the config the hub does not know; again when that changes."""
+        unknown = await hubapi.unknown_groups(self.policy, self.hub)
+        if unknown is None:
+            return
+        before = getattr(self, "_unknown_groups", {})
+        where = self.config_file or "(command line)"
+        for g in sorted(set(unknown) - set(before)):
+            self.log.warning("Config %s: the hub has no group %r (named in %s); nobody gets what it gives. Fix: create the group on the hub or correct the name",
+                             where, g, ", ".join(unknown[g]))
+        for g in sorted(set(before) - set(unknown)):
+            self.log.info("Config %s: the hub has the group %r now", where, g)
+        self._unknown_groups = unknown
 
     async def _reconcile(self) -> None:
         try:
             await self.reconcile()
+            await self.check_hub_groups()
         except Exception:
             self.log.exception("lease check with the hub failed")
 
     # ------------------------------------------------------------------ running
-    async def start_async(self) -> None:
-        """Restore, listen, tick. Returns once serving."""
+    async def wait_for_leadership(self) -> bool:
+        """Wait until this broker holds the database's lock (False: told to stop first)."""
+        loop = asyncio.get_running_loop()
+        store = self.store
+
+        def waiting():
+            self.log.info("Standing by (pid %d): another broker holds the lock of %s; taking over when it stops", os.getpid(), store.describe())
+
+        got = await loop.run_in_executor(None, lambda: store.acquire_leadership(self._stop_waiting, on_wait=waiting))
+        return got
+
+    async def start_async(self) -> bool:
+        """Wait for the lock, upgrade the schema, restore, listen, tick. False if stopped while
+        standing by."""
+        if not await self.wait_for_leadership():
+            return False
         await self.manager.start()
         self.web_app = self.make_web_app()
         url = urlsplit(self.bind_url)
-        self.http_server = HTTPServer(self.web_app, xheaders=True)
-        self.http_server.listen(url.port or 80, url.hostname or "127.0.0.1")
-        self.ticker = PeriodicCallback(self._tick, self.tick_interval * 1000)
+        self._quiet_successes = self.log_level > logging.DEBUG
+        # no xheaders: the broker never uses the client's address, and checking it costs a lookup per call
+        self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
+        await self._listen(url.port or 80, url.hostname or "127.0.0.1")
+        self.ticker = PeriodicCallback(self.manager.tick, self.tick_interval * 1000)
         self.ticker.start()
-        self.reconciler = None
+        self.periodic = [self.ticker]
         if self.reconcile_interval > 0:
-            self.reconciler = PeriodicCallback(self._reconcile, self.reconcile_interval * 1000)
-            self.reconciler.start()
+            self.periodic.append(PeriodicCallback(self._reconcile, self.reconcile_interval * 1000))
             self._background(self._reconcile())  # once at start
-        self.inventory_refresher = None
-        interval = self.inventory_interval or float(getattr(self.backend, "inventory_refresh_s", 0) or 0)
-        if interval > 0:
-            self._refreshing = False
-            self.inventory_refresher = PeriodicCallback(self._refresh_inventory, interval * 1000)
-            self.inventory_refresher.start()
-        self.log.info("GPU lease broker %s listening on %s%s", __version__, self.bind_url.rstrip("/"), self.base_url)
+        if self.event_retention_days > 0:
+            self.periodic.append(PeriodicCallback(self._prune, 3600 * 1000))
+            self._background(self._prune())
+        if self.store.dialect == "postgresql":
+            self.periodic.append(PeriodicCallback(self._check_lock, 1000))
+        every = self.inventory_interval or float(getattr(self.backend, "inventory_refresh_s", 0) or 0)
+        if every > 0:
+            self.periodic.append(PeriodicCallback(self._refresh_inventory, every * 1000))
+        for p in self.periodic[1:]:
+            p.start()
+        self.log.info("GPU lease broker %s active (pid %d), listening on %s%s", __version__, os.getpid(), self.bind_url.rstrip("/"), self.base_url)
+        return True
 
-    async def _tick(self) -> None:
+    async def _listen(self, port: int, host: str) -> None:
+        # a broker that just died may leave its port for a moment: try for a few seconds
+        for attempt in range(50):
+            try:
+                self.http_server.listen(port, host)
+                return
+            except OSError as e:
+                if attempt == 49 or e.errno not in (98, 48):  # EADDRINUSE
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _prune(self) -> None:
         try:
-            await self.manager.tick()
+            n = await self.manager.prune_events(self.event_retention_days * 86400)
+            if n:
+                self.log.info("Deleted %d event(s) of ended leases older than %g days", n, self.event_retention_days)
         except Exception:
-            self.log.exception("scheduling pass failed")
+            self.log.exception("pruning old events failed")
 
     async def _refresh_inventory(self) -> None:
         """Read the pool again (off the loop: backends may block) and apply it if it changed."""
@@ -434,31 +517,42 @@ class GPULeaseBroker(PolicyConfig, Application):
         finally:
             self._refreshing = False
 
+    async def _check_lock(self) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.manager._writer, self.store.check_leadership)
+        except Exception as e:  # the connection holding the lock is gone
+            self.manager._fail(e, asyncio.get_running_loop().create_future())
+
     async def stop_async(self) -> None:
-        if getattr(self, "inventory_refresher", None):
-            self.inventory_refresher.stop()
-        if getattr(self, "ticker", None):
-            self.ticker.stop()
-        if getattr(self, "reconciler", None):
-            self.reconciler.stop()
+        self._stop_waiting.set()
+        for p in getattr(self, "periodic", ()):
+            p.stop()
         if getattr(self, "http_server", None):
             self.http_server.stop()
-        await self.manager.close()
+        if getattr(self, "manager", None):
+            await self.manager.close()
         if getattr(self, "backend", None):
             self.backend.close()
         self.log.info("GPU lease broker stopped")
+
+    def _fatal(self, exc: BaseException) -> None:
+        """The database failed under the broker: end this process at once (see the manager)."""
+        logging.shutdown()
+        os._exit(EXIT_LOST_DB)
 
     async def _run(self) -> None:
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        await self.start_async()
-        await self._stopping.wait()
+        self.manager.on_fatal = self._fatal
+        if await self.start_async():
+            await self._stopping.wait()
         await self.stop_async()
 
     def _on_signal(self, sig) -> None:
         self.log.info("Received %s, stopping", signal.Signals(sig).name)
+        self._stop_waiting.set()
         self._stopping.set()
 
     def start(self) -> None:
@@ -477,12 +571,42 @@ class GPULeaseBroker(PolicyConfig, Application):
         print(f"Wrote {path}")
 
 
+def _route_library_logs(app: GPULeaseBroker) -> None:
+    """Lines of tornado and of JupyterHub's auth code in the broker's format (prefixed, no tokens)."""
+    for name in ("tornado", "jupyterhub"):
+        lg = logging.getLogger(name)
+        lg.handlers = list(app.log.handlers)
+        lg.propagate = False
+        lg.setLevel(app.log.level)
+    logging.getLogger("tornado.access").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     app = GPULeaseBroker()
-    app.initialize(argv)
+    try:
+        app.initialize(argv, build_manager=False)
+        if app.generate_config:
+            app.start()
+            return 0
+        if app.check_config:
+            return checks.check_config_main(app)
+        if app.supervise and not app.worker:
+            from .supervisor import Supervisor
+
+            checks.check_declared_devices(app)
+            return Supervisor(argv, standbys=app.standbys, log=app.log).run()
+        checks.build(app, app.init_manager, what="the pool and the database")
+    except ConfigError as e:
+        print(f"jupyter gpulease broker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    _route_library_logs(app)
     app.start()
     return 0
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+__all__ = ["GPULeaseBroker", "LeaseState", "main"]

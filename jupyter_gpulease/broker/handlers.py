@@ -1,56 +1,38 @@
-"""HTTP handlers of the broker: the REST API, the event feed, metrics and the admin page.
+"""HTTP handlers of the broker's REST API, its event feed and its metrics.
 
 Authentication is JupyterHub's: API handlers take ``Authorization: token …`` (HubAuth) and
-answer 401 instead of redirecting; the admin page logs browsers in through OAuth (HubOAuth).
-Callers with the admin scope (``custom:gpulease:admin`` by default) or hub admins act on
-every lease; everyone else on their own.
+answer 401 instead of redirecting. Callers with the admin scope (``custom:gpulease:admin`` by
+default) or hub admins act on every lease; everyone else on their own. Handlers talk to the
+:class:`~jupyter_gpulease.broker.manager.LeaseManager` only, and every answer they give about a
+lease is its committed state (see the manager's contract). Input is bounded and parsed by
+:mod:`jupyter_gpulease.broker.inputs`.
 """
 
 from __future__ import annotations
 
-import html
 import json
-import math
-import time
 from typing import Any
 
-from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 from tornado.iostream import StreamClosedError
 
 from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState, NotFound
-from ..core.request import parse_ask
-from ..core.text import format_duration
+from ..core.request import Ask, parse_ask
+from . import inputs
+from .feed import TooManyStreams
 
+RELEASE_FIELDS = {"reason", "state", "keep_server"}
 STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in LeaseState}
 MAX_POLL_S = 300.0
 MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit, and the store's column width
 MAX_EVENT_ID = 2**63 - 1  # the largest id a SQL integer column holds
-
-
-def _number(body: dict, name: str, *, minimum: float | None = None, strict_min: bool = False) -> float | None:
-    if name not in body or body[name] is None:
-        return None
-    v = body[name]
-    try:
-        finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    except OverflowError:  # an integer too large for a float
-        finite = False
-    if not finite:
-        shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "…"
-        raise BadRequest(f"'{name}' must be a number of seconds, got {shown}", field=name)
-    if minimum is not None and (v <= minimum if strict_min else v < minimum):
-        raise BadRequest(f"'{name}' must be {'greater than' if strict_min else 'at least'} {minimum:g}, got {v!r}", field=name)
-    return float(v)
-
-
-def _reject_constant(name: str):
-    # NaN and Infinity are not JSON: stored, they would break browsers' JSON.parse and PostgreSQL
-    raise ValueError(f"{name} is not a JSON number")
+ENDED_LIMIT = 1000  # ended leases listed at most, newest first, unless ?limit= says otherwise
+MAX_ESTIMATES = 32
+ERROR_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed", 413: "TooLarge", 429: "TooManyRequests"}
 
 
 class BaseHandler(web.RequestHandler):
-    """Shared plumbing: JSON errors, the manager, who the caller is."""
+    """Shared plumbing: the manager, who the caller is."""
 
     @property
     def log(self):
@@ -65,6 +47,10 @@ class BaseHandler(web.RequestHandler):
         return self.settings["gpulease_broker"]
 
     @property
+    def limits(self) -> inputs.Limits:
+        return self.settings.get("gpulease_limits") or inputs.Limits()
+
+    @property
     def admin_scope(self) -> str:
         return self.settings.get("gpulease_admin_scope", "custom:gpulease:admin")
 
@@ -77,21 +63,36 @@ class BaseHandler(web.RequestHandler):
         return self.current_user["name"]
 
     @property
+    def caller_groups(self) -> tuple[str, ...]:
+        return tuple(self.current_user.get("groups") or ())
+
+    @property
     def is_admin(self) -> bool:
         model = self.current_user or {}
         if model.get("admin"):
             return True
-        scopes = set(model.get("scopes") or ())
-        return self.admin_scope in scopes
+        return self.admin_scope in set(model.get("scopes") or ())
 
     @property
     def actor(self) -> str:
         model = self.current_user or {}
         return f"service:{model['name']}" if model.get("kind") == "service" else model.get("name", "")
 
-    def check_owner(self, lease) -> None:
-        if lease.user != self.caller_name and not self.is_admin:
-            raise Forbidden(f"lease {lease.id} belongs to another user", field="id")
+    def check_owner(self, lease: dict) -> None:
+        if lease["user"] != self.caller_name and not self.is_admin:
+            raise Forbidden(f"lease {lease['id']} belongs to another user", field="id")
+
+    def lease_json(self, d: dict) -> dict:
+        return self.manager.lease_json(d, viewer=self.caller_name, admin=self.is_admin)
+
+    def log_exception(self, typ, value, tb) -> None:
+        # tornado's own line names the whole URI, query string (and any token in it) included
+        if isinstance(value, web.HTTPError):
+            if value.log_message:
+                self._reported = True
+                self.log.warning("%d %s %s: %s", value.status_code, self.request.method, self.request.path, value.log_message % value.args if value.args else value.log_message)
+        else:
+            self.log.error("Uncaught exception in %s %s", self.request.method, self.request.path, exc_info=(typ, value, tb))
 
 
 class APIHandler(BaseHandler):
@@ -106,6 +107,8 @@ class APIHandler(BaseHandler):
         return
 
     async def prepare(self):
+        if self.request.method in ("POST", "PUT", "PATCH", "DELETE") and len(self.request.body or b"") > self.limits.body_bytes:
+            raise inputs.TooLarge(f"the request body is {len(self.request.body)} bytes, over the limit of {self.limits.body_bytes}", field="body")
         model = await self.authenticate()
         if not model:
             raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
@@ -115,7 +118,12 @@ class APIHandler(BaseHandler):
         """The caller's hub model, or None. Unit tests override this in a subclass."""
         hub_auth = self.settings["hub_auth"]
         self.hub_auth = hub_auth
-        model = await hub_auth.get_user(self, sync=False)
+        try:
+            model = await hub_auth.get_user(self, sync=False)
+        except web.HTTPError as e:
+            if e.status_code >= 500:  # the hub did not answer the token check
+                raise HubUnavailable("cannot check the token with the hub right now; try again in a moment") from None
+            raise
         if not model:
             return None
         model.setdefault("kind", "user")
@@ -139,13 +147,22 @@ class APIHandler(BaseHandler):
             message = getattr(exc, "log_message", None) or self._reason
             if isinstance(exc, web.HTTPError) and exc.args[1:]:
                 message = message % exc.args[1:]
-            body = {"error": {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed"}.get(status_code, "Error"), "message": message}
+            if status_code == 405:
+                message = f"{self.request.method} is not allowed here; allowed: {', '.join(self.allowed_methods())}"
+                self.set_header("Allow", ", ".join(self.allowed_methods()))
+            elif status_code >= 500:
+                message = "the broker failed to answer; the error is in its log"
+            body = {"error": ERROR_NAMES.get(status_code, "Error"), "message": message}
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.finish(json.dumps(body))
 
+    def allowed_methods(self) -> list[str]:
+        return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
+
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, LeaseError):
-            self.log.info("%s %s -> %s %s: %s", self.request.method, self.request.path, e.status, type(e).__name__, e.message)
+            self.log.info("%s %s %s -> %s %s: %s", e.status, self.request.method, self.request.path, type(e).__name__, e.field or "-", e.message)
+            self._reported = True
             if not self._finished:
                 self.set_status(e.status)
                 self.write_error(e.status, exc_info=(type(e), e, e.__traceback__))
@@ -153,63 +170,70 @@ class APIHandler(BaseHandler):
         super()._handle_request_exception(e)
 
     def json_body(self) -> dict[str, Any]:
-        raw = self.request.body
-        if not raw or not raw.strip():
-            return {}
-        try:
-            body = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}", field="body") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object", field="body")
-        return body
+        return inputs.parse_body(self.request.body, self.limits)
 
-    async def lease_for_caller(self, lease_id: str, *, live: bool = False):
-        """The lease, checked: 404 unknown, 403 someone else's, 409 (``live``) already ended."""
-        lease = await self.manager.get(lease_id)
-        self.check_owner(lease)
-        if live and lease.state.terminal:
-            raise Conflict(f"lease {lease_id} has already ended ({lease.state.value})", field="state")
-        return lease
+    @property
+    def request_key(self) -> str | None:
+        """The client's ``Idempotency-Key`` (a retried call sends the same one)."""
+        key = self.request.headers.get("Idempotency-Key")
+        if key is None:
+            return None
+        key = key.strip()
+        if not key or len(key) > 64 or not key.isascii() or not all(c.isalnum() or c in "-_." for c in key):
+            raise BadRequest("'Idempotency-Key' must be 1 to 64 letters, digits, '-', '_' or '.'", field="Idempotency-Key")
+        return f"{self.caller_name}:{key}"
+
+    def query_number(self, name: str, default: Any, **kw) -> Any:
+        raw = self.get_argument(name, None)
+        if raw is None:
+            return default
+        return inputs.parse_number(raw, name, **kw)
+
+    async def lease_for_caller(self, lease_id: str, *, live: bool = False) -> dict:
+        """The committed lease, checked: 404 unknown, 403 someone else's, 409 (``live``) ended."""
+        d = await self.manager.get(lease_id)
+        self.check_owner(d)
+        if live and d["state"] not in ("queued", "active"):
+            raise Conflict(f"lease {lease_id} has already ended ({d['state']})", field="state")
+        return d
 
 
 class PoolHandler(APIHandler):
     """The pool; tiers and quota/usage of the caller, or (admins, ``?user=U``) of user U.
 
-    U's groups: the ``group`` arguments (``&group=a&group=b``) when the caller passes any (the
-    spawner does: it knows them), else the hub's user model (the broker's token needs
-    ``read:users:groups``), else none.
+    Everyone sees the tiers open to them (a hub admin too: the tiers their own spawns may use);
+    admins may add ``?all=true`` for every tier. U's groups: the ``group`` arguments when the
+    caller passes any (the spawner does: it knows them), else the hub's user model (the
+    broker's token needs ``read:users:groups``), else none.
     """
 
     async def get(self):
-        sched = self.manager.scheduler
         user = self.get_argument("user", None)
+        every = inputs.query_flag(self.get_argument("all", None), "all")
+        if every and not self.is_admin:
+            raise Forbidden(f"only callers with the {self.admin_scope} scope may list every tier", field="all")
         if user is not None and user != self.caller_name:
-            if not user.strip():
+            if not user.strip() or len(user) > MAX_NAME_LEN:
                 raise BadRequest("'user' must be a user name", field="user")
             if not self.is_admin:
                 raise Forbidden(f"only callers with the {self.admin_scope} scope may see another user's tiers and quota", field="user")
             groups = tuple(self.get_arguments("group"))
             if not groups:
                 groups = await self.broker.user_groups(user)
-            name, for_admin = user, False
+            name = user
         else:
-            name, groups, for_admin = self.caller_name, tuple(self.caller.get("groups") or ()), self.is_admin
-        tiers = [t.to_dict() for t in sched.policy.tiers.values() if for_admin or t.allows(name, groups)]
-        self.write_json(
+            name, groups = self.caller_name, self.caller_groups
+        m = self.manager
+        out = m.pool()
+        out.update(
             {
-                "devices": [g.to_dict() for g in sched.inventory.values()],
-                "capacity": sched.capacity(),
-                "tiers": tiers,
-                "default_tier": sched.policy.default_tier,
+                "tiers": [t.to_dict() for t in m.tiers_for(name, groups, every=every)],
+                "min_duration_s": getattr(m.policy, "min_duration_s", None),
                 "user": name,
-                "usage": sched.user_usage(name, groups, self.manager.now()),
-                "queue_length": sched.queue_length(),
+                "usage": m.usage(name, groups),
             }
         )
-
-
-ENDED_LIMIT = 1000  # ended leases listed at most, newest first, unless ?limit= says otherwise
+        self.write_json(out)
 
 
 class LeasesHandler(APIHandler):
@@ -222,103 +246,160 @@ class LeasesHandler(APIHandler):
             raise Forbidden("only admins may list other users' leases", field="user")
         if user is None and not self.is_admin:
             user = self.caller_name
-        limit_arg = self.get_argument("limit", str(ENDED_LIMIT))
-        if not limit_arg.isdigit() or not 1 <= int(limit_arg) <= 100_000:
-            raise BadRequest(f"'limit' must be a whole number from 1 to 100000, got {limit_arg!r}", field="limit")
-        leases = await self.manager.list(user=user, state=state, limit=int(limit_arg))
-        self.write_json({"leases": [self.manager.lease_json(lease) for lease in leases]})
+        limit = self.query_number("limit", ENDED_LIMIT, integer=True, minimum=1, maximum=100_000)
+        leases = await self.manager.list(user=user, state=state, limit=limit)
+        self.write_json({"leases": [self.lease_json(d) for d in leases]})
 
     async def post(self):
         body = self.json_body()
-        user, groups = self.caller_name, tuple(self.caller.get("groups") or ())
-        if "user" in body or "groups" in body:
-            if not self.is_admin:
-                raise Forbidden(f"only callers with the {self.admin_scope} scope may request leases for another user", field="user" if "user" in body else "groups")
-            if "user" in body:
-                if not isinstance(body["user"], str) or not body["user"].strip() or len(body["user"].strip()) > MAX_NAME_LEN:
-                    raise BadRequest(f"'user' must be a user name (at most {MAX_NAME_LEN} characters)", field="user")
-                user = body["user"].strip()
-                groups = ()
-            if "groups" in body:
-                g = body["groups"]
-                if not isinstance(g, list) or not all(isinstance(x, str) for x in g):
-                    raise BadRequest("'groups' must be a list of group names", field="groups")
-                groups = tuple(g)
-        ask = parse_ask(body, user=user, groups=groups, also=("user", "groups"))
-        lease = await self.manager.request(ask, actor=self.actor if user == self.caller_name else f"admin:{self.caller_name}")
-        self.set_header("Location", f"{self.request.path.rstrip('/')}/{lease.id}")
-        self.write_json(self.manager.lease_json(lease), 201)
+        if inputs.query_flag(self.get_argument("dry_run", None), "dry_run"):
+            self.write_json(await estimate(self, body))
+            return
+        ask = ask_of(self, body)
+        d = await self.manager.request(ask, actor=self.actor if ask.user == self.caller_name else f"admin:{self.caller_name}", key=self.request_key)
+        self.set_header("Location", f"{self.request.path.rstrip('/')}/{d['id']}")
+        self.write_json(self.lease_json(d), 201)
+
+
+
+def ask_of(h: APIHandler, body: dict) -> Ask:
+    """A lease request body as the caller may make it: core's :func:`parse_ask` (every field
+    checked once), ``user``/``groups`` for admins only, ``meta`` within its size limit."""
+    user, groups = h.caller_name, h.caller_groups
+    if "user" in body or "groups" in body:
+        if not h.is_admin:
+            raise Forbidden(f"only callers with the {h.admin_scope} scope may request leases for another user", field="user" if "user" in body else "groups")
+        if "user" in body:
+            if not isinstance(body["user"], str) or not body["user"].strip() or len(body["user"].strip()) > MAX_NAME_LEN:
+                raise BadRequest(f"'user' must be a user name (at most {MAX_NAME_LEN} characters)", field="user")
+            user, groups = body["user"].strip(), ()
+        if "groups" in body:
+            g = body["groups"]
+            if not isinstance(g, list) or len(g) > 1000 or not all(isinstance(x, str) and 0 < len(x) <= MAX_NAME_LEN for x in g):
+                raise BadRequest("'groups' must be a list of group names", field="groups")
+            groups = tuple(g)
+    inputs.json_object(body, "meta", h.limits.meta_bytes)
+    return parse_ask(body, user=user, groups=groups, also=("user", "groups"))
+
+
+async def estimate(handler: APIHandler, body: dict) -> dict[str, Any]:
+    """What a request would get now, without making it: start now, queued (position, ETA), or never."""
+    try:
+        ask = ask_of(handler, body)
+    except Forbidden:
+        raise  # acting for another user is refused, not estimated
+    except LeaseError as e:
+        return {"start": "never", "refused": {"field": e.field, "message": e.message}}
+    return handler.manager.estimate(ask)
+
+
+class EstimateHandler(APIHandler):
+    """``POST api/estimate`` {"asks": [...]}: one estimate per ask (the spawn form's cards)."""
+
+    async def post(self):
+        body = self.json_body()
+        asks = body.get("asks")
+        if set(body) - {"asks"}:
+            raise BadRequest("the body must be {\"asks\": [<lease request>, ...]}", field=sorted(set(body) - {"asks"})[0])
+        if not isinstance(asks, list) or not all(isinstance(a, dict) for a in asks) or len(asks) > MAX_ESTIMATES:
+            raise BadRequest(f"'asks' must be a list of at most {MAX_ESTIMATES} lease requests", field="asks")
+        self.write_json({"estimates": [await estimate(self, a) for a in asks]})
 
 
 class LeaseHandler(APIHandler):
     async def get(self, lease_id):
-        lease = await self.lease_for_caller(lease_id)
-        self.write_json(self.manager.lease_json(lease))
+        self.write_json(self.lease_json(await self.lease_for_caller(lease_id)))
 
     async def delete(self, lease_id):
-        await self._release(lease_id, {})
-
-    async def _release(self, lease_id, body):
-        lease = await self.lease_for_caller(lease_id, live=True)
-        reason = body.get("reason", "") or ""
-        if not isinstance(reason, str):
-            raise BadRequest("'reason' must be a string", field="reason")
-        state = LeaseState.RELEASED
-        if "state" in body:
-            # admins end leases as 'revoked' (or 'reclaimed' for the idle reclaimer)
-            allowed = {"released", "reclaimed", "revoked"}
-            if not isinstance(body["state"], str) or body["state"] not in allowed:
-                raise BadRequest(f"'state' must be one of {', '.join(sorted(allowed))}, got {body['state']!r}", field="state")
-            if body["state"] == "revoked" and not self.is_admin:
-                raise Forbidden("only admins may revoke a lease", field="state")
-            state = LeaseState(body["state"])
-        elif lease.user != self.caller_name:
-            state = LeaseState.REVOKED
-        lease = await self.manager.release(lease_id, state=state, reason=reason or f"released by {self.caller_name}", actor=self.actor)
-        self.write_json(self.manager.lease_json(lease))
+        await release(self, lease_id, {})
 
 
-class LeaseActionHandler(LeaseHandler):
+async def release(handler: APIHandler, lease_id: str, body: dict) -> None:
+    """End a lease: queued -> withdrawn; active -> released (the holder, or a service such as
+    the spawner acting for it), reclaimed (the holder's idle reclaim) or revoked (an admin)."""
+    unknown = sorted(set(body) - RELEASE_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(RELEASE_FIELDS))}", field=unknown[0])
+    reason = inputs.short_text(body, "reason", handler.limits.reason_chars)
+    keep_server = inputs.flag(body, "keep_server")
+    lease = await handler.lease_for_caller(lease_id)
+    owner = lease["user"] == handler.caller_name
+    service = handler.caller.get("kind") == "service"
+    state = LeaseState.RELEASED if owner or service else LeaseState.REVOKED
+    if "state" in body:
+        allowed = {"released", "reclaimed", "revoked"}
+        if not isinstance(body["state"], str) or body["state"] not in allowed:
+            raise BadRequest(f"'state' must be one of {', '.join(sorted(allowed))}, got {body['state']!r}", field="state")
+        if body["state"] == "revoked" and not handler.is_admin:
+            raise Forbidden("only admins may revoke a lease", field="state")
+        state = LeaseState(body["state"])
+    actor = handler.actor if owner or service else f"admin:{handler.caller_name}"
+    d = await handler.manager.release(
+        lease_id, state=state, reason=reason or f"released by {handler.caller_name}", actor=actor, keep_server=keep_server, key=handler.request_key
+    )
+    handler.write_json(handler.lease_json(d))
+
+
+class LeaseActionHandler(APIHandler):
+    """``POST api/leases/{id}/{extend|release|confirm|heartbeat}``; other methods are 405."""
+
     async def post(self, lease_id, action):
         body = self.json_body()
         if action == "release":
-            return await self._release(lease_id, body)
+            return await release(self, lease_id, body)
+        if action == "heartbeat":
+            usage = inputs.json_object(body, "usage", self.limits.usage_bytes) if "usage" in body else None
+            await self.lease_for_caller(lease_id)
+            d = await self.manager.heartbeat(lease_id, usage)
+            out = self.lease_json(d)
+            out["warnings"] = self.manager.warnings(d)
+            self.write_json(out)
+            return
         await self.lease_for_caller(lease_id, live=True)
         if action == "extend":
-            by_s = _number(body, "by_s", minimum=0, strict_min=True)
-            until = _number(body, "until", minimum=0, strict_min=True)
+            unknown = sorted(set(body) - {"by_s", "until"})
+            if unknown:
+                raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: by_s, until", field=unknown[0])
+            by_s = inputs.optional_number(body, "by_s", above=0, unit="seconds")
+            until = inputs.optional_number(body, "until", above=0, unit="seconds since the epoch")
             if (by_s is None) == (until is None):
                 raise BadRequest("give exactly one of 'by_s' (seconds) or 'until' (epoch seconds)", field="by_s")
-            lease = await self.manager.extend(lease_id, by_s=by_s, until=until, actor=self.actor)
-        elif action == "confirm":
-            lease = await self.manager.confirm(lease_id, actor=self.actor)
-        elif action == "heartbeat":
-            usage = body.get("usage") or {}
-            if not isinstance(usage, dict):
-                raise BadRequest("'usage' must be a JSON object", field="usage")
-            lease = await self.manager.heartbeat(lease_id, usage)
-        else:  # the route only lets the four actions through
-            raise NotFound(f"no action {action!r}")
-        self.write_json(self.manager.lease_json(lease))
+            d = await self.manager.extend(lease_id, by_s=by_s, until=until, actor=self.actor, key=self.request_key)
+        else:  # confirm; the route lets only the four actions through
+            d = await self.manager.confirm(lease_id, actor=self.actor, key=self.request_key)
+        self.write_json(self.lease_json(d))
 
 
 class QueueHandler(APIHandler):
+    """The queue in scheduling order. Admins see every entry; others see their own whole and,
+    of everyone else's, only what a position needs: place, tier and size of the request."""
+
     async def get(self):
         out = []
-        for lease in self.manager.scheduler.queue():
-            d = self.manager.lease_json(lease)
-            if lease.user != self.caller_name and not self.is_admin:
-                d = anonymise(d)
-            out.append(d)
+        for i, d in enumerate(self.manager.queue(), 1):
+            if self.is_admin or d["user"] == self.caller_name:
+                out.append(self.lease_json(d))
+            else:
+                q = self.manager.queue_info(d) or {}
+                out.append({"user": "…", "tier": d["tier"], "request": d["request"], "state": "queued", "queue": {"position": q.get("position", i), "length": q.get("length"), "eta": q.get("eta")}})
         self.write_json({"queue": out})
 
 
-def anonymise(d: dict[str, Any]) -> dict[str, Any]:
-    """Another user's queue entry as a non-admin sees it: shape and place, no names."""
-    keep = ("id", "request", "tier", "duration_s", "state", "created_at", "queue")
-    out = {k: d.get(k) for k in keep}
-    out["user"] = "…"
-    return out
+class DrainHandler(APIHandler):
+    """``GET api/drain``: whether the broker grants; ``POST api/drain`` {"drain": bool}: stop or
+    resume granting (admins; the hub's shutdown stops grants before it stops servers)."""
+
+    async def get(self):
+        self.write_json({"draining": self.manager.draining})
+
+    async def post(self):
+        if not self.is_admin:
+            raise Forbidden(f"only callers with the {self.admin_scope} scope may stop or resume grants", field="drain")
+        body = self.json_body()
+        if set(body) - {"drain"} or "drain" not in body:
+            raise BadRequest("the body must be {\"drain\": true} or {\"drain\": false}", field="drain")
+        await self.manager.set_draining(inputs.flag(body, "drain"), actor=self.actor)
+        self.write_json({"draining": self.manager.draining})
 
 
 class EventsHandler(APIHandler):
@@ -335,36 +416,44 @@ class EventsHandler(APIHandler):
         raw = self.get_argument("since", None)
         if raw is None:
             raw = self.request.headers.get("Last-Event-ID", "0")
+        return inputs.parse_number(raw, "since", integer=True, minimum=0, maximum=MAX_EVENT_ID)
+
+    def _subscribe(self, user, lease_id):
         try:
-            since = int(raw)
-        except ValueError:
-            raise BadRequest(f"'since' must be an event id (a whole number), got {raw!r}", field="since") from None
-        if not 0 <= since <= MAX_EVENT_ID:
-            raise BadRequest(f"'since' must be an event id between 0 and {MAX_EVENT_ID}", field="since")
-        return since
+            return self.manager.feed.subscribe(user, lease_id, capped=not self.is_admin)
+        except TooManyStreams as e:
+            self.set_status(429)
+            raise _TooMany(e.message, field="stream") from None
 
     async def get(self):
         since = self._since()
-        try:
-            timeout = float(self.get_argument("timeout", "30"))
-        except ValueError:
-            raise BadRequest("'timeout' must be a number of seconds", field="timeout") from None
-        if not 0 <= timeout <= MAX_POLL_S:
-            raise BadRequest(f"'timeout' must be between 0 and {MAX_POLL_S:g} seconds", field="timeout")
+        timeout = self.query_number("timeout", 30.0, minimum=0, maximum=MAX_POLL_S, unit="seconds")
+        limit = self.query_number("limit", 500, integer=True, minimum=1, maximum=5000)
         lease_id, user = await self._filters()
-        deadline = time.monotonic() + timeout
-        while True:
-            events = await self.manager.events_since(since, lease_id=lease_id, user=user)
-            left = deadline - time.monotonic()
-            if events or left <= 0 or self.request.connection.stream.closed() or self.manager.closed:
-                break
-            await self.manager.wait_for_events(left)
-        last = events[-1]["id"] if events else max(since, 0)
+        events = await self.manager.events_since(since, lease_id=lease_id, user=user, limit=limit)
+        if not events and timeout > 0:
+            with self._subscribe(user, lease_id) as sub:
+                # what was committed between the read above and the subscription
+                events = await self.manager.events_since(since, lease_id=lease_id, user=user, limit=limit)
+                if not events and await sub.wait(timeout):
+                    events = sub.take(since)[:limit]
+        last = events[-1]["id"] if events else since
         self.write_json({"events": events, "last_id": last})
 
 
+class HubUnavailable(LeaseError):
+    status = 503
+
+
+class _TooMany(LeaseError):
+    status = 429
+
+
 class EventStreamHandler(EventsHandler):
-    """Server-sent events: the same payloads as the long-poll feed, one ``data:`` line each."""
+    """Server-sent events: the same payloads as the long-poll feed, one ``data:`` line each.
+
+    A client that reads too slowly is sent ``event: dropped`` with the reason, and the stream
+    ends; it reconnects with ``Last-Event-ID`` and catches up."""
 
     def set_default_headers(self):
         self.set_header("Content-Type", "text/event-stream")
@@ -372,29 +461,46 @@ class EventStreamHandler(EventsHandler):
         self.set_header("X-Accel-Buffering", "no")
 
     def on_connection_close(self):
-        self._closed = True
-        self.manager.wake_waiters()
+        sub = getattr(self, "_sub", None)
+        if sub is not None:
+            sub.drop("the client went away")
+
+    def _send(self, events) -> int:
+        last = 0
+        for e in events:
+            self.write(f"id: {e['id']}\nevent: {e['kind']}\ndata: {json.dumps(e)}\n\n")
+            last = e["id"]
+        return last
 
     async def get(self):
         since = self._since()
         lease_id, user = await self._filters()
-        self._closed = False
         keepalive = float(self.settings.get("gpulease_sse_keepalive", 15))
+        self._sub = sub = self._subscribe(user, lease_id)
         try:
             self.write(": connected\n\n")
-            await self.flush()
-            while not self._closed and not self.manager.closed:
-                events = await self.manager.events_since(since, lease_id=lease_id, user=user)
-                for e in events:
-                    self.write(f"id: {e['id']}\nevent: {e['kind']}\ndata: {json.dumps(e)}\n\n")
-                    since = e["id"]
+            while True:  # catch up from memory or the store, then follow the subscription
+                events = await self.manager.events_since(since, lease_id=lease_id, user=user, limit=1000)
                 if not events:
-                    self.write(": keepalive\n\n")
+                    break
+                since = self._send(events) or since
                 await self.flush()
-                if not events:
-                    await self.manager.wait_for_events(keepalive)
+            await self.flush()
+            while True:
+                if not await sub.wait(keepalive):
+                    self.write(": keepalive\n\n")
+                    await self.flush()
+                    continue
+                if sub.dropped:
+                    if sub.dropped != "the client went away":
+                        self.write(f"event: dropped\ndata: {json.dumps({'reason': sub.dropped, 'last_id': since})}\n\n")
+                    break
+                since = self._send(sub.take(since)) or since
+                await self.flush()
         except StreamClosedError:
             pass
+        finally:
+            sub.close()
         if not self._finished:
             try:
                 self.finish()
@@ -423,112 +529,31 @@ class MetricsHandler(APIHandler):
         self.finish(generate_latest(self.settings["gpulease_metrics"].registry))
 
 
-# --------------------------------------------------------------------------- admin page
-class AdminPageHandler(HubOAuthenticated, BaseHandler):
-    """Who holds what, the queue with ETAs, and the pool. Admin scope only; browsers log in via OAuth."""
+class NotFoundHandler(APIHandler):
+    """Any other path under ``api/``: a JSON 404 (after authentication, so it reveals nothing)."""
 
-    @property
-    def hub_auth(self):
-        return self.settings["hub_oauth"]
+    async def get(self, *args):
+        raise NotFound(f"no API endpoint {self.request.path}")
 
-    @hub_auth.setter
-    def hub_auth(self, value):  # HubAuthenticated assigns it in some paths
-        pass
-
-    @web.authenticated
-    def get(self):
-        if not self.is_admin:
-            raise web.HTTPError(403, f"the lease admin page needs the {self.admin_scope} scope")
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.finish(render_admin_page(self.manager, self.manager.now()))
+    post = delete = get
 
 
-def _fmt_time(t: float | None, now: float) -> str:
-    if t is None:
-        return "—"
-    d = t - now
-    rel = f"in {format_duration(d)}" if d >= 0 else f"{format_duration(-d)} ago"
-    return f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t))} ({rel})"
-
-
-def render_admin_page(manager, now: float) -> str:
-    sched = manager.scheduler
-    esc = html.escape
-    active = [lease for lease in manager.live() if lease.state is LeaseState.ACTIVE]
-    queue = sched.queue()
-
-    def placement(lease) -> str:
-        if not lease.placement:
-            return "—"
-        return esc(", ".join(f"{s.node}/{s.index} {s.model}" + (f" {s.mig_profile}" if s.mig_profile else "") + (f" ×{s.share_milli / 1000:g}" if s.share_milli != 1000 else "") for s in lease.placement.slices))
-
-    rows_active = "".join(
-        f"<tr><td>{esc(lease.user)}</td><td>{esc(lease.server or '(default)')}</td><td>{esc(lease.tier)}</td><td>{esc(lease.request.describe())}</td>"
-        f"<td>{placement(lease)}</td><td>{esc(_fmt_time(lease.granted_at, now))}</td><td>{esc(_fmt_time(lease.expires_at, now))}</td>"
-        f"<td><code>{esc(lease.id)}</code></td></tr>"
-        for lease in active
-    )
-    rows_queue = []
-    for i, lease in enumerate(queue, 1):
-        info = manager.queue_info(lease) or {}
-        rows_queue.append(
-            f"<tr><td>{i}</td><td>{esc(lease.user)}</td><td>{esc(lease.tier)}</td><td>{esc(lease.request.describe())}</td>"
-            f"<td>{esc(_fmt_time(lease.created_at, now))}</td><td>{esc(_fmt_time(info.get('eta'), now))}</td>"
-            f"<td>{esc(info.get('waiting_for') or '')}</td><td><code>{esc(lease.id)}</code></td></tr>"
-        )
-    rows_pool = "".join(
-        f"<tr><td>{esc(g.node)}</td><td>{g.index}</td><td>{esc(g.model)}</td><td>{g.memory_mib}</td>"
-        f"<td>{esc(', '.join(m.profile for m in g.mig)) or '—'}</td><td>{'yes' if g.healthy else 'NO'}</td><td><code>{esc(g.uuid)}</code></td></tr>"
-        for g in sorted(sched.inventory.values(), key=lambda g: (g.node, g.index))
-    )
-    style = (
-        "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin-bottom:2em}"
-        "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:left}th{background:#f3f3f3}code{font-size:.85em}"
-    )
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>GPU leases</title><style>{style}</style></head>
-<body>
-<h1>GPU leases</h1>
-<p>{len(active)} active, {len(queue)} queued, {len(sched.inventory)} GPUs in the pool. Page made {esc(time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now)))}.</p>
-<h2>Who holds what</h2>
-<table><tr><th>User</th><th>Server</th><th>Tier</th><th>Asked for</th><th>Placement</th><th>Granted</th><th>Expires</th><th>Lease</th></tr>
-{rows_active or '<tr><td colspan="8">nobody holds a lease</td></tr>'}</table>
-<h2>Queue</h2>
-<table><tr><th>#</th><th>User</th><th>Tier</th><th>Asks for</th><th>Since</th><th>ETA</th><th>Waiting for</th><th>Lease</th></tr>
-{''.join(rows_queue) or '<tr><td colspan="8">the queue is empty</td></tr>'}</table>
-<h2>Pool</h2>
-<table><tr><th>Node</th><th>Index</th><th>Model</th><th>Memory (MiB)</th><th>MIG</th><th>Healthy</th><th>UUID</th></tr>
-{rows_pool}</table>
-</body></html>
-"""
-
-
-class OAuthCallbackHandler(HubOAuthCallbackHandler):
-    """Finishes the admin page's OAuth login with the broker's own HubOAuth (it holds the PKCE state)."""
-
-    @property
-    def hub_auth(self):
-        return self.settings["hub_oauth"]
-
-    @hub_auth.setter
-    def hub_auth(self, value):
-        pass
-
-
-def make_handlers(prefix: str, oauth_callback_handler=OAuthCallbackHandler) -> list[tuple]:
-    """Routes under the service ``prefix`` (which starts and ends with '/')."""
+def api_handlers(prefix: str) -> list[tuple]:
+    """Routes of the REST API under the service ``prefix`` (which starts and ends with '/')."""
     p = prefix
     lease_id = r"([A-Za-z0-9_.\-]+)"
     return [
         (p + r"api/pool/?", PoolHandler),
         (p + r"api/leases/?", LeasesHandler),
+        (p + r"api/estimate/?", EstimateHandler),
         (p + rf"api/leases/{lease_id}/?", LeaseHandler),
         (p + rf"api/leases/{lease_id}/(extend|release|confirm|heartbeat)/?", LeaseActionHandler),
         (p + r"api/queue/?", QueueHandler),
+        (p + r"api/drain/?", DrainHandler),
         (p + r"api/events/?", EventsHandler),
         (p + r"api/events/stream/?", EventStreamHandler),
         (p + r"api/openapi.json", OpenAPIHandler),
         (p + r"metrics/?", MetricsHandler),
-        (p + r"oauth_callback", oauth_callback_handler),
-        (p + r"?", AdminPageHandler),
+        (p + r"api/(.*)", NotFoundHandler),
     ]
+

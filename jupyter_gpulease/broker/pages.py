@@ -1,0 +1,185 @@
+"""The broker's pages, from autoescaped Jinja2 templates (``templates/``).
+
+* the service root (what the hub's Services menu links to): "my leases" for every user —
+  their leases now (queue position, time left, extend and release buttons) and their history
+  with how each lease ended; admins get a link to
+* ``admin``: who holds what, the queue with ETAs, the pool (the admin scope only; others get
+  a page saying so, with a link back to their own leases).
+
+Browsers log in through the hub (HubOAuth); forms carry JupyterHub's xsrf token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
+from tornado import web
+
+from ..core.model import LeaseError, LeaseState
+from .handlers import BaseHandler
+from .inputs import parse_number
+from .present import describe_placement, describe_request, format_duration, local_time
+
+HISTORY = 50  # ended leases shown on "my leases"
+
+_env = Environment(loader=PackageLoader("jupyter_gpulease.broker", "templates"), autoescape=select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+
+
+def render(name: str, **context: Any) -> str:
+    return _env.get_template(name).render(**context)
+
+
+class PageHandler(HubOAuthenticated, BaseHandler):
+    """A page for a browser: logs in through the hub, errors as pages."""
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_oauth"]
+
+    @hub_auth.setter
+    def hub_auth(self, value):  # HubAuthenticated assigns it in some paths
+        pass
+
+    @property
+    def base_url(self) -> str:
+        return self.broker.base_url
+
+    def get_current_user(self):
+        try:
+            return super().get_current_user()
+        except web.HTTPError as e:
+            if e.status_code >= 500:  # the hub did not answer the login check
+                raise web.HTTPError(503, "The hub cannot be reached to check your login right now; try again in a moment.") from None
+            raise
+
+    def hub_home(self) -> str:
+        return self.broker.hub_home_url()
+
+    def page(self, name: str, code: int = 200, **context: Any) -> None:
+        self.set_status(code)
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(render(name, base_url=self.base_url, hub_home=self.hub_home(), **context))
+
+    def write_error(self, status_code: int, **kwargs):
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = getattr(exc, "message", None) or getattr(exc, "log_message", None) or self._reason
+        if status_code >= 500:
+            message = "The broker failed to show this page; the error is in its log."
+        titles = {403: "Not allowed", 404: "Not found"}
+        self.page("error.html", status_code, status=status_code, title=titles.get(status_code, self._reason), message=message)
+
+
+def _lease_view(m, d: dict[str, Any], now: float, viewer: str, admin: bool) -> dict[str, Any]:
+    v = m.lease_json(d, viewer=viewer, admin=admin)
+    v["asks"] = describe_request(v["request"])
+    v["placement"] = describe_placement(v.get("placement"))
+    for k in ("expires", "granted", "ended", "created"):
+        t = v.get(f"{k}_at")
+        v[f"{k}_text"] = local_time(t, now)
+        v[f"{k}_in"] = format_duration(t - now) if t is not None else "-"
+        v[f"{k}_ago"] = format_duration(now - t) if t is not None else "-"
+    q = v.get("queue")
+    if q:
+        q = dict(q)
+        q["eta_text"] = local_time(q.get("eta"), now)
+        q["eta_in"] = ("in " + format_duration(q["eta"] - now)) if q.get("eta") else ""
+        v["queue"] = q
+    return v
+
+
+class MyLeasesPage(PageHandler):
+    """Every user's own leases: now and history."""
+
+    @web.authenticated
+    async def get(self):
+        await self.show()
+
+    async def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
+        m = self.manager
+        now = m.now()
+        me = self.caller_name
+        live = [_lease_view(m, d, now, me, self.is_admin) for d in m.live(me)]
+        ended = [_lease_view(m, d, now, me, self.is_admin) for d in await m.list(user=me, state="ended", limit=HISTORY)]
+        self.page("leases.html", status, user=me, is_admin=self.is_admin, live=live, ended=ended, message=message, error=error, xsrf=self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token, draining=m.draining)
+
+
+class LeaseFormHandler(MyLeasesPage):
+    """The buttons of "my leases": extend or release one of the caller's leases."""
+
+    @web.authenticated
+    async def post(self, lease_id: str, action: str):
+        m = self.manager
+        try:
+            d = await m.get(lease_id)
+            if d["user"] != self.caller_name:
+                raise web.HTTPError(403, "this lease belongs to another user")
+            short = lease_id[:12]
+            if action == "extend":
+                by = parse_number(self.get_body_argument("by", "3600"), "by", minimum=60, maximum=366 * 86400, unit="seconds")
+                d = await m.extend(lease_id, by_s=float(by), actor=self.caller_name)
+                message = f"Lease {short} now runs until {local_time(d['expires_at'])} ({format_duration(d['expires_at'] - m.now())} from now)."
+            else:
+                keep = self.get_body_argument("keep_server", "") == "1"
+                d = await m.release(lease_id, state=LeaseState.RELEASED, reason=f"released by {self.caller_name} on the leases page", actor=self.caller_name, keep_server=keep)
+                if d["state"] == LeaseState.WITHDRAWN.value:
+                    message = f"Request {short} withdrawn."
+                elif keep:
+                    message = f"Lease {short} released; its server keeps running without GPUs."
+                else:
+                    message = f"Lease {short} released; the server that used it will be stopped."
+        except LeaseError as e:
+            await self.show(message=e.message, error=True, status=e.status)
+            return
+        await self.show(message=message)
+
+
+def admin_context(m, viewer: str) -> dict[str, Any]:
+    """What the admin page shows: active leases, the queue, the pool (committed state)."""
+    now = m.now()
+    active = [_lease_view(m, d, now, viewer, True) for d in m.live() if d["state"] == LeaseState.ACTIVE.value]
+    queue = [_lease_view(m, d, now, viewer, True) for d in m.queue()]
+    pool = [
+        {"node": g.node, "index": g.index, "model": g.model, "memory": f"{g.memory_mib} MiB", "mig": ", ".join(x.profile for x in g.mig), "healthy": g.healthy, "uuid": g.uuid}
+        for g in sorted(m.inventory(), key=lambda g: (g.node, g.index))
+    ]
+    return dict(active=active, queue=queue, pool=pool, now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining)
+
+
+def render_admin_page(m, viewer: str = "", base_url: str = "/services/gpulease/", hub_home: str = "/hub/home") -> str:
+    return render("admin.html", base_url=base_url, hub_home=hub_home, **admin_context(m, viewer))
+
+
+class AdminPage(PageHandler):
+    """Who holds what, the queue with ETAs, and the pool. Admin scope only."""
+
+    @web.authenticated
+    def get(self):
+        if not self.is_admin:
+            raise web.HTTPError(403, f"The lease admin page is for callers with the {self.admin_scope} scope. Your own leases are on the leases page.")
+        self.page("admin.html", **admin_context(self.manager, self.caller_name))
+
+
+class OAuthCallbackHandler(HubOAuthCallbackHandler):
+    """Finishes a page's OAuth login with the broker's own HubOAuth (it holds the PKCE state)."""
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_oauth"]
+
+    @hub_auth.setter
+    def hub_auth(self, value):
+        pass
+
+
+def page_handlers(prefix: str) -> list[tuple]:
+    lease_id = r"([A-Za-z0-9_.\-]+)"
+    return [
+        (prefix + r"oauth_callback", OAuthCallbackHandler),
+        (prefix + r"admin/?", AdminPage),
+        (prefix + rf"leases/{lease_id}/(extend|release)", LeaseFormHandler),
+        (prefix + r"?", MyLeasesPage),
+    ]

@@ -1,0 +1,117 @@
+"""The broker's supervisor: one active broker, hot standbys, and a quick restart.
+
+JupyterHub restarts a managed service that died only at its next service poll (10-30 s). The
+supervisor is the process the hub starts; it runs ``1 + standbys`` broker processes with the
+same command line. They all wait on the database's lock (see
+:meth:`jupyter_gpulease.store.LeaseStore.acquire_leadership`); the one that holds it restores
+the leases from the database and serves, the others stand by, already imported and
+configured. When the active broker dies (killed, out of memory, its database connection
+lost), the kernel or PostgreSQL releases its lock, a standby takes over within about a second,
+and the supervisor starts a new standby. Clients carry on through the hand-over by retrying
+(:mod:`jupyter_gpulease.client`).
+
+Workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``). A worker that exits with the
+config-error status stops the supervisor with that status; workers that keep failing by
+themselves (5 non-zero exits within a minute: a database that stays away) stop it too, with
+the hub's own restart as the next resort. A worker killed by a signal is replaced every time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+
+EXIT_CONFIG = 2
+CRASH_LOOP = (5, 60.0)  # this many workers failing by themselves within this many seconds: give up
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: receive SIGTERM when the supervisor dies (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except Exception:  # not Linux: the hub's own stop still reaches the workers
+        pass
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], *, standbys: int = 1, log: logging.Logger | None = None, python: str = sys.executable):
+        self.cmd = [python, "-m", "jupyter_gpulease.broker", *argv, "--GPULeaseBroker.worker=True"]
+        self.size = 1 + max(0, int(standbys))
+        self.log = log or logging.getLogger(__name__)
+        self.children: dict[int, subprocess.Popen] = {}
+        self.deaths: deque[float] = deque()
+        self.stopping = False
+
+    def _start_one(self) -> None:
+        parent = os.getpid()
+
+        def preexec():
+            _die_with_parent()
+            if os.getppid() != parent:  # the supervisor died before the line above
+                os._exit(0)
+
+        p = subprocess.Popen(self.cmd, preexec_fn=preexec)  # noqa: PLW1509 - the supervisor runs no threads
+        self.children[p.pid] = p
+
+    def _on_signal(self, sig, _frame) -> None:
+        if not self.stopping:
+            self.log.info("Supervisor received %s: stopping %d broker process(es)", signal.Signals(sig).name, len(self.children))
+        self.stopping = True
+        for p in list(self.children.values()):
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self.log.info("Broker supervisor (pid %d): starting one broker and %d standby", os.getpid(), self.size - 1)
+        for _ in range(self.size):
+            self._start_one()
+        rc = 0
+        stop_deadline = None
+        while self.children:
+            ended = [(pid, p.poll()) for pid, p in list(self.children.items()) if p.poll() is not None]
+            if not ended:
+                if self.stopping:
+                    stop_deadline = stop_deadline or time.monotonic() + 25
+                    if time.monotonic() > stop_deadline:
+                        for p in self.children.values():
+                            p.kill()
+                time.sleep(0.05)
+                continue
+            for pid, code in ended:
+                del self.children[pid]
+                if self.stopping:
+                    continue
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+                if code == EXIT_CONFIG:
+                    self.log.error("A broker process exited with a config error; stopping (fix the config and restart the hub)")
+                    rc = EXIT_CONFIG
+                    self._on_signal(signal.SIGTERM, None)
+                    continue
+                now = time.monotonic()
+                if code > 0:  # it failed by itself (killed by a signal: replaced, not counted)
+                    self.deaths.append(now)
+                while self.deaths and self.deaths[0] < now - CRASH_LOOP[1]:
+                    self.deaths.popleft()
+                if len(self.deaths) >= CRASH_LOOP[0]:
+                    self.log.error("Broker processes died %d times within %g s (last: %s); the supervisor stops, the hub will restart it",
+                                   len(self.deaths), CRASH_LOOP[1], how)
+                    rc = 1
+                    self._on_signal(signal.SIGTERM, None)
+                    continue
+                self.log.warning("Broker process %d ended (%s); a standby takes over, starting a new one", pid, how)
+                self._start_one()
+        self.log.info("Broker supervisor stopped")
+        return rc

@@ -1,0 +1,243 @@
+"""Chaos: 200 clients through a REAL hub while the serving broker is SIGKILLed again and again.
+
+The hub runs the broker as its managed service: a supervisor with the active broker and a hot
+standby on one database (a SQLite file; then PostgreSQL). 200 concurrent clients of 20 users
+request, read, extend and release leases on a contended pool through the hub's proxy, retrying
+through each hand-over as the spawner and the CLI do (``BrokerClient``). A killer SIGKILLs the
+broker that holds the database's lock at random moments, at least 20 times, waiting for the
+standby to take over between kills. Then, from the database itself:
+
+* every answer any client got is on disk: the same state, or a later one reached by a legal
+  transition (queued -> active -> ended; queued -> ended), and an answered grant keeps its
+  placement and grant time (it was not granted again elsewhere);
+* no GPU was ever over-committed (the shares held on each GPU, over all time, never add up to
+  more than one), and no lease was granted twice;
+* ``GET api/leases?state=all`` and ``GET api/leases/{id}`` agree on every lease.
+
+Bounded for CI: ``GPULEASE_CHAOS_KILLS`` kills (default 20); about 2-4 minutes per database
+on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+from tornado.httpclient import AsyncHTTPClient
+
+from brokerhub import active_broker_pid, hub_for_broker, wait_for_broker
+from hubharness import pid_alive, wait_for
+from jupyter_gpulease.client import BrokerClient, BrokerError
+from jupyter_gpulease.store import LeaseStore
+
+pytestmark = pytest.mark.timeout(900)
+
+KILLS = int(os.environ.get("GPULEASE_CHAOS_KILLS", "20"))
+CLIENTS = 200
+USERS = [f"user{i:02d}" for i in range(20)]
+POOL = [
+    {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
+    {"node": "n2", "model": "L4", "count": 6, "memory_mib": 23034},
+]
+SHAPES = [{"gpus": 1, "model": "L4"}, {"share": 0.25, "model": "L4"}, {"gpus": 1, "model": "A100*"}, {"share": 0.5, "model": "L4"}]
+ORDER = {"queued": 0, "active": 1}  # every other state is an end (2)
+
+
+def rank(state: str) -> int:
+    return ORDER.get(state, 2)
+
+
+def legal(answered: dict, disk: dict) -> str | None:
+    """Why the state on disk cannot follow the answered one (None: it can)."""
+    a, d = answered["state"], disk["state"]
+    if rank(d) < rank(a):
+        return f"answered {a}, on disk {d}"
+    if rank(a) == 2 and d != a:
+        return f"answered {a}, on disk {d}"
+    if (a == "active" or (rank(a) == 2 and answered.get("granted_at") is not None)) and (
+        disk.get("granted_at") != answered.get("granted_at") or disk.get("placement") != answered.get("placement")
+    ):
+        return f"answered a grant at {answered.get('granted_at')} on {answered.get('placement')}, on disk {disk.get('granted_at')} on {disk.get('placement')}"
+    if a == "queued" and d == "withdrawn" and disk.get("granted_at") is not None:
+        return "a granted lease ended as withdrawn"
+    return None
+
+
+def overcommitted(leases: list[dict]) -> list[str]:
+    """GPUs whose held shares ever added up to more than one GPU."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for lease in leases:
+        if lease.get("granted_at") is None or not lease.get("placement"):
+            continue
+        end = lease.get("ended_at") if lease.get("ended_at") is not None else float("inf")
+        for s in lease["placement"]["slices"]:
+            key = s.get("mig_uuid") or s["gpu_uuid"]
+            points.setdefault(key, []).extend([(lease["granted_at"], s["share"]), (end, -s["share"])])
+    bad = []
+    for gpu, pts in points.items():
+        held = 0.0
+        for _, delta in sorted(pts, key=lambda p: (p[0], p[1])):  # ends before starts at the same instant
+            held += delta
+            if held > 1.0 + 1e-6:
+                bad.append(f"{gpu}: {held:.3f} GPUs held at once")
+                break
+    return bad
+
+
+class Load:
+    """CLIENTS clients in one thread's event loop; each answer is kept for the checks."""
+
+    def __init__(self, url: str, tokens: dict[str, str]):
+        self.url, self.tokens = url, tokens
+        self.answers: list[dict] = []
+        self.errors: list[str] = []
+        self.calls = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def finish(self, timeout: float = 180):
+        self.stop.set()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the clients did not finish"
+
+    def _keep(self, lease: dict) -> dict:
+        self.calls += 1
+        self.answers.append({k: lease.get(k) for k in ("id", "user", "state", "granted_at", "placement")})
+        return lease
+
+    async def _run(self):
+        AsyncHTTPClient.configure(None, max_clients=CLIENTS + 10)
+        await asyncio.gather(*(self._client(i) for i in range(CLIENTS)))
+
+    async def _client(self, i: int):
+        rnd = random.Random(i)
+        user = USERS[i % len(USERS)]
+        c = BrokerClient(self.url, self.tokens[user], timeout=30, retry_for=90)
+        while not self.stop.is_set():
+            try:
+                lease = self._keep(await c.request_lease({**rnd.choice(SHAPES), "duration_s": 3600}))
+                for _ in range(rnd.randint(0, 6)):
+                    if self.stop.is_set() or rank(lease["state"]) == 2:
+                        break
+                    await asyncio.sleep(rnd.uniform(0.05, 0.4))
+                    if lease["state"] == "active" and rnd.random() < 0.3:
+                        lease = self._keep(await c.extend(lease["id"], by_s=60))
+                    else:
+                        lease = self._keep(await c.get_lease(lease["id"]))
+                if rank(lease["state"]) < 2:
+                    lease = self._keep(await c.release(lease["id"], reason="chaos client done"))
+            except BrokerError as e:
+                # refusals a client may meet: its lease ended meanwhile (409), an extension refused
+                # while others wait (400); a broker that stays away longer than the retries: status 0
+                if e.status not in (400, 409):
+                    self.errors.append(f"{user}: {e.status} {e.message}")
+                await asyncio.sleep(0.2)
+
+
+def run_chaos(hub, db_url: str, find_active, kills: int = KILLS) -> None:
+    tokens = {u: hub.create_token(u) for u in USERS}
+    tokens["carol"] = hub.create_token("carol")
+    wait_for_broker(hub, tokens["carol"])
+    load = Load(hub.service_url("gpulease"), tokens)
+    load.start()
+    wait_for(lambda: load.calls >= 200, 120, "the clients never got going")
+    rnd = random.Random(7)
+    killed = []
+    try:
+        for _ in range(kills):
+            pid = wait_for(find_active, 60, "no broker holds the database's lock (the standby did not take over)")
+            time.sleep(rnd.uniform(0.2, 2.0))
+            calls_before = load.calls
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            wait_for(lambda pid=pid: not pid_alive(pid), 10, f"broker {pid} survived SIGKILL")
+            new = wait_for(lambda pid=pid: (p := find_active()) and p != pid and p, 30, "the standby did not take over within 30 s")
+            assert new not in killed
+            # clients get answers again (through the proxy, from the new broker)
+            wait_for(lambda n=calls_before: load.calls > n + 20, 60, "no answers after the hand-over")
+    finally:
+        load.finish()
+    assert len(killed) == kills
+    assert not load.errors, f"{len(load.errors)} client errors, e.g. {load.errors[:5]}"
+    assert len(load.answers) > 1000, f"only {len(load.answers)} answers"
+
+    # the database is the truth: read it directly
+    store = LeaseStore(db_url, migrate=False)
+    try:
+        on_disk = {d["id"]: d for d in store.list_lease_dicts(limit=None)}
+        events = store.events_since(0, limit=10_000_000)
+    finally:
+        store.close()
+    problems = []
+    for answer in load.answers:
+        disk = on_disk.get(answer["id"])
+        if disk is None:
+            problems.append(f"{answer['id']}: answered {answer['state']}, not on disk")
+        elif (why := legal(answer, disk)) is not None:
+            problems.append(f"{answer['id']}: {why}")
+    assert not problems, f"{len(problems)} answers not on disk as answered: {problems[:10]}"
+    grants: dict[str, int] = {}
+    for e in events:
+        if e["kind"] == "granted":
+            grants[e["lease_id"]] = grants.get(e["lease_id"], 0) + 1
+    assert all(n == 1 for n in grants.values()), {k: n for k, n in grants.items() if n > 1}
+    assert not overcommitted(list(on_disk.values()))
+
+    async def agree():
+        admin = BrokerClient(hub.service_url("gpulease"), tokens["carol"], retry_for=60)
+        listed = {x["id"]: x for x in await admin.list_leases(state="all", limit=100_000)}
+        assert set(listed) == set(on_disk), "the list and the database disagree on which leases exist"
+        sample = random.Random(3).sample(sorted(listed), min(300, len(listed)))
+        for lid in sample:
+            got = await admin.get_lease(lid)
+            assert (got["state"], got.get("placement")) == (listed[lid]["state"], listed[lid].get("placement")), lid
+        for x in listed.values():  # every lease ends
+            if x["state"] in ("queued", "active"):
+                await admin.release(x["id"], state="revoked", reason="end of the chaos test")
+
+    asyncio.run(agree())
+    log = hub.log_file.read_text(errors="replace")
+    assert log.count("active (pid") >= kills + 1, "fewer take-overs in the log than kills"
+
+
+def test_200_clients_see_nothing_lost_while_the_broker_is_killed_again_and_again(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'gpulease.sqlite'}"
+    hub = hub_for_broker(tmp_path, db_url=db_url, pool=POOL, users=(*USERS, "carol"),
+                         extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO")
+    hub.start()
+    try:
+        run_chaos(hub, db_url, lambda: active_broker_pid(hub))
+    finally:
+        hub.stop()
+
+
+def test_the_standby_on_postgresql_takes_over_from_a_killed_active_broker_with_nothing_lost(tmp_path, postgres):
+    db_url = postgres.create_database("chaos")
+
+    def active_pid():
+        import psycopg
+
+        dsn = f"host=127.0.0.1 port={postgres.port} user=postgres dbname=chaos"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = 'chaos'"
+            ).fetchall()
+        pids = [int(name.split("pid=")[1]) for (name,) in rows if name and "pid=" in name]
+        return pids[0] if pids and pid_alive(pids[0]) else None
+
+    hub = hub_for_broker(tmp_path, db_url=db_url, pool=POOL, users=(*USERS, "carol"),
+                         extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO")
+    hub.start()
+    try:
+        run_chaos(hub, db_url, active_pid, kills=max(5, KILLS // 2))
+    finally:
+        hub.stop()
