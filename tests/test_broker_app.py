@@ -94,7 +94,7 @@ def test_the_broker_stops_cleanly_on_a_signal(tmp_path, sig):
 
 
 BAD_CONFIGS = [
-    ("c.GPULeaseBroker.default_tier = 'cource'\n", "GPULeaseBroker.default_tier 'cource' is not a tier"),
+    ("c.GPULeaseBroker.default_tier = 'cource'\n", "GPULeaseBroker.default_tier: 'cource' is not one of the tiers"),
     ("c.GPULeaseBroker.tiers = {'fast': {'priority': 1, 'maximum': 3}}\nc.GPULeaseBroker.default_tier = 'fast'\n", "GPULeaseBroker.tiers['fast']"),
     ("c.GPULeaseBroker.device_backend = 'static'\nc.GPULeaseBroker.devices = {'gpus': [{'node': 'n', 'model': 'A100', 'count': 2}]}\n", "memory_mib"),
     ("c.GPULeaseBroker.group_quotas = {'students': {'max_gpu': 2}}\n", "GPULeaseBroker.group_quotas['students']"),

@@ -13,10 +13,10 @@ from tornado.httpclient import AsyncHTTPClient
 
 from brokerutil import broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.feed import Feed
-from jupyter_gpulease.core.request import parse_number
 from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.core.model import BadRequest
+from jupyter_gpulease.core.request import parse_number
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +50,7 @@ CASES = [
     ("POST", "api/leases", {"min_memory_mib": "--1", "gpus": 1}, 400, "min_memory_mib"),
     ("POST", "api/leases", {"share": "٠.5"}, 400, "share"),
     ("POST", "api/leases", {"gpus": 1, "duration_s": "1e999"}, 400, "duration_s"),
-    ("POST", "api/leases", {"gpus": 1, "max_wait_s": "-0"}, 400, "max_wait_s"),
+    ("POST", "api/leases", {"gpus": 1, "max_wait_s": "-1"}, 400, "max_wait_s"),
     ("POST", "api/leases", {"gpus": 1, "meta": {"blob": BIG}}, 413, "meta"),
     ("POST", "api/leases", b'{"gpus": 1, "duration_s": NaN}', 400, "body"),
     ("POST", "api/leases", b"[" * 100_000, 413, "body"),

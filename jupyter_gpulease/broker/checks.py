@@ -70,9 +70,9 @@ def build(app, fn, *, what: str):
     except TraitError as e:
         raise ConfigError(trait_error(app.config_file, e)) from None
     except (ValueError, TypeError, KeyError) as e:
-        option = _option_of(str(e))
-        raise ConfigError(f"{_where(app.config_file)}: {option}{e} (fix: correct {what} in the config file; "
-                          f"`jupyter gpulease broker --generate-config` writes every option with its help)") from None
+        message = named(str(e))
+        fix = "use one of the known settings" if "unknown setting" in message else f"correct {what} in the config file"
+        raise ConfigError(f"{_where(app.config_file)}: {message} (fix: {fix}; `jupyter gpulease broker --generate-config` writes every option with its help)") from None
     except Exception as e:
         from ..store import StoreError
 
@@ -81,13 +81,28 @@ def build(app, fn, *, what: str):
         raise
 
 
-def _option_of(message: str) -> str:
+def named(message: str) -> str:
+    """A policy or pool error with the option it is about in front: ``GPULeaseBroker.tiers['fast']: …``."""
+    import re
+
+    if message.startswith("GPULeaseBroker"):
+        return message
+    m = re.match(r"tiers: tier '([^']+)': (.*)", message, re.S)
+    if m:
+        return f"GPULeaseBroker.tiers[{m.group(1)!r}]: {m.group(2)}"
+    m = re.match(r"((?:group_quotas|user_quotas)\['[^']+'\]|default_user_quota): (?:quota: )?(.*)", message, re.S)
+    if m:
+        return f"GPULeaseBroker.{m.group(1)}: {m.group(2)}"
+    m = re.match(r"(\w+)(?: |: )(.*)", message, re.S)
+    if m and m.group(1) in _OPTIONS:
+        return f"GPULeaseBroker.{m.group(1)}: {m.group(2)}"
     lower = message.lower()
-    for key, option in (("gpus[", "GPULeaseBroker.devices: "), ("device", "GPULeaseBroker.devices: "), ("mig", "GPULeaseBroker.devices: "),
-                        ("tier", "GPULeaseBroker.tiers: "), ("quota", "quotas: ")):
-        if key in lower and not message.startswith("GPULeaseBroker"):
-            return option
-    return ""
+    if "gpus entry" in lower or "device" in lower or "mig" in lower:
+        return f"GPULeaseBroker.devices: {message}"
+    return message
+
+
+_OPTIONS = {"default_tier", "tiers", "devices", "device_backend", "db_url"}
 
 
 def policy_warnings(policy) -> list[str]:
