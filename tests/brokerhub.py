@@ -82,7 +82,7 @@ def process_env(pid: int) -> dict[str, str]:
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
-def server_token(hub: HubHarness, user: str, timeout: float = 90) -> str:
+def server_token(hub: HubHarness, user: str, timeout: float = 200) -> str:
     """Start ``user``'s server and return the token the hub gave it (its JUPYTERHUB_API_TOKEN)."""
     status, body = hub.api("POST", f"users/{user}/server")
     assert status in (201, 202), (status, body)

@@ -18,7 +18,8 @@ CALLERS = (ANON, BAD, OTHER, OWNER, SERVER, ADMIN)
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    h = hub_for_broker(tmp_path_factory.mktemp("authz"), server_role=True)
+    # a loaded machine may take a while to start a single-user server
+    h = hub_for_broker(tmp_path_factory.mktemp("authz"), server_role=True, config_lines=["c.Spawner.http_timeout = 180", "c.Spawner.start_timeout = 180"])
     h.start()
     try:
         h.tokens = {OTHER: h.create_token("bob"), OWNER: h.create_token("alice"), ADMIN: h.create_token("carol"), BAD: "0" * 32, ANON: None}
