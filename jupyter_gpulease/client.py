@@ -91,12 +91,14 @@ async def fetch_json(
     timeout: float = 30.0,
     backoff: Backoff = Backoff(),
     what: str = "the server",
+    http_client: AsyncHTTPClient | None = None,
 ) -> tuple[int, Any, dict[str, str]]:
     """One HTTP call with JSON in and out, retried as the module doc says.
 
     Returns ``(status, parsed JSON or None, response headers)`` for 2xx/3xx answers; raises
     :class:`BrokerError` for 4xx/5xx (the server's ``message``/``field``/``error`` when it sent
     JSON) and with status 0 when ``what`` could not be reached within ``backoff.retry_for``.
+    ``http_client``: the tornado client to send with (default: the process-wide one).
     """
     hdrs = {"Accept": "application/json", **(headers or {})}
     if token:
@@ -122,7 +124,7 @@ async def fetch_json(
             allow_nonstandard_methods=True,
         )
         try:
-            resp = await AsyncHTTPClient().fetch(req)
+            resp = await (http_client or AsyncHTTPClient()).fetch(req)
             return resp.code, _parse(resp.body), dict(resp.headers)
         except HTTPClientError as e:
             if e.code in (301, 302, 303, 307, 308) and e.response is not None:
@@ -190,16 +192,21 @@ class BrokerClient:
     """Async client of the broker's REST API (see the README's API summary).
 
     ``retry_for``: seconds to keep retrying a call through a broker restart or hand-over
-    (0: one try).
+    (0: one try). ``http_client``: the tornado client to send with; default: the process-wide
+    ``AsyncHTTPClient()``, which holds 10 connections for everything in the process. A caller
+    that keeps long-polls open or makes many calls at once (the hub) passes its own
+    (``AsyncHTTPClient(force_instance=True, max_clients=...)``).
     """
 
-    def __init__(self, url: str, token: str, *, timeout: float = 30, retry_for: float = 30.0):
+    def __init__(self, url: str, token: str, *, timeout: float = 30, retry_for: float = 30.0,
+                 http_client: AsyncHTTPClient | None = None):
         if not url:
             raise BrokerError(0, "no broker URL: set GPULEASE_BROKER_URL (e.g. http://127.0.0.1:8000/services/gpulease/)")
         self.url = url if url.endswith("/") else url + "/"
         self.token = token
         self.timeout = timeout
         self.backoff = Backoff(retry_for=retry_for)
+        self.http_client = http_client
 
     @classmethod
     def from_env(cls, **kw) -> BrokerClient:
@@ -219,7 +226,8 @@ class BrokerClient:
         if method == "POST":
             headers["Idempotency-Key"] = uuid.uuid4().hex  # one per call, the same for its retries
         status, data, resp_headers = await fetch_json(
-            method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout, backoff=self.backoff, what="the lease broker"
+            method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout, backoff=self.backoff, what="the lease broker",
+            http_client=self.http_client,
         )
         if 300 <= status < 400:
             raise self._redirected(resp_headers.get("Location", ""))
@@ -293,6 +301,10 @@ class BrokerClient:
         """What each ask (a body of ``POST api/leases``) would get now, without asking: one estimate per ask, in order."""
         return (await self._call("POST", "api/estimate", {"asks": list(asks)}))["estimates"]
 
+    async def drain(self, on: bool = True, reason: str = "") -> dict:
+        """Admins: stop granting leases (``on``) or grant again; queued leases stay queued."""
+        return await self._call("POST", "api/drain", {"drain": bool(on), "reason": reason})
+
     async def queue(self) -> list[dict]:
         return (await self._call("GET", "api/queue"))["queue"]
 
@@ -300,12 +312,13 @@ class BrokerClient:
         """Stop (or resume) granting leases (admins); returns whether the broker now drains."""
         return (await self._call("POST", "api/drain", {"drain": drain}))["draining"]
 
-    async def events(self, since: int = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
-        """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one."""
+    async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
+        """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one.
+        ``since="latest"``: none, at once, with ``last_id`` the newest id (where to follow from)."""
         return await self._call(
             "GET",
             "api/events",
-            query={"since": int(since), "lease": lease_id, "timeout": timeout},
+            query={"since": since if since == "latest" else int(since), "lease": lease_id, "timeout": timeout},
             timeout=max(self.timeout, timeout + 15),
         )
 

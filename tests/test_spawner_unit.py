@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from jupyterhub.spawner import Spawner
 from jupyter_gpulease.client import BrokerError
 from jupyter_gpulease.hub.options import OptionsError, parse_presets, parse_user_options
 from jupyter_gpulease.hub.placement import describe_request, granted_message, lease_environment, queue_message
+from jupyter_gpulease.hub.link import BrokerLink
 from jupyter_gpulease.hub.spawner import GPULeaseSpawner
 
 A100 = "A100-SXM4-80GB"
@@ -136,30 +138,47 @@ def test_placement_environment_names_devices_by_uuid():
 
 # --------------------------------------------------------------------------- the spawner, with fakes
 class FakeBroker:
-    """In-memory broker with BrokerClient's methods: one GPU (GPU-l0), leases granted by the test."""
+    """In-memory broker with BrokerClient's methods: one GPU (GPU-l0), leases granted by the test.
+
+    Every change is an event in a feed (ids from 1), like the real broker's ``api/events``.
+    ``down = True``: every call fails as when the broker cannot be reached."""
 
     def __init__(self, *, grant_at_once=False):
         self.leases: dict[str, dict] = {}
         self.calls: list[tuple] = []
         self.grant_at_once = grant_at_once
+        self.events_log: list[dict] = []
+        self.down = False
         self._changed = asyncio.Event()
         self._n = 0
 
-    def _touch(self):
+    def _check(self):
+        if self.down:
+            raise BrokerError(0, "cannot reach the lease broker")
+
+    def _event(self, lid, kind, **kw):
+        self.events_log.append({"id": len(self.events_log) + 1, "lease_id": lid, "kind": kind, "time": 0.0, **kw})
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def pool(self, user=None, groups=None):
+        self._check()
         self.calls.append(("pool", user, tuple(groups or ())))
         return POOL
 
     async def queue(self):
-        return [lease for lease in self.leases.values() if lease["state"] == "queued"]
+        self._check()
+        self.calls.append(("queue",))
+        return [dict(lease) for lease in self.leases.values() if lease["state"] == "queued"]
 
     async def list_leases(self, state=None, user=None):
-        return [dict(lease) for lease in self.leases.values() if user in (None, lease["user"])]
+        self._check()
+        live = state in (None, "live")
+        return [dict(lease) for lease in self.leases.values()
+                if user in (None, lease["user"]) and (not live or lease["state"] in ("queued", "active"))]
 
     async def request_lease(self, body):
+        self._check()
         self.calls.append(("request", body))
         if body.get("tier") == "production":
             raise BrokerError(403, "you may not use tier 'production'", "tier", "Forbidden")
@@ -167,54 +186,80 @@ class FakeBroker:
         lid = f"L{self._n}"
         lease = {"id": lid, "user": body["user"], "server": body.get("server", ""), "state": "queued", "tier": body.get("tier"),
                  "request": {k: body[k] for k in ("kind", "gpus", "share", "model") if k in body}, "meta": body.get("meta", {}),
-                 "queue": {"position": 1, "length": 1, "eta": None, "waiting_for": "GPU-l0"}, "expires_at": None, "placement": None}
+                 "queue": {"position": 1, "length": 1, "eta": None, "waiting_for": "GPU-l0"}, "expires_at": None, "placement": None,
+                 "confirmed_at": None}
         self.leases[lid] = lease
+        self._event(lid, "requested", to_state="queued")
         if self.grant_at_once:
             self.grant(lid)
         return dict(lease)
 
-    def grant(self, lid):
+    def grant(self, lid, share=1.0):
         lease = self.leases[lid]
         lease.update(state="active", queue=None, expires_at=2e9, placement={"node": "n1", "slices": [
-            {"gpu_uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": 23034, "share": 1.0}]})
-        self._touch()
+            {"gpu_uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": int(23034 * share), "share": share}]})
+        self._event(lid, "granted", from_state="queued", to_state="active")
 
-    def end(self, lid, state="expired"):
+    def end(self, lid, state="expired", actor="broker"):
         self.leases[lid].update(state=state, end_reason=state)
-        self._touch()
+        self._event(lid, "ended", from_state="active", to_state=state, reason=state, actor=actor)
+
+    def set_queue(self, lid, **q):
+        self.leases[lid]["queue"] = {**self.leases[lid]["queue"], **q}
 
     async def get_lease(self, lid):
+        self._check()
         if lid not in self.leases:
             raise BrokerError(404, "no such lease")
         return dict(self.leases[lid])
 
     async def events(self, since=0, lease_id=None, timeout=30):
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except TimeoutError:
-            pass
-        return {"events": [], "last_id": since}
+        self._check()
+        if since == "latest":
+            return {"events": [], "last_id": len(self.events_log)}
+        new = [e for e in self.events_log[int(since):] if lease_id in (None, e["lease_id"])]
+        if not new and timeout:
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._check()
+            new = [e for e in self.events_log[int(since):] if lease_id in (None, e["lease_id"])]
+        return {"events": new, "last_id": new[-1]["id"] if new else int(since)}
 
     async def confirm(self, lid):
+        self._check()
         self.calls.append(("confirm", lid))
+        self.leases[lid]["confirmed_at"] = 1.0
         return dict(self.leases[lid])
 
     async def release(self, lid, reason="", state="released"):
         self.calls.append(("release", lid, reason))
+        self._check()
         lease = self.leases.get(lid)
         if lease is None:
             raise BrokerError(404, "no such lease")
         if lease["state"] not in ("queued", "active"):
             raise BrokerError(409, "already ended")
-        lease["state"] = "withdrawn" if lease["state"] == "queued" else "released"
-        self._touch()
+        old = lease["state"]
+        lease["state"] = "withdrawn" if old == "queued" else "released"
+        self._event(lid, "ended", from_state=old, to_state=lease["state"], reason=reason, actor="service:gpulease-spawner")
         return dict(lease)
+
+    async def drain(self, on=True, reason=""):
+        self._check()
+        self.calls.append(("drain", on))
+        return {"draining": on}
 
 
 class FakeEngine(Spawner):
-    """A spawner whose 'server' is a flag; records the environment it was started with."""
+    """A spawner whose 'server' is a flag; records the environment it was started with.
+
+    ``up``: the hub saw the server answer (what makes the real spawner 'ready')."""
 
     running = False
+    up = False
     started_env: dict = {}
 
     async def start(self):
@@ -224,9 +269,14 @@ class FakeEngine(Spawner):
 
     async def stop(self, now=False):
         self.running = False
+        self.up = False
 
     async def poll(self):
         return None if self.running else 0
+
+    @property
+    def ready(self):
+        return self.running and self.up and not self.pending
 
 
 class LeaseFakeSpawner(GPULeaseSpawner, FakeEngine):
@@ -237,8 +287,18 @@ def make_spawner(broker, **kw):
     user = types.SimpleNamespace(name="alice", groups=[], url="/user/alice/", progress_url=lambda name: "")
     kw.setdefault("queue_refresh_interval", 0.05)
     s = LeaseFakeSpawner(user=user, hub=Hub(), broker_url="http://broker/", broker_api_token="t", **kw)
-    s._client = broker
+    if broker is not None:
+        s._link = BrokerLink("http://broker/", "t", client=broker, queue_refresh_interval=kw["queue_refresh_interval"], feed_timeout=1)
     return s
+
+
+async def until(predicate, timeout=5.0, what="condition"):
+    """Wait (on the running loop) until ``predicate()`` is true."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
 
 
 def test_queued_spawn_streams_position_then_starts_with_the_leased_gpu():
@@ -247,22 +307,28 @@ def test_queued_spawn_streams_position_then_starts_with_the_leased_gpu():
         s = make_spawner(broker)
         s.user_options = {"gpus": 1, "model": "L4"}
         s._spawn_pending = True
-        task = asyncio.ensure_future(s.start())
         events = []
 
         async def watch():
             async for ev in s.progress():
                 events.append(ev)
+        # the hub opens the progress stream as soon as the spawn is requested, before start() runs
         watcher = asyncio.ensure_future(watch())
-        while not broker.leases:
-            await asyncio.sleep(0.01)
-        while not any("position 1 of 1" in e["message"] for e in events):
-            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task = asyncio.ensure_future(s.start())
+        await until(lambda: any("position 1 of 1" in e["message"] for e in events), what="the queue position")
         assert await s.poll() is None  # waiting counts as starting
+        broker.set_queue("L1", position=1, length=3, eta=time.time() + 600)
+        broker._event("L9", "requested")  # the queue changed: one refresh for all waiting spawns
+        await until(lambda: any("position 1 of 3, about 10 min" in e["message"] for e in events), what="the refreshed ETA")
         broker.grant("L1")
-        url = await task
+        url = await asyncio.wait_for(task, 5)
         await asyncio.wait_for(watcher, 5)
-        await s._confirm_task
+        assert ("confirm", "L1") not in broker.calls  # not before the server is up
+        s._spawn_pending = False  # the hub saw the server answer and added it to the proxy
+        s.up = True
+        await asyncio.wait_for(s._confirm_task, 5)
+        s._unfollow()
         return s, broker, url, events
 
     s, broker, url, events = asyncio.run(main())
@@ -280,6 +346,32 @@ def test_queued_spawn_streams_position_then_starts_with_the_leased_gpu():
     assert s.get_state()["gpulease"] == {"version": 1, "lease_id": "L1"}
 
 
+def test_many_waiting_spawns_share_one_feed_and_one_queue_refresh():
+    async def main():
+        broker = FakeBroker()
+        first = make_spawner(broker)
+        spawners = [first] + [make_spawner(None) for _ in range(9)]
+        for i, s in enumerate(spawners):
+            s._link = first._link
+            s.user = types.SimpleNamespace(name=f"u{i}", groups=[], url=f"/user/u{i}/")
+            s.user_options = {"gpus": 1}
+        tasks = [asyncio.ensure_future(s.start()) for s in spawners]
+        await until(lambda: len(broker.leases) == 10, what="ten requests")
+        broker.calls.clear()
+        await asyncio.sleep(0.5)  # ten refresh intervals
+        refreshes = broker.calls.count(("queue",))
+        for lid in broker.leases:
+            broker.grant(lid)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        for s in spawners:
+            s._unfollow()
+        return refreshes, first._link
+
+    refreshes, link = asyncio.run(main())
+    assert 1 <= refreshes <= 12, refreshes  # about one per interval for all ten, not ten per interval
+    assert not link.watches
+
+
 def test_state_round_trip_and_stop_after_restart_releases():
     async def main():
         broker = FakeBroker(grant_at_once=True)
@@ -287,39 +379,58 @@ def test_state_round_trip_and_stop_after_restart_releases():
         s.user_options = {"gpus": 1}
         await s.start()
         state = json.loads(json.dumps(s.get_state()))
+        s._unfollow()
         # a restarted hub: a new spawner object, same state
         s2 = make_spawner(broker)
         s2.load_state(state)
         s2.running = True
         assert s2.lease_id == "L1"
         assert await s2.poll() is None  # lease still active: server still running
-        assert s2._watcher is not None
+        assert s2._watch is not None and s2._watch.lease_id == "L1"
         await s2.stop()
-        s._stop_watcher()
         return broker, s2
     broker, s2 = asyncio.run(main())
     assert broker.leases["L1"]["state"] == "released"
-    assert s2.lease_id == "" and "gpulease" not in s2.get_state()
+    assert s2.lease_id == "" and "lease_id" not in s2.get_state()["gpulease"]
+    assert s2.get_state()["gpulease"]["last_end"]["end_reason"] == "server stopped"
 
 
-def test_cancel_while_queued_withdraws_the_lease():
+def test_cancel_while_queued_withdraws_the_lease_at_once_and_never_looks_ready():
     async def main():
         broker = FakeBroker()
         s = make_spawner(broker)
         s.user_options = {"gpus": 1}
+        events = []
         task = asyncio.ensure_future(s.start())
-        while not broker.leases:
-            await asyncio.sleep(0.01)
+
+        async def watch():
+            async for ev in s.progress():
+                events.append(ev)
+        watcher = asyncio.ensure_future(watch())
+        await until(lambda: broker.leases, what="the request")
         await asyncio.sleep(0.1)
+        slow = broker.release
+
+        async def slow_release(*a, **kw):  # a broker under load: the cancel must not wait for it
+            await asyncio.sleep(3)
+            return await slow(*a, **kw)
+        broker.release = slow_release
+        t0 = asyncio.get_running_loop().time()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        took = asyncio.get_running_loop().time() - t0
+        ready_after_cancel = s.ready
+        await asyncio.wait_for(watcher, 5)
         # the hub then stops the spawner: nothing was started, nothing is signalled
         await s.stop()
-        return broker, s
-    broker, s = asyncio.run(main())
-    assert broker.leases["L1"]["state"] == "withdrawn"
-    assert not s.running
+        await until(lambda: broker.leases["L1"]["state"] == "withdrawn", what="the withdrawal")
+        return broker, s, took, ready_after_cancel, events
+    broker, s, took, ready_after_cancel, events = asyncio.run(main())
+    assert took < 1.0  # the hub waits one second for a cancelled spawn before it stops it
+    assert not ready_after_cancel and not s.running
+    assert events[-1]["message"].startswith("Spawn cancelled")
+    assert not any("granted" in e["message"] or "ready" in e["message"].lower() for e in events)
 
 
 def test_refused_request_fails_the_spawn_with_the_brokers_words():
@@ -328,7 +439,7 @@ def test_refused_request_fails_the_spawn_with_the_brokers_words():
         s.user_options = {"gpus": 1, "model": "H100"}
         with pytest.raises(Exception) as e1:
             await s.start()
-        s._client.pool = lambda **kw: _pool_with_production()
+        s.link.client.pool = lambda **kw: _pool_with_production()
         s.user_options = {"gpus": 1, "tier": "production"}
         with pytest.raises(Exception) as e2:
             await s.start()
@@ -342,7 +453,7 @@ async def _pool_with_production():
     return {**POOL, "tiers": POOL["tiers"] + [{"name": "production", "max_duration_s": 86400}]}
 
 
-def test_lease_ending_stops_the_server_through_poll():
+def test_a_lease_ended_by_the_broker_stops_the_server_through_the_feed():
     async def main():
         broker = FakeBroker(grant_at_once=True)
         s = make_spawner(broker)
@@ -350,10 +461,26 @@ def test_lease_ending_stops_the_server_through_poll():
         await s.start()
         assert s.running
         broker.end("L1", "expired")
+        await until(lambda: not s.running, what="the server to stop")
+        return s
+    s = asyncio.run(main())
+    assert s.lease_id == "" and s.last_lease_end["state"] == "expired"
+
+
+def test_poll_reads_the_lease_itself_when_the_feed_is_away():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        await s.link.close()  # no feed: only poll() can notice
+        s.link.connected = False
+        broker.end("L1", "revoked", actor="admin")
         status = await s.poll()
         return s, status
     s, status = asyncio.run(main())
     assert status == 0 and not s.running and s.lease_id == ""
+    assert s.last_lease_end["state"] == "revoked"
 
 
 def test_keep_running_when_configured():
@@ -363,11 +490,30 @@ def test_keep_running_when_configured():
         s.user_options = {"gpus": 1}
         await s.start()
         broker.end("L1", "preempted")
+        await until(lambda: s.lease_id == "", what="the end to be noticed")
         status = await s.poll()
-        s._stop_watcher()
         return s, status
     s, status = asyncio.run(main())
     assert status is None and s.running and s.lease_id == ""
+
+
+@pytest.mark.parametrize("state", ["released", "reclaimed"])
+def test_a_lease_the_user_gives_back_from_inside_the_server_keeps_the_server(state):
+    async def main(on_release_by_user):
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker, on_release_by_user=on_release_by_user)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        broker.end("L1", state, actor="alice")  # the server's own token: the user
+        await until(lambda: s.lease_id == "", what="the end to be noticed")
+        await asyncio.sleep(0.1)
+        running = s.running
+        s.running = False
+        return running, s
+    kept, s = asyncio.run(main("keep"))
+    assert kept and s.last_lease_end["state"] == state and "CUDA_VISIBLE_DEVICES" not in s._lease_env
+    stopped, _ = asyncio.run(main("stop"))
+    assert not stopped
 
 
 def test_cpu_only_needs_no_broker_and_hides_gpus():
@@ -397,14 +543,14 @@ def test_the_pool_is_fetched_for_the_spawning_user_and_leases_end_through_client
         s.user_options = {"gpus": 1}
         pool = await s.fetch_pool()
         assert pool is POOL
-        await s._end_lease("nope", "server stopped")  # 404: fine, nothing raised
+        assert await s._end_lease("nope", "server stopped") is None  # 404: fine, nothing raised
         return broker.calls, s
     calls, s = asyncio.run(main())
     assert ("pool", s.user.name, ()) in calls, "the form and the options check see the user's own tiers and quota"
     assert ("release", "nope", "server stopped") in calls
 
 
-def test_a_server_that_died_ends_its_lease_and_its_watcher_and_poll_retries_a_lost_confirm():
+def test_a_server_that_died_ends_its_lease_and_poll_retries_a_lost_confirm():
     async def main():
         broker = FakeBroker(grant_at_once=True)
         s = make_spawner(broker)
@@ -412,52 +558,120 @@ def test_a_server_that_died_ends_its_lease_and_its_watcher_and_poll_retries_a_lo
 
         async def confirm_fails(lid):
             broker.calls.append(("confirm-failed", lid))
-            raise BrokerError(0, "cannot reach the lease broker")
+            raise BrokerError(403, "not now")
         real_confirm, broker.confirm = broker.confirm, confirm_fails
         await s.start()
+        s.up = True
         await s._confirm_task
-        # the broker was away for the confirm: the next poll, with the server up, confirms
+        # the confirm did not reach the broker: the next poll, with the server up, confirms
         broker.confirm = real_confirm
-        broker.leases["L1"]["confirmed_at"] = None
         assert await s.poll() is None
         await s._confirm_task
         assert ("confirm", "L1") in broker.calls
-        watcher = s._watcher
-        assert watcher is not None and not watcher.done()
+        watch = s._watch
+        assert watch is not None and not watch.closed
         # the server dies: poll ends the lease and stops following it
         s.running = False
         assert await s.poll() == 0
-        await asyncio.sleep(0)
-        return broker, s, watcher
-    broker, s, watcher = asyncio.run(main())
-    assert broker.leases["L1"]["state"] == "released"
-    assert s.lease_id == "" and s._watcher is None and watcher.cancelled()
+        await until(lambda: broker.leases["L1"]["state"] == "released", what="the release")
+        return s, watch
+    s, watch = asyncio.run(main())
+    assert s.lease_id == "" and s._watch is None and watch.closed
 
 
-def test_a_cpu_only_spawn_ends_a_gpu_lease_that_an_earlier_stop_could_not_release():
+def test_a_release_while_the_broker_is_away_is_retried_until_the_broker_has_it():
     async def main():
         broker = FakeBroker(grant_at_once=True)
         s = make_spawner(broker)
         s.user_options = {"gpus": 1}
         await s.start()
-        # the broker is away when the server stops: the release fails, the hub clears the state
-        real_release = broker.release
-
-        async def unreachable(lid, reason="", state="released"):
-            raise BrokerError(0, "cannot reach the lease broker")
-        broker.release = unreachable
-        await s.stop()
-        s.clear_state()
+        broker.down = True
+        await s.stop()  # returns: the release goes on in the background
         assert broker.leases["L1"]["state"] == "active"
-        # the broker is back; the user starts the same server without a GPU
-        broker.release = real_release
+        tries = sum(1 for c in broker.calls if c[0] == "release")
+        broker.down = False
+        await until(lambda: broker.leases["L1"]["state"] == "released", timeout=10, what="the retried release")
+        return tries
+    assert asyncio.run(main()) >= 1
+
+
+def test_a_cpu_only_spawn_ends_a_gpu_lease_left_by_an_earlier_hub():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        left = await broker.request_lease({"user": "alice", "server": "", "gpus": 1, "meta": {"spawner": "jupyter-gpulease"}})
+        s = make_spawner(broker)
         s.user_options = {"kind": "cpu"}
         await s.start()
         await s._orphan_task
-        return broker, s
-    broker, s = asyncio.run(main())
-    assert broker.leases["L1"]["state"] == "released"
+        await until(lambda: broker.leases[left["id"]]["state"] == "released", what="the orphan's release")
+        return s
+    s = asyncio.run(main())
     assert s.started_env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_restarted_hub_notices_an_end_as_soon_as_the_broker_answers():
+    """The hub checks its servers before it starts the broker: the first poll cannot reach it.
+    The shared link keeps trying, and the end that happened meanwhile stops the server at once."""
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        state = s.get_state()
+        s._unfollow()
+        await s.link.close()
+        broker.end("L1", "revoked", actor="admin")  # while the hub was down
+        broker.down = True
+        s2 = make_spawner(broker)
+        s2.load_state(state)
+        s2.running = True
+        assert await s2.poll() is None  # broker unreachable: assume running
+        broker.down = False
+        await until(lambda: not s2.running, timeout=10, what="the server to stop once the broker answers")
+        return s2
+    s2 = asyncio.run(main())
+    assert s2.last_lease_end["state"] == "revoked"
+
+
+def test_withdrawn_at_hub_shutdown_tells_the_user_and_remembers_it():
+    async def main():
+        broker = FakeBroker()
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        task = asyncio.ensure_future(s.start())
+        await until(lambda: s._watch is not None and s._watch.state == "queued", what="the queue")
+        assert s.withdraw_for_shutdown("The hub is shutting down; start again later.")
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(task, 5)
+        await until(lambda: broker.leases["L1"]["state"] == "withdrawn", what="the withdrawal")
+        return s, e.value
+    s, err = asyncio.run(main())
+    assert "The hub is shutting down" in err.message
+    assert s.last_lease_end["state"] == "withdrawn" and "shutting down" in s.last_lease_end["end_reason"]
+
+
+def test_an_eta_beyond_the_wait_limit_says_the_spawn_gives_up_first():
+    lease = {"request": {"kind": "gpu", "gpus": 1, "model": ["L4"]}, "queue": {"position": 3, "length": 5, "eta": 1000.0 + 13 * 3600}}
+    msg = queue_message(lease, POOL, now=1000.0, gives_up_at=1000.0 + 3600)
+    assert "position 3 of 5, about 13 h" in msg
+    assert "after this spawn stops waiting (in 1 h)" in msg and "it will give up" in msg
+    assert "give up" not in queue_message(lease, POOL, now=1000.0, gives_up_at=1000.0 + 14 * 3600)
+    flagged = {**lease, "queue": {**lease["queue"], "beyond_wait": True}}
+    assert "give up" in queue_message(flagged, POOL, now=1000.0)
+
+
+def test_a_share_gets_mps_limits_where_mps_serves_the_gpu_and_a_memory_fraction_everywhere():
+    lease = {"id": "L1", "expires_at": 1234, "tier": "learning", "placement": {"node": "n1", "slices": [
+        {"gpu_uuid": "GPU-l0", "node": "n1", "index": 2, "model": "L4", "memory_mib": 11517, "share": 0.5}]}}
+    plain = lease_environment(lease, gpu_memory_mib={"GPU-l0": 23034})
+    assert plain["GPULEASE_MEMORY_FRACTION"] == "0.5"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in plain
+    mps = lease_environment(lease, gpu_memory_mib={"GPU-l0": 23034}, cuda_mps=True)
+    assert mps["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert mps["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=11517M"
+    whole = {**lease, "placement": {"node": "n1", "slices": [{**lease["placement"]["slices"][0], "share": 1.0, "memory_mib": 23034}]}}
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in lease_environment(whole, cuda_mps=True)
+    assert lease_environment(whole)["GPULEASE_MEMORY_FRACTION"] == "1"
 
 
 def test_granted_message_says_when_a_grant_is_shorter_than_asked():

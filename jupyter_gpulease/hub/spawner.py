@@ -7,9 +7,16 @@
 Its ``start()`` asks the broker for a lease (acting for the user with a hub-side token that
 has the ``custom:gpulease:admin`` scope), waits in the queue while ``progress()`` streams the
 position and ETA to the spawn page, applies the granted placement and only then calls the
-engine's ``start()``. ``stop()``, a ``poll()`` that finds the server gone, a cancelled or
-failed spawn all end the lease. The lease id lives in the spawner state, so a restarted hub
-finds it again.
+engine's ``start()``. Once the hub sees the server answer, the spawner *confirms* the lease
+(the broker revokes a lease whose server never comes up). ``stop()``, a ``poll()`` that finds
+the server gone, a cancelled or failed spawn all end the lease. The lease id lives in the
+spawner state, so a restarted hub finds it again.
+
+Every spawner of a hub process talks to the broker through one shared
+:class:`~.link.BrokerLink`: one HTTP client sized for the hub, one subscription to the
+broker's event feed (a lease end stops its server within about a second), one queue refresh
+for all waiting spawns, and releases that retry until the broker has them. In a running hub
+the spawner also takes part in the hub's start and shutdown (see :mod:`.lifecycle`).
 
 The engine-specific part is :meth:`GPULeaseSpawner.apply_placement`: the default sets the
 environment (``CUDA_VISIBLE_DEVICES`` by UUID and ``GPULEASE_*``, see :mod:`.placement`),
@@ -27,12 +34,13 @@ from typing import Any
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner, Spawner
 from tornado import web
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Dict, Float, List, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, default, validate
 
-from ..client import BrokerClient, BrokerError
+from ..client import BrokerError
 from ..core.text import format_duration
 from . import form as spawn_form
 from . import pages
+from .link import BrokerLink, LeaseWatch, ended_by_holder
 from .options import LeaseChoice, OptionsError, parse_presets, parse_user_options
 from .placement import cpu_only_environment, describe_request, granted_message, lease_environment, queue_message
 
@@ -58,6 +66,15 @@ def spawn_error(message: str, *, reason: str, status_code: int = 400) -> web.HTT
     return e
 
 
+class _ProgressLog:
+    """The progress events of one spawn; every open progress stream replays all of them."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+        self.done = False
+        self.engine_started = False  # the lease part succeeded: the engine's own events follow
+
+
 class GPULeaseSpawner(Spawner):
     """Mixin: lease GPUs from the jupyter-gpulease broker around the engine's start and stop."""
 
@@ -67,7 +84,8 @@ class GPULeaseSpawner(Spawner):
 
         Example: ``http://127.0.0.1:10101/services/gpulease/`` (the service's own URL) or
         ``http://127.0.0.1:8000/services/gpulease/`` (through the proxy).
-        Default: the environment variable ``GPULEASE_BROKER_URL``.
+        Default: the environment variable ``GPULEASE_BROKER_URL``. The hub checks it (and the
+        token) when it starts and logs one line saying whether both work.
         """,
     ).tag(config=True)
 
@@ -84,10 +102,11 @@ class GPULeaseSpawner(Spawner):
     ).tag(config=True)
 
     broker_api_token = Unicode(
-        help="""Token the spawner uses to call the broker. It must carry the scope
-        ``custom:gpulease:admin`` (the spawner asks for leases on behalf of users); see
-        config/jupyterhub_config.py for the service and role that grant it.
-        Default: the environment variable ``GPULEASE_HUB_TOKEN``.
+        help="""Token the spawner uses to call the broker: the ``api_token`` of a service in
+        ``c.JupyterHub.services`` (e.g. ``{"name": "gpulease-spawner", "api_token": ...}``) whose
+        role grants the scopes ``custom:gpulease:admin`` (it asks for leases on behalf of users)
+        and ``access:services!service=gpulease``. Default: the environment variable
+        ``GPULEASE_HUB_TOKEN``.
         """,
     ).tag(config=True)
 
@@ -95,7 +114,14 @@ class GPULeaseSpawner(Spawner):
     def _default_broker_api_token(self):
         return os.environ.get("GPULEASE_HUB_TOKEN", "")
 
-    broker_timeout = Float(30, help="Seconds one call to the broker may take before it counts as failed.").tag(config=True)
+    broker_timeout = Float(30, help="Seconds one call to the broker may take before it counts as failed. Example: 30.").tag(config=True)
+
+    broker_max_connections = Int(
+        64,
+        help="""Connections the hub opens to the broker at most, for all spawners together (one
+        of them holds the event feed). The hub's own HTTP client for the broker: waits of one
+        kind cannot starve releases and confirms. Example: 64.""",
+    ).tag(config=True)
 
     lease_presets = List(
         help="""Named GPU options shown on the spawn form instead of (or besides) free choice,
@@ -142,21 +168,30 @@ class GPULeaseSpawner(Spawner):
         (the broker also withdraws the lease then). The hub's ``start_timeout`` is stretched by
         this much for the spawn, so a long wait is not cut off by the hub's default of 60 s;
         ``start_timeout`` keeps its meaning for the engine's own start after the grant.
-        A user may ask for a shorter wait (``max_wait_s``). Example: 1800 (half an hour).""",
+        A user may ask for a shorter wait (``max_wait_s``). A queue position whose estimate is
+        later than this says that the spawn will give up first. Example: 1800 (half an hour).""",
     ).tag(config=True)
 
     queue_refresh_interval = Float(
         5,
-        help="""Seconds between refreshes of the queue position and ETA while a spawn waits
-        (a grant is noticed at once through the broker's event feed).""",
+        help="""Seconds between refreshes of the queue positions and ETAs of waiting spawns (one
+        call for all of them; a grant, and any change in the queue, is noticed at once through
+        the broker's event feed). Example: 5.""",
     ).tag(config=True)
 
     on_lease_end = Unicode(
         "stop",
-        help="""What happens to a running server when its lease ends (expired, preempted,
-        reclaimed, revoked): ``"stop"`` stops the server (after the broker's warning);
-        ``"keep"`` leaves it running without the GPU — the server extension then ends GPU
-        access for its kernels and the user can ask for a new lease from the notebook.""",
+        help="""What happens to a running server when the broker or an admin ends its lease
+        (expired, preempted, revoked): ``"stop"`` stops the server (after the broker's
+        warning); ``"keep"`` leaves it running without a lease: its processes still see the
+        GPU in their environment, so keep this for engines where something else takes the
+        device away (the server extension's reclaim, or a container engine).
+
+        The hub hears of an end through the broker's event feed and stops the server within
+        about a second. When the feed is down (the broker restarting), the hub's periodic
+        ``poll()`` of each server, every ``c.Spawner.poll_interval`` seconds (JupyterHub's
+        default: 30), also reads the lease: that interval bounds how late a missed end stops
+        a server.""",
     ).tag(config=True)
 
     @validate("on_lease_end")
@@ -165,37 +200,86 @@ class GPULeaseSpawner(Spawner):
             raise TraitError(f"on_lease_end must be 'stop' or 'keep', got {proposal.value!r}")
         return proposal.value
 
+    on_release_by_user = Unicode(
+        "keep",
+        help="""What happens to a running server when its own user gives the lease back from
+        inside it (``%gpu release``, ``jupyter gpulease release`` in its terminal, the server
+        extension's idle reclaim) or from the my-leases page: ``"keep"`` (default) keeps the
+        server running without a GPU lease (CPU only; the user may ask for a GPU again);
+        ``"stop"`` stops it as for any other end.""",
+    ).tag(config=True)
+
+    @validate("on_release_by_user")
+    def _check_on_release_by_user(self, proposal):
+        if proposal.value not in ("stop", "keep"):
+            raise TraitError(f"on_release_by_user must be 'stop' or 'keep', got {proposal.value!r}")
+        return proposal.value
+
+    cuda_mps = Bool(
+        False,
+        help="""The pool's GPUs are served by CUDA MPS (an ``nvidia-cuda-mps-control`` daemon per
+        GPU whose pipe directory the servers see, e.g. through ``c.Spawner.environment =
+        {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}``). A server holding a share then gets
+        the MPS client limits ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (its compute share) and
+        ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (its memory), which the MPS server enforces.
+        Without MPS a share's limits are not enforced by the GPU: see the README's section on
+        shares. Whole GPUs and MIG slices are unaffected.""",
+    ).tag(config=True)
+
     lease_meta = Dict(help="Extra labels stored with every lease this spawner requests. Example: ``{'hub': 'teaching'}``.").tag(config=True)
 
     # ------------------------------------------------------------------ state
     lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
     lease = AnyTrait(None, allow_none=True, help="The lease JSON last seen (not persisted).")
+    last_lease_end = Dict(
+        help="""How this server's last lease ended (spawner state, kept across restarts, for
+        the hub's pages): ``{"lease_id", "state", "end_reason", "ended_at", "ended_by"}``.
+        Empty until a lease ended.""",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._lease_pending = False
         self._stopping = False
+        self._spawn_cancelled = False
+        self._withdraw_reason = ""
         self._engine_start_timeout: int | None = None
         self._lease_env: dict[str, str] = {}
-        self._watcher: asyncio.Task | None = None
-        self._progress_events: list[dict] = []
-        self._progress_done = False
+        self._watch: LeaseWatch | None = None
+        self._progress: _ProgressLog | None = None
         self._progress_signal = asyncio.Event()
-        self._client: BrokerClient | None = None
+        self._link: BrokerLink | None = None
         self._checked_pool: dict | None = None
         self._confirm_task: asyncio.Future | None = None
         self._orphan_task: asyncio.Future | None = None
+        self._end_task: asyncio.Future | None = None
+        self._handled_end = ""
         self.last_warning: dict | None = None
 
     # ------------------------------------------------------------------ the broker
     @property
-    def broker(self) -> BrokerClient:
-        if self._client is None:
+    def link(self) -> BrokerLink:
+        """The hub process's shared link to the broker."""
+        if self._link is None:
             if not self.broker_url:
                 raise spawn_error("GPU leases are not configured on this hub: the administrator must set "
                                   "c.GPULeaseSpawner.broker_url", reason="gpulease_config", status_code=500)
-            self._client = BrokerClient(self.broker_url, self.broker_api_token, timeout=self.broker_timeout)
-        return self._client
+            self._link = BrokerLink.for_settings(
+                self.broker_url,
+                self.broker_api_token,
+                timeout=self.broker_timeout,
+                max_connections=self.broker_max_connections,
+                queue_refresh_interval=self.queue_refresh_interval,
+                logger=self.log,
+            )
+        if self.user is not None:
+            self._link.spawners.add(self)
+        return self._link
+
+    @property
+    def broker(self):
+        """The broker's client (:class:`~jupyter_gpulease.client.BrokerClient` methods)."""
+        return self.link.client
 
     @property
     def presets(self):
@@ -204,12 +288,15 @@ class GPULeaseSpawner(Spawner):
     def _user_groups(self) -> list[str]:
         try:
             return sorted(g.name for g in (getattr(self.user, "groups", None) or []))
-        except Exception:  # a user object without groups (tests, odd authenticators)
+        except (AttributeError, TypeError):  # a user object without groups (tests, odd authenticators)
             return []
 
     async def fetch_pool(self) -> dict:
         """The broker's pool as this user sees it (tiers they may use, their quota)."""
         return await self.broker.pool(user=self.user.name, groups=self._user_groups())
+
+    def _background(self, coro) -> asyncio.Future:
+        return self.link._background(coro)
 
     # ------------------------------------------------------------------ form and options
     @default("options_form")
@@ -227,10 +314,8 @@ class GPULeaseSpawner(Spawner):
 
     async def render_options_form(self) -> str:
         """The spawn form, from the broker's live pool, queue and estimates (see :mod:`.form`)."""
-        try:
-            previous = dict(self.orm_spawner.user_options or {})
-        except Exception:  # no orm spawner (tests)
-            previous = dict(self.user_options or {})
+        orm_spawner = getattr(self, "orm_spawner", None)  # none in tests
+        previous = dict((orm_spawner.user_options if orm_spawner is not None else self.user_options) or {})
         return await spawn_form.render_for(
             self.broker if self.broker_url else None,
             user=self.user.name,
@@ -248,10 +333,11 @@ class GPULeaseSpawner(Spawner):
         lease = self.lease if self.lease_id else None
         if self.lease_id and self.broker_url:
             try:
-                lease = self.lease = await asyncio.wait_for(self.broker.get_lease(self.lease_id), 3)
+                async with asyncio.timeout(3):
+                    lease = self.lease = await self.broker.get_lease(self.lease_id)
             except (TimeoutError, BrokerError) as e:
                 self.log.debug("Lease %s of %s for the home page: %s", self.lease_id, self._log_name, e)
-        last_end = getattr(self, "last_lease_end", None)
+        last_end = self.last_lease_end or None
         if not last_end and not self.lease_id and (self.lease or {}).get("state") not in (None, "active", "queued"):
             last_end = self.lease  # the ended lease poll() found
         return pages.lease_status(lease=lease, last_end=last_end, server_active=self.active, server_ready=self.ready,
@@ -272,21 +358,29 @@ class GPULeaseSpawner(Spawner):
             raise spawn_error(f"Invalid GPU options: {e.message}", reason="gpulease_options") from None
 
     # ------------------------------------------------------------------ progress
-    def _reset_progress(self) -> None:
-        self._progress_events = []
-        self._progress_done = False
-        self._progress_signal = asyncio.Event()
+    def _new_progress(self) -> None:
+        """A fresh event log for the spawn that starts now; open streams switch to it."""
+        self._progress = _ProgressLog()
+        self._wake_progress()
+
+    def _close_progress(self) -> None:
+        """The server stopped: its spawn's events are history (a stream still open ends)."""
+        self._progress = None
+        self._wake_progress()
 
     def emit_progress(self, message: str, progress: int | None = None, **data: Any) -> None:
         """Add one event to the spawn page's progress feed (every open page sees all of them)."""
+        log = self._progress
+        if log is None or log.done:
+            return
         event: dict[str, Any] = {"message": message}
         if progress is not None:
             event["progress"] = int(progress)
         if data:
             event["gpulease"] = data
-        if self._progress_events and self._progress_events[-1] == event:
+        if log.events and log.events[-1] == event:
             return
-        self._progress_events.append(event)
+        log.events.append(event)
         self.log.info("%s: %s", self._log_name, message)
         self._wake_progress()
 
@@ -294,25 +388,49 @@ class GPULeaseSpawner(Spawner):
         signal, self._progress_signal = self._progress_signal, asyncio.Event()
         signal.set()
 
-    def _finish_lease_progress(self) -> None:
-        self._progress_done = True
+    def _finish_lease_progress(self, engine_starts: bool = False) -> None:
+        if self._progress is not None and not self._progress.done:
+            self._progress.done = True
+            self._progress.engine_started = engine_starts
         self._wake_progress()
 
     async def progress(self):
-        """Queue position and ETA while the lease waits, then the engine's own progress events."""
+        """Queue position and ETA while the lease waits, then the engine's own progress events.
+
+        A stream opened before ``start()`` runs (the hub opens it as soon as the spawn is
+        requested) waits for this spawn's events instead of ending early; a stream of a spawn
+        that was cancelled or failed ends with it."""
+        log: _ProgressLog | None = None
         i = 0
         while True:
             signal = self._progress_signal
-            while i < len(self._progress_events):
-                yield self._progress_events[i]
+            current = self._progress
+            if current is not log:
+                if log is not None:
+                    return  # the spawn we followed was closed (stopped, failed, cancelled)
+                log, i = current, 0
+            if log is None:
+                await signal.wait()  # start() has not begun yet
+                continue
+            while i < len(log.events):
+                yield log.events[i]
                 i += 1
-            if self._progress_done:
+            if log.done:
                 break
             await signal.wait()
-        async for event in super().progress():
-            yield event
+        if log.engine_started:
+            async for event in super().progress():
+                yield event
 
     # ------------------------------------------------------------------ start
+    @property
+    def ready(self):
+        # A spawn cancelled in the queue leaves the hub's server record behind for a moment
+        # (until the hub's stop runs): never report it as a ready server.
+        if self._spawn_cancelled:
+            return False
+        return super().ready
+
     def run_pre_spawn_hook(self):
         # The hub wraps start() in asyncio.wait_for(start_timeout); start() includes the queue
         # wait, so stretch the limit by the wait allowed. The engine gets its own value back
@@ -328,13 +446,20 @@ class GPULeaseSpawner(Spawner):
             self._engine_start_timeout = None
 
     async def start(self):
-        self._reset_progress()
+        self._new_progress()
         self._lease_env = {}
         self.lease_id = ""
         self.lease = None
+        self._spawn_cancelled = False
+        self._withdraw_reason = ""
+        self._handled_end = ""
         self._lease_pending = True  # until start() returns, poll() says "starting"
         try:
             return await self._start_with_lease()
+        except asyncio.CancelledError:
+            self._spawn_cancelled = True
+            self.emit_progress("Spawn cancelled; the GPU request is given back", 100)
+            raise
         finally:
             self._restore_start_timeout()
             self._lease_pending = False
@@ -349,9 +474,9 @@ class GPULeaseSpawner(Spawner):
             if self.broker_url:
                 # a GPU lease an earlier stop could not release would otherwise stay with this
                 # server (the hub's check sees the server running): end it, without delaying the spawn
-                self._orphan_task = asyncio.ensure_future(self._withdraw_orphans(self.broker))
+                self._orphan_task = self._background(self._withdraw_orphans())
             self.emit_progress("No GPU for this server (CPU only)", 40)
-            self._finish_lease_progress()
+            self._finish_lease_progress(engine_starts=True)
             self._restore_start_timeout()
             return await super().start()
 
@@ -359,9 +484,9 @@ class GPULeaseSpawner(Spawner):
         pool, self._checked_pool = self._checked_pool, None  # fetched by the options check just before
         try:
             if pool is None:
-                pool, _ = await asyncio.gather(self.fetch_pool(), self._withdraw_orphans(client))
+                pool, _ = await asyncio.gather(self.fetch_pool(), self._withdraw_orphans())
             else:
-                await self._withdraw_orphans(client)
+                await self._withdraw_orphans()
         except BrokerError as e:
             raise self._broker_failure(e, "ask for a GPU lease") from None
         choice = self.lease_choice(self.user_options, pool)
@@ -381,93 +506,131 @@ class GPULeaseSpawner(Spawner):
         except BrokerError as e:
             raise self._broker_failure(e, "ask for a GPU lease") from None
         except asyncio.CancelledError:
-            # cancelled while the broker answered: the lease exists, so withdraw it
-            try:
-                lease = await request
-            except Exception:
-                raise asyncio.CancelledError() from None
-            await self._end_lease(lease["id"], "spawn cancelled")
+            # cancelled while the broker answered: the lease exists (or soon will), so withdraw
+            # it once it does, in the background: the hub waits only a second for a cancel
+            self._background(self._withdraw_when_created(request))
             raise
         lease_id = self.lease_id = lease["id"]
         self.lease = lease
         try:
-            lease = await self._wait_for_grant(client, lease, pool, time.monotonic() + wait_limit, wait_limit)
+            lease = await self._wait_for_grant(lease, pool, time.monotonic() + wait_limit, wait_limit)
             self.lease = lease
-            self.apply_placement(lease)
+            self.apply_placement(lease, pool)
             self.emit_progress(granted_message(lease), 45, lease_id=lease["id"], state="active",
                                expires_at=lease.get("expires_at"))
-            self._finish_lease_progress()
+            self._finish_lease_progress(engine_starts=True)
             self._restore_start_timeout()
             url = await super().start()
-            # confirm in the background: the hub goes on waiting for the server meanwhile, and a
-            # lease that ended in between is noticed by the watcher and poll(), which stop the server
-            self._confirm_task = asyncio.ensure_future(self._confirm(lease_id))
-            self._start_watcher()
-            return url
-        except BaseException as e:  # cancelled (the user pressed cancel), failed, timed out
-            reason = "spawn cancelled" if isinstance(e, asyncio.CancelledError) else f"spawn failed: {e}"
-            await asyncio.shield(self._end_lease(lease_id, reason))
+        except BaseException as e:  # cancelled (the user pressed cancel), failed, timed out, withdrawn
+            ended = self._watch.lease if self._watch is not None and not self._watch.live else None
+            self._unfollow()
+            if isinstance(e, asyncio.CancelledError):
+                why = "spawn cancelled"
+                self._end_lease(lease_id, why)
+            else:
+                why = self._withdraw_reason or f"spawn failed: {getattr(e, 'jupyterhub_message', None) or e}"
+                await self._end_lease_briefly(lease_id, why)
+            self._remember_end(ended or {"id": lease_id, "state": "withdrawn", "end_reason": why,
+                                         "end_message": self._withdraw_reason})
             raise
+        # confirm once the hub sees the server answer: the broker revokes a lease whose server
+        # never comes up, and the hub goes on waiting for the server meanwhile
+        self._confirm_task = self._background(self._confirm_when_up(lease_id))
+        self._follow(lease_id, lease)
+        return url
 
-    async def _confirm(self, lease_id: str) -> None:
+    async def _withdraw_when_created(self, request: asyncio.Future) -> None:
         try:
-            self.lease = await self.broker.confirm(lease_id)
-        except BrokerError as e:
-            self.log.warning("Could not confirm lease %s of %s: %s", lease_id, self._log_name, e)
-        except Exception:
-            self.log.exception("Could not confirm lease %s of %s", lease_id, self._log_name)
+            lease = await request
+        except (BrokerError, asyncio.CancelledError):
+            return  # refused or unreachable: nothing was queued
+        self._end_lease(lease["id"], "spawn cancelled")
 
-    async def _wait_for_grant(self, client: BrokerClient, lease: dict, pool: dict | None, deadline: float, wait_limit: float) -> dict:
+    async def _confirm_when_up(self, lease_id: str) -> None:
+        """Confirm the lease once the server is up (the hub marks it ready), with retries."""
+        limit = time.monotonic() + max(60.0, float(self.start_timeout) + float(getattr(self, "http_timeout", 30)) + 60)
+        while not self.ready:
+            if self.lease_id != lease_id or time.monotonic() > limit:
+                return  # stopped or failed before it came up
+            await asyncio.sleep(0.2)
+        await self._confirm(lease_id)
+
+    async def _confirm(self, lease_id: str, tries: int = 5) -> None:
+        from .link import Backoff
+
+        backoff = Backoff(first=1, cap=10)
+        for attempt in range(tries):
+            if self.lease_id != lease_id:
+                return
+            try:
+                self.lease = await self.broker.confirm(lease_id)
+                if self._watch is not None and self._watch.lease_id == lease_id:
+                    self._watch.update(self.lease)
+                return
+            except BrokerError as e:
+                if e.status not in (0, 429) and e.status < 500:
+                    self.log.warning("Could not confirm lease %s of %s: %s", lease_id, self._log_name, e)
+                    return
+                if attempt == tries - 1:
+                    self.log.warning("Could not confirm lease %s of %s yet: %s; the next poll tries again", lease_id, self._log_name, e)
+                    return
+            except Exception:
+                self.log.exception("Could not confirm lease %s of %s", lease_id, self._log_name)
+                return
+            await asyncio.sleep(backoff.next())
+
+    async def _wait_for_grant(self, lease: dict, pool: dict | None, deadline: float, wait_limit: float) -> dict:
         lease_id = lease["id"]
-        since = 0
+        watch = self._follow(lease_id, lease)
+        gives_up_at = time.time() + (deadline - time.monotonic())
         while True:
-            state = lease.get("state")
-            if state == "active":
+            if self._withdraw_reason:
+                raise spawn_error(self._withdraw_reason, reason="gpulease_withdrawn", status_code=503)
+            lease = watch.lease
+            state = watch.state
+            if state == "active" and lease.get("placement"):
                 return lease
-            if state != "queued":
+            if state not in ("queued", "active"):
                 why = lease.get("end_reason") or state
                 raise spawn_error(f"The GPU lease {lease_id} ended before it was granted ({why}). Start again, "
                                   "perhaps with a smaller request or a longer wait.", reason="gpulease_not_granted")
-            q = lease.get("queue") or {}
-            self.emit_progress(queue_message(lease, pool), _queue_progress(q), lease_id=lease_id, state="queued",
-                               position=q.get("position"), length=q.get("length"), eta=q.get("eta"),
-                               waiting_for=q.get("waiting_for"))
+            if state == "queued":
+                q = lease.get("queue") or {}
+                self.emit_progress(queue_message(lease, pool, gives_up_at=gives_up_at), _queue_progress(q), lease_id=lease_id,
+                                   state="queued", position=q.get("position"), length=q.get("length"), eta=q.get("eta"),
+                                   waiting_for=q.get("waiting_for"))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise spawn_error(f"No GPU became free within {format_duration(wait_limit)}, so the spawn gave up and left "
                                   "the queue. Try a smaller request (a share, another model) or try later.",
                                   reason="gpulease_wait_timeout")
-            try:
-                feed = await client.events(since=since, lease_id=lease_id, timeout=min(self.queue_refresh_interval, left))
-                since = int(feed.get("last_id") or since)
-            except BrokerError as e:
-                if e.status not in (0, 404) and e.status < 500:
-                    raise self._broker_failure(e, "wait for the GPU lease") from None
-                self.log.warning("Lease events for %s unavailable (%s); polling", self._log_name, e)
-                await asyncio.sleep(min(self.queue_refresh_interval, max(left, 0)))
-            try:
-                lease = await client.get_lease(lease_id)
-            except BrokerError as e:
-                if e.status == 0 or e.status >= 500:
-                    self.emit_progress("The lease broker is not answering; still waiting", None)
-                    continue
-                raise self._broker_failure(e, "wait for the GPU lease") from None
+            changed = await watch.changed(timeout=min(self.queue_refresh_interval, left))
+            if not changed and not self.link.connected:
+                # the broker's feed is away: ask for the lease itself
+                got = await self.link.get_lease(lease_id)
+                if got is None:
+                    self.emit_progress("The GPU lease broker is not answering; still waiting in the queue", None)
 
     def _broker_failure(self, e: BrokerError, doing: str) -> web.HTTPError:
+        config_problem = self._link.user_message() if self._link is not None else ""
         if e.status == 0 or e.status >= 500:
+            if config_problem:
+                return spawn_error(config_problem, reason="gpulease_config", status_code=503)
             return spawn_error(f"Could not {doing}: the GPU lease broker is not answering ({e.message}). "
-                               "Try again in a minute, or choose a CPU-only server.", reason="gpulease_unavailable", status_code=503)
-        if e.status in (401,):
-            return spawn_error("The hub could not authenticate to the GPU lease broker; tell the administrator "
-                               "(GPULeaseSpawner.broker_api_token needs the custom:gpulease:admin scope).",
+                               "Try again in a few minutes, or choose a CPU-only server; if it lasts, tell the "
+                               "administrator.", reason="gpulease_unavailable", status_code=503)
+        if e.status in (301, 302, 303, 307, 401) or (e.status == 403 and "may not use this service" in e.message):
+            return spawn_error(config_problem or "GPU leases do not work on this hub right now because of a configuration "
+                               "problem (the hub's token for the lease broker was refused); the administrator finds "
+                               "the details in the hub's log. Choose a CPU-only server meanwhile.",
                                reason="gpulease_config", status_code=500)
         return spawn_error(f"The GPU lease was refused: {e.message}", reason="gpulease_refused",
                            status_code=403 if e.status == 403 else 400)
 
-    async def _withdraw_orphans(self, client: BrokerClient) -> None:
+    async def _withdraw_orphans(self) -> None:
         """End leases of this server that no running spawner holds (left by a hub that died mid-spawn)."""
         try:
-            leases = await client.list_leases(state=None, user=self.user.name)
+            leases = await self.broker.list_leases(state=None, user=self.user.name)
         except BrokerError as e:
             self.log.debug("Could not list leases of %s: %s", self.user.name, e)
             return
@@ -475,16 +638,29 @@ class GPULeaseSpawner(Spawner):
             if (lease.get("state") in ACTIVE_STATES and lease.get("server", "") == (self.name or "")
                     and (lease.get("meta") or {}).get("spawner") == "jupyter-gpulease" and lease.get("id") != self.lease_id):
                 self.log.warning("Ending lease %s of %s: no running server holds it", lease["id"], self._log_name)
-                await self._end_lease(lease["id"], "left behind by an earlier spawn")
+                self._end_lease(lease["id"], "left behind by an earlier spawn")
+
+    def withdraw_for_shutdown(self, message: str) -> bool:
+        """The hub is shutting down: a spawn waiting in the queue gives up at once, telling the
+        user ``message``, and its lease is withdrawn. True when this spawn was waiting."""
+        w = self._watch
+        if not self._lease_pending or w is None or w.state != "queued":
+            return False
+        self._withdraw_reason = message
+        w._fire()
+        return True
 
     # ------------------------------------------------------------------ placement (engine part)
-    def apply_placement(self, lease: dict) -> None:
+    def apply_placement(self, lease: dict, pool: dict | None = None) -> None:
         """Make the engine give the server the leased devices. Local processes: the environment.
 
         Container engines override this (and call super()) to add resource requests, node
-        selectors or device mounts for ``lease["placement"]``.
+        selectors or device mounts for ``lease["placement"]``. ``pool``: the broker's pool as
+        read for this spawn (devices with their memory), when at hand.
         """
-        self._lease_env = lease_environment(lease, broker_url=self.server_broker_url or self.broker_url)
+        memory = {d.get("uuid"): int(d.get("memory_mib") or 0) for d in (pool or {}).get("devices") or [] if d.get("uuid")}
+        self._lease_env = lease_environment(lease, broker_url=self.server_broker_url or self.broker_url,
+                                            gpu_memory_mib=memory, cuda_mps=self.cuda_mps)
 
     def get_env(self):
         env = super().get_env()
@@ -493,8 +669,8 @@ class GPULeaseSpawner(Spawner):
 
     # ------------------------------------------------------------------ stop, poll, state
     async def stop(self, now=False):
-        self._stop_watcher()
         lease_id = self.lease_id
+        self._unfollow()
         self._stopping = True
         try:
             # ask the engine itself: a spawn cancelled in the queue never started anything
@@ -503,8 +679,10 @@ class GPULeaseSpawner(Spawner):
                 await super().stop(now=now)
         finally:
             self._stopping = False
+            self._close_progress()
             if lease_id:
-                await self._end_lease(lease_id, "server stopped")
+                self._remember_end({"id": lease_id, "state": "released", "end_reason": "server stopped"})
+                await self._end_lease_briefly(lease_id, "server stopped")
 
     async def poll(self):
         if self._stopping:
@@ -514,76 +692,85 @@ class GPULeaseSpawner(Spawner):
         lease_id = self.lease_id
         status = await super().poll()
         if status is not None:
-            self._stop_watcher()  # or it would outlive the lease, and keep a new spawn's lease unwatched
+            self._unfollow()  # or it would outlive the lease, and keep a new spawn's lease unwatched
             if lease_id and not self._stopping:
-                await self._end_lease(lease_id, "server is gone")
+                self._remember_end({"id": lease_id, "state": "released", "end_reason": "its server was gone"})
+                self._end_lease(lease_id, "server is gone")
             return status
         if not lease_id:
             return None
-        lease = await self._fetch_lease(lease_id)
-        if lease is None:
-            return None  # broker unreachable: assume nothing changed
-        if lease.get("state") in ACTIVE_STATES:
-            if self._watcher is None:  # a restarted hub: follow the lease again
-                self._start_watcher()
+        fresh = self._watch is None or self._watch.lease_id != lease_id
+        watch = self._follow(lease_id)  # a restarted hub: follow the lease again (the link retries until the broker answers)
+        if (fresh or not self.link.connected) and await self.link.get_lease(lease_id) is None:
+            return None  # broker unreachable: assume nothing changed; the link tells us once it answers
+        lease = watch.lease
+        if watch.live:
+            self.lease = lease
             if (lease.get("state") == "active" and "confirmed_at" in lease and lease["confirmed_at"] is None
-                    and (self._confirm_task is None or self._confirm_task.done())):
+                    and self.ready and (self._confirm_task is None or self._confirm_task.done())):
                 # the confirm after start did not reach the broker: the server is up, say so now,
-                # or the broker revokes the lease after its confirm_timeout_s and the server stops
-                self._confirm_task = asyncio.ensure_future(self._confirm(lease_id))
+                # or the broker revokes the lease after its confirm_timeout and the server stops
+                self._confirm_task = self._background(self._confirm(lease_id))
             return None
-        self.log.warning("Lease %s of %s ended (%s: %s)", lease_id, self._log_name, lease.get("state"), lease.get("end_reason"))
-        self._stop_watcher()
-        if self.on_lease_end != "stop":
-            self.lease_id = ""
+        return await self._lease_ended(lease)
+
+    async def _lease_ended(self, lease: dict):
+        """The lease of the running server ended: stop the server, or keep it running without it."""
+        lease_id = lease.get("id") or self.lease_id
+        self._unfollow()
+        self._remember_end(lease)
+        by_user = ended_by_holder(lease)
+        keep = self.on_release_by_user == "keep" if by_user else self.on_lease_end != "stop"
+        if self._handled_end != lease_id:
+            self._handled_end = lease_id
+            self.log.warning("Lease %s of %s ended (%s: %s)%s", lease_id, self._log_name, lease.get("state"),
+                             lease.get("end_reason") or "", "; the server keeps running without it" if keep else "; stopping the server")
+        self.lease_id = ""
+        if keep:
+            self._lease_env = {}
             return None
         self._stopping = True
         try:
             await super().stop()
         finally:
             self._stopping = False
-        self.lease_id = ""
         status = await super().poll()
         return 0 if status is None else status
 
-    async def _fetch_lease(self, lease_id: str) -> dict | None:
-        try:
-            lease = await self.broker.get_lease(lease_id)
-        except BrokerError as e:
-            if e.status == 404:
-                return {"id": lease_id, "state": "ended", "end_reason": "unknown to the broker"}
-            self.log.warning("Could not check lease %s of %s: %s", lease_id, self._log_name, e)
-            return None
-        self.lease = lease
-        return lease
+    def _remember_end(self, lease: dict) -> None:
+        self.last_lease_end = {
+            "lease_id": lease.get("id") or self.lease_id,
+            "state": lease.get("state") or "",
+            "end_reason": lease.get("end_reason") or "",
+            "ended_at": lease.get("ended_at") or time.time(),
+            "ended_by": lease.get("ended_by") or lease.get("ended_actor") or "",
+        }
 
-    async def _end_lease(self, lease_id: str, reason: str) -> None:
-        """Release an active lease or withdraw a queued one; a lease that already ended is fine."""
+    def _end_lease(self, lease_id: str, reason: str) -> asyncio.Future | None:
+        """Release an active lease or withdraw a queued one, in the background until the broker
+        has it (a lease that already ended is fine)."""
         if not lease_id:
-            return
-        try:
-            await self._release_as_holder(lease_id, reason)
-            self.log.info("Released lease %s of %s (%s)", lease_id, self._log_name, reason)
-        except BrokerError as e:
-            if e.status not in (404, 409):
-                self.log.error("Could not release lease %s of %s: %s; the broker ends it when it is never confirmed "
-                               "or its heartbeats stop", lease_id, self._log_name, e)
-                return
-        except Exception:
-            self.log.exception("Could not release lease %s of %s", lease_id, self._log_name)
-            return
+            return None
         if self.lease_id == lease_id:
             self.lease_id = ""
+        return self.link.end_lease(lease_id, reason, state="released", who=self._log_name)
 
-    async def _release_as_holder(self, lease_id: str, reason: str) -> dict:
-        # The spawner acts for the user: the lease ends as 'released' (or 'withdrawn' while
-        # queued), not 'revoked' as when an admin ends someone else's lease.
-        return await self.broker.release(lease_id, reason=reason, state="released")
+    async def _end_lease_briefly(self, lease_id: str, reason: str) -> None:
+        """:meth:`_end_lease`, waiting a moment for the broker's answer (it goes on in the
+        background when the broker is slow or away)."""
+        task = self._end_lease(lease_id, reason)
+        if task is not None:
+            await asyncio.wait([task], timeout=min(5.0, self.broker_timeout))
 
     def get_state(self):
         state = super().get_state()
+        mine: dict[str, Any] = {}
         if self.lease_id:
-            state[STATE_KEY] = {"version": STATE_VERSION, "lease_id": self.lease_id}
+            mine["lease_id"] = self.lease_id
+        if self.last_lease_end:
+            mine["last_end"] = dict(self.last_lease_end)
+        if mine:
+            state[STATE_KEY] = {"version": STATE_VERSION, **mine}
         return state
 
     def load_state(self, state):
@@ -591,6 +778,8 @@ class GPULeaseSpawner(Spawner):
         mine = (state or {}).get(STATE_KEY) or {}
         if mine.get("lease_id"):
             self.lease_id = str(mine["lease_id"])
+        if isinstance(mine.get("last_end"), dict):
+            self.last_lease_end = dict(mine["last_end"])
 
     def clear_state(self):
         super().clear_state()
@@ -598,52 +787,35 @@ class GPULeaseSpawner(Spawner):
             return  # never drop a lease that is still being waited for
         self.lease_id = ""
         self._lease_env = {}
+        self._close_progress()
 
     # ------------------------------------------------------------------ the running lease
-    async def on_lease_event(self, event: dict) -> None:
-        """Called with every broker event of the running server's lease (``extended``, ``warned``,
-        ``ended``…). Engines override it, e.g. to move a batch job's time limit; the default does nothing."""
+    def _follow(self, lease_id: str, lease: dict | None = None) -> LeaseWatch:
+        """Follow ``lease_id`` through the hub's shared event feed."""
+        w = self._watch
+        if w is not None and w.lease_id == lease_id and not w.closed:
+            if lease is not None:
+                w.update(lease)
+            return w
+        self._unfollow()
+        w = self._watch = self.link.watch(lease_id, lease)
+        w.on_change.append(self._on_lease_change)
+        return w
 
-    def _start_watcher(self) -> None:
-        if self.lease_id and (self._watcher is None or self._watcher.done()):
-            self._watcher = asyncio.ensure_future(self._watch_lease(self.lease_id))
+    def _unfollow(self) -> None:
+        w, self._watch = self._watch, None
+        if w is not None:
+            w.close()
 
-    def _stop_watcher(self) -> None:
-        w, self._watcher = self._watcher, None
-        if w is not None and not w.done() and w is not asyncio.current_task():
-            w.cancel()
-
-    async def _watch_lease(self, lease_id: str) -> None:
-        """Follow the lease's events: log warnings, and stop the server promptly when it ends."""
-        since = 0
-        while self.lease_id == lease_id:
-            try:
-                feed = await self.broker.events(since=since, lease_id=lease_id, timeout=30)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.log.debug("Lease events for %s: %s", self._log_name, e)
-                await asyncio.sleep(self.queue_refresh_interval)
-                continue
-            since = int(feed.get("last_id") or since)
-            for ev in feed.get("events") or []:
-                kind = ev.get("kind")
-                try:
-                    await self.on_lease_event(ev)
-                except Exception:
-                    self.log.exception("Handling event %s of lease %s of %s failed", kind, lease_id, self._log_name)
-                if kind in ("warned", "preempt-warned"):
-                    self.last_warning = ev
-                    self.log.warning("Lease %s of %s: %s %s", lease_id, self._log_name, kind, ev.get("reason", ""))
-                elif kind == "ended":
-                    self.log.warning("Lease %s of %s ended: %s %s", lease_id, self._log_name, ev.get("to_state"), ev.get("reason", ""))
-                    if self.on_lease_end == "stop" and not getattr(self, "_stop_pending", False):
-                        self._watcher = None
-                        # the hub's own path: poll() notices, stops the server, callbacks clean up
-                        await self.poll_and_notify()
-                    elif self.on_lease_end != "stop":
-                        self.lease_id = ""
-                    return
+    def _on_lease_change(self, w: LeaseWatch) -> None:
+        if w.warning is not None and w.warning is not self.last_warning:
+            self.last_warning = w.warning
+            self.log.warning("Lease %s of %s: %s %s", w.lease_id, self._log_name, w.warning.get("kind"), w.warning.get("reason", ""))
+        if (w.live or w.state is None or self._lease_pending or self._stopping or self.lease_id != w.lease_id
+                or self._handled_end == w.lease_id or (self._end_task is not None and not self._end_task.done())):
+            return
+        # ended while the server runs: the hub's own path (poll() decides, callbacks clean up)
+        self._end_task = self._background(self.poll_and_notify())
 
 
 def _queue_progress(q: dict) -> int:
@@ -678,3 +850,33 @@ class GPULeaseSimpleLocalProcessSpawner(GPULeaseSpawner, SimpleLocalProcessSpawn
 
     Like JupyterHub's SimpleLocalProcessSpawner: no isolation between users; never in production.
     """
+
+
+def _attach_to_running_hub() -> None:
+    """Loaded into a JupyterHub process (its config names this spawner): take part in the hub's
+    start and shutdown (:mod:`.lifecycle`). JupyterHub has no hook for that, and it imports
+    the spawner while it builds its app, before any event loop runs; so the hub's
+    ``init_spawners`` step (run once, at start, on its loop) gets a first action that attaches
+    the lease spawner when the hub's spawner class is one. Anywhere else nothing happens."""
+    import sys
+
+    app_module = sys.modules.get("jupyterhub.app")
+    if app_module is None:
+        return
+    hub_class = app_module.JupyterHub
+    if getattr(hub_class, "_gpulease_hooked", False):
+        return
+    init_spawners = hub_class.init_spawners
+
+    async def init_spawners_with_leases(self, *args, **kwargs):
+        from . import lifecycle
+
+        if lifecycle.uses_lease_spawner(self):
+            lifecycle.attach(self)
+        return await init_spawners(self, *args, **kwargs)
+
+    hub_class.init_spawners = init_spawners_with_leases
+    hub_class._gpulease_hooked = True
+
+
+_attach_to_running_hub()

@@ -1,0 +1,137 @@
+"""The lease spawner's part in a running hub's start and shutdown.
+
+JupyterHub starts its managed services (the lease broker among them) *after* it checked its
+spawners, and on shutdown stops them *before* its servers. Left alone, a restarted hub could
+not tell the broker about servers it found gone, and the leases of servers stopped at shutdown
+would stay active until the broker's own check with the hub found them. So when the spawner
+module is loaded into a running hub, :func:`attach` adds two steps:
+
+* **at start**: once the broker answers, one log line says whether ``broker_url`` and the
+  spawner's token work (wrong URL, invalid token, missing scope: what to fix);
+* **at shutdown**, before the hub's own clean-up stops the broker: the broker stops granting
+  (drain mode), spawns waiting in the queue give up with a message saying so, and, when
+  ``c.JupyterHub.cleanup_servers`` is true (the default), the servers that hold leases are
+  stopped and their leases released while the broker still runs. With ``cleanup_servers =
+  False`` the servers go on running and keep their leases; the restarted hub follows them
+  again from the saved spawner state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .link import BrokerLink
+
+log = logging.getLogger("jupyter_gpulease.hub")
+
+SHUTDOWN_LIMIT_S = 40.0  # the whole lease part of a hub shutdown, at most
+WITHDRAWN_AT_SHUTDOWN = (
+    "The hub is shutting down (a restart or maintenance), so this spawn gave up its place in the GPU queue. "
+    "Start your server again once the hub is back."
+)
+
+
+def attach(app) -> None:
+    """Hook the lease spawner into the running JupyterHub ``app`` (once per process)."""
+    if getattr(app, "_gpulease_attached", False):
+        return
+    app._gpulease_attached = True
+    original_cleanup = app.cleanup
+
+    async def cleanup():
+        try:
+            await asyncio.wait_for(end_leases_at_shutdown(app), SHUTDOWN_LIMIT_S)
+        except TimeoutError:
+            app.log.error("GPU leases at shutdown: not done within %g s; leaving the rest to the broker's check", SHUTDOWN_LIMIT_S)
+        except Exception:
+            app.log.exception("GPU leases at shutdown failed")
+        await original_cleanup()
+
+    app.cleanup = cleanup
+    asyncio.get_running_loop().call_soon(lambda: _keep(asyncio.ensure_future(check_at_start(app))))
+
+
+_tasks: set = set()
+
+
+def _keep(task: asyncio.Task) -> None:
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+def uses_lease_spawner(app) -> bool:
+    """Whether the hub ``app`` spawns with a lease spawner."""
+    return _lease_spawner_class(app) is not None
+
+
+def _lease_spawner_class(app):
+    from .spawner import GPULeaseSpawner
+
+    cls = getattr(app, "spawner_class", None)
+    return cls if isinstance(cls, type) and issubclass(cls, GPULeaseSpawner) else None
+
+
+async def check_at_start(app) -> str | None:
+    """Check the broker URL and the spawner's token once the broker answers (it starts after
+    the hub's spawners); log one line. None when the hub does not use the lease spawner."""
+    cls = _lease_spawner_class(app)
+    if cls is None:
+        return None
+    probe = cls(config=app.config, log=app.log)  # reads the config only: no user, no server
+    if not probe.broker_url:
+        line = "GPU leases: c.GPULeaseSpawner.broker_url is not set, so every GPU spawn fails; set it to the broker's URL"
+        app.log.error("%s", line)
+        return line
+    return await probe.link.check()
+
+
+def _links() -> list[BrokerLink]:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return []
+    return [link for link in BrokerLink._links.get(loop, {}).values() if not link._closed]
+
+
+async def end_leases_at_shutdown(app) -> dict:
+    """Stop granting, withdraw waiting spawns, then (``cleanup_servers``) stop the servers that
+    hold leases and wait until the broker has every release. Returns what was done."""
+    done = {"drained": False, "withdrawn": 0, "stopped": 0, "unreleased": []}
+    links = _links()
+    if not links:
+        return done
+    started = time.monotonic()
+    cleanup_servers = bool(getattr(app, "cleanup_servers", True))
+    for link in links:
+        spawners = list(link.spawners)
+        done["drained"] = await link.drain(True, "the hub is shutting down") or done["drained"]
+        waiting = [s for s in spawners if s.withdraw_for_shutdown(WITHDRAWN_AT_SHUTDOWN)]
+        done["withdrawn"] += len(waiting)
+        futures = [s._spawn_future for s in waiting if getattr(s, "_spawn_future", None) is not None]
+        if futures:
+            await asyncio.wait(futures, timeout=10)
+        if cleanup_servers:
+            # a spawn past the queue (its engine starting) finishes first, then stops like the rest
+            starting = [s._spawn_future for s in spawners if s not in waiting and s._lease_pending
+                        and getattr(s, "_spawn_future", None) is not None and not s._spawn_future.done()]
+            if starting:
+                await asyncio.wait(starting, timeout=15)
+            holding = [s for s in spawners if s not in waiting and s.lease_id and not s._stop_pending
+                       and getattr(s, "user", None) is not None and hasattr(s.user, "stop")]
+            results = await asyncio.gather(*(s.user.stop(s.name) for s in holding), return_exceptions=True)
+            for s, r in zip(holding, results):
+                if isinstance(r, Exception):
+                    app.log.error("Could not stop %s at shutdown: %s", s._log_name, r)
+            done["stopped"] += len(holding)
+        done["unreleased"] += await link.flush(10)
+    parts = ["the broker grants no more leases" if done["drained"] else "the broker could not be put in drain mode",
+             f"{done['withdrawn']} waiting spawn(s) withdrawn"]
+    if cleanup_servers:
+        parts.append(f"{done['stopped']} server(s) with GPU leases stopped")
+    else:
+        parts.append("servers keep running with their leases (c.JupyterHub.cleanup_servers = False)")
+    parts.append("every lease given back" if not done["unreleased"] else f"{len(done['unreleased'])} release(s) not confirmed by the broker")
+    app.log.info("GPU leases at shutdown (%.1f s): %s", time.monotonic() - started, "; ".join(parts))
+    return done
