@@ -47,6 +47,8 @@ def attach(app) -> None:
             app.log.error("GPU leases at shutdown: not done within %g s; leaving the rest to the broker's check", SHUTDOWN_LIMIT_S)
         except Exception:
             app.log.exception("GPU leases at shutdown failed")
+        for link in _links():
+            await link.close()  # the broker goes next: no reconnecting to it
         await original_cleanup()
 
     app.cleanup = cleanup

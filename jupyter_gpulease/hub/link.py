@@ -320,20 +320,20 @@ class BrokerLink:
 
     async def _run_feed(self) -> None:
         backoff = Backoff()
+        lost = False  # the feed was up and went away: say so once, and once when it is back
         while not self._closed and (self.watches or self.spawners):
             try:
                 if self._cursor is None:
                     self._cursor = await self._latest_event_id()
                 if not self.connected:
                     await self._resync()
-                    self.connected = True
-                    self._clear_problem("unreachable")
-                feed = await self.client.events(since=self._cursor, timeout=self.feed_timeout)
+                # a short first wait after a reconnect: 'connected' means the feed answers
+                feed = await self.client.events(since=self._cursor, timeout=self.feed_timeout if self.connected else 0)
                 backoff.reset()
             except asyncio.CancelledError:
                 raise
             except BrokerError as e:
-                self._feed_failed(e)
+                lost = self._feed_failed(e) or lost
                 await asyncio.sleep(backoff.next())
                 continue
             except Exception:  # a bug must not end the feed for every spawner
@@ -341,19 +341,27 @@ class BrokerLink:
                 self.connected = False
                 await asyncio.sleep(backoff.next())
                 continue
+            if not self.connected:
+                self.connected = True
+                self._clear_problem("unreachable")
+                if lost:
+                    self.log.info("The lease broker's event feed is back")
+                    lost = False
             self._cursor = int(feed.get("last_id") or self._cursor)
             self._dispatch(feed.get("events") or [])
         self.connected = False
 
-    def _feed_failed(self, e: BrokerError) -> None:
+    def _feed_failed(self, e: BrokerError) -> bool:
+        """Note a failed feed call; True when this lost a working feed."""
         was = self.connected
         self.connected = False
         if e.status == 0 or e.status >= 500:
-            if was:
+            if was and not self._closed:
                 self.log.warning("Lost the lease broker's event feed (%s); reconnecting with back-off", e.message)
             self._note_problem("unreachable", f"the lease broker at {self.url} is not answering: {e.message}")
         else:
             self.log.error("The lease broker refused the hub's event feed: %s", e)
+        return was
 
     def _dispatch(self, events: list[dict]) -> None:
         queue_changed = False
@@ -448,10 +456,9 @@ class BrokerLink:
                 self.log.error("The broker refused to release lease %s of %s: %s", lease_id, who, e)
                 return None
             self._update(lease)
-            if tries > 1:
-                self.log.info("Released lease %s of %s (%s) after %d tries", lease_id, who, reason, tries)
-            else:
-                self.log.info("Released lease %s of %s (%s)", lease_id, who, reason)
+            done = "Withdrew queued" if lease.get("state") == "withdrawn" else "Released"
+            after = f" after {tries} tries" if tries > 1 else ""
+            self.log.info("%s lease %s of %s (%s)%s", done, lease_id, who, reason, after)
             return lease
 
     @property

@@ -226,6 +226,16 @@ class GPULeaseSpawner(Spawner):
         shares. Whole GPUs and MIG slices are unaffected.""",
     ).tag(config=True)
 
+    release_when_stopping = Bool(
+        True,
+        help="""When a server stops, give its lease back as soon as the stop begins, while the
+        engine shuts the server's processes down (JupyterHub has already taken the server off
+        its proxy), so the next spawn in the queue is granted at once; its own server takes
+        longer to start than this one takes to stop. False: only once the engine reports the
+        server stopped, for engines that give a device to the next server before the last one
+        let go of it.""",
+    ).tag(config=True)
+
     lease_meta = Dict(help="Extra labels stored with every lease this spawner requests. Example: ``{'hub': 'teaching'}``.").tag(config=True)
 
     # ------------------------------------------------------------------ state
@@ -672,6 +682,12 @@ class GPULeaseSpawner(Spawner):
         lease_id = self.lease_id
         self._unfollow()
         self._stopping = True
+        early = None
+        if lease_id:
+            self._remember_end({"id": lease_id, "state": "released", "end_reason": "server stopped"})
+            if self.release_when_stopping:
+                # the hub took the server off the proxy before this: nobody reaches it any more
+                early = self._end_lease(lease_id, "server stopped")
         try:
             # ask the engine itself: a spawn cancelled in the queue never started anything
             # (and LocalProcessSpawner would signal pid 0, the hub's own process group)
@@ -680,8 +696,9 @@ class GPULeaseSpawner(Spawner):
         finally:
             self._stopping = False
             self._close_progress()
-            if lease_id:
-                self._remember_end({"id": lease_id, "state": "released", "end_reason": "server stopped"})
+            if early is not None:
+                await asyncio.wait([early], timeout=min(5.0, self.broker_timeout))
+            elif lease_id:
                 await self._end_lease_briefly(lease_id, "server stopped")
 
     async def poll(self):
