@@ -42,9 +42,11 @@ c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api_port}"
 c.ConfigurableHTTPProxy.pid_file = str(state / "jupyterhub-proxy.pid")
 if env("GPULEASE_CHP"):  # where configurable-http-proxy is, when it is not on PATH
     c.ConfigurableHTTPProxy.command = [env("GPULEASE_CHP")]
-# Ctrl-C on the demo stops every server (the default); keep them running across a hub
-# restart on a real site with c.JupyterHub.cleanup_servers = False: the spawner finds their
-# leases again from its saved state.
+# On shutdown the hub stops every server (the default). The lease spawner goes first: the
+# broker stops granting, spawns waiting in the queue are withdrawn (their users are told),
+# then servers with GPU leases stop and their leases are given back while the broker still
+# runs. With c.JupyterHub.cleanup_servers = False servers keep running across a hub restart
+# and keep their leases: the restarted hub follows them again from the saved spawner state.
 c.JupyterHub.cleanup_servers = True
 
 # ------------------------------------------------------------------ who may log in
@@ -82,8 +84,7 @@ c.JupyterHub.services = [
     {"name": "gpulease-spawner", "api_token": spawner_token},
 ]
 if env("GPULEASE_DEMO_ADMIN_TOKEN"):
-    # the demo command's own token: on Ctrl-C it stops every server (ending their leases)
-    # before it stops the hub, which stops its services first
+    # the demo command's own token: it reads which servers run (what it says when it stops)
     c.JupyterHub.services.append({"name": "gpulease-demo", "api_token": env("GPULEASE_DEMO_ADMIN_TOKEN")})
 
 # ------------------------------------------------------------------ scopes and roles
@@ -107,7 +108,7 @@ c.JupyterHub.load_roles = [
     {"name": "gpulease-admins", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["admin"]},
 ]
 if env("GPULEASE_DEMO_ADMIN_TOKEN"):
-    c.JupyterHub.load_roles.append({"name": "gpulease-demo", "scopes": ["list:users", "read:users", "admin:servers"], "services": ["gpulease-demo"]})
+    c.JupyterHub.load_roles.append({"name": "gpulease-demo", "scopes": ["list:users", "read:users", "read:servers"], "services": ["gpulease-demo"]})
 
 # ------------------------------------------------------------------ the hub's pages
 # The home page shows each server's GPU lease (what it holds, time left, place in the queue,
@@ -141,7 +142,10 @@ c.GPULeaseSpawner.allow_cpu_only = True
 c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server", "access:services!service=gpulease"]
 c.Spawner.cmd = [str(Path(sys.executable).with_name("jupyterhub-singleuser"))]
 c.Spawner.default_url = "/lab"
-c.Spawner.poll_interval = 10  # seconds; poll() also notices a lease that ended
+# Seconds between the hub's checks of each server. The spawner hears of a lease's end through
+# the broker's event feed and stops the server within about a second; when it missed the end
+# (the broker was restarting), the next poll reads the lease: this bounds how late that is.
+c.Spawner.poll_interval = 10
 # The servers' GPU figures (status bar, %gpu, the widget) come from the same device backend as
 # the broker's pool. Simulated GPUs (the demo without NVIDIA GPUs): the servers share one state
 # file, so utilization driven there (SimulatedBackend.set_utilization) shows in every notebook.

@@ -18,7 +18,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from hubharness import find_chp, free_port, pid_alive, wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,13 +26,15 @@ pytestmark = pytest.mark.timeout(300)
 class Demo:
     """The demo command as a child process; ``url`` once it printed its banner."""
 
-    def __init__(self, state_dir: Path, *, password: str = "gpulease", config_dir: Path | None = None):
+    def __init__(self, state_dir: Path, *, password: str = "gpulease", config_dir: Path | None = None, port: int | None = None,
+                 backend: str = "simulated"):
         self.state = Path(state_dir)
         self.password = password
         self.config_dir = config_dir  # --config-dir (default: the examples in config/)
-        self.port = free_port()
+        self.backend = backend
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.out_path = self.state.parent / f"{self.state.name}-demo.out"
+        self.out_path = self.state.parent / f"{self.state.name}-demo-{self.port}.out"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120) -> Demo:
@@ -43,7 +44,7 @@ class Demo:
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (kept open while the demo runs)
         self.proc = subprocess.Popen(
             [str(exe), "demo", "--state-dir", str(self.state), "--port", str(self.port), "--password", self.password,
-             "--device-backend", "simulated", *(["--config-dir", str(self.config_dir)] if self.config_dir else [])],
+             "--device-backend", self.backend, *(["--config-dir", str(self.config_dir)] if self.config_dir else [])],
             stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
@@ -268,3 +269,80 @@ def test_the_demo_writes_its_tokens_readable_by_their_owner_only_from_the_start(
     assert modes == [0o600]
     assert (tmp_path / "demo-token").read_text().strip() == tok
     assert demo._token(tmp_path / "demo-token") == tok  # kept across restarts
+
+
+def test_ctrl_c_withdraws_waiting_spawns_before_stopping_servers_and_a_restart_right_after_says_so(tmp_path):
+    """Alice holds both L4s, Bob waits for one. Ctrl-C: Bob's spawn is withdrawn (never started,
+    never granted), Alice's server stops and its lease is given back. The demo starts again at
+    once on the same port (its old connections still in TIME-WAIT) and says Bob must start again."""
+    demo = Demo(tmp_path / "state").start()
+    try:
+        alice, bob = Browserless(demo, "alice"), Browserless(demo, "bob")
+        choices = dict(re.findall(r'<option value="([^"]*)"[^>]*>([^<]*)</option>', alice.spawn_form()))
+        assert "gpu:2:L4" in choices, choices
+        alice.submit({"choice": "gpu:2:L4", "tier": "experiment", "duration_h": "1"})
+
+        def ready(user):
+            status, model = demo.hub_api("GET", f"users/{user}")
+            return status == 200 and (model["servers"].get("") or {}).get("ready")
+        wait_for(lambda: ready("alice"), 120, "alice's server did not become ready")
+        assert "spawn-pending/bob" in bob.submit({"choice": "gpu:1:L4", "tier": "experiment", "duration_h": "1"})
+        wait_for(lambda: ("bob", "queued") in demo.leases(), 30, "bob's lease did not queue")
+    finally:
+        rc = demo.interrupt() if demo.proc.poll() is None else demo.proc.returncode
+    out = demo.output()
+    assert rc == 0, out
+    assert "1 spawn(s) waiting" in out and "1 server(s) running" in out
+    assert "1 waiting spawn(s) withdrawn" in out and "1 server(s) with GPU leases stopped" in out
+    assert "every lease given back" in out
+    assert sorted(demo.leases()) == [("alice", "released"), ("bob", "withdrawn")]
+    log = (tmp_path / "state" / "jupyterhub.log").read_text()
+    assert "Start your server again once the hub is back" in log  # what bob's spawn page said
+
+    again = Demo(tmp_path / "state", port=demo.port).start()
+    try:
+        assert "At the last stop, 1 spawn(s) were waiting for GPUs and were withdrawn" in again.output()
+        assert "is in use" not in again.output()
+    finally:
+        assert again.interrupt() == 0
+
+
+def test_the_demo_says_the_gpus_are_simulated_and_why_and_its_start_logs_no_errors(tmp_path):
+    from jupyter_gpulease.hub.demo import choose_backend
+
+    backend, why = choose_backend("auto")
+    demo = Demo(tmp_path / "state", backend="auto").start()
+    try:
+        out = demo.output()
+        if backend == "simulated":  # a machine without NVIDIA GPUs, as CI
+            assert f"The GPUs are simulated: {why}." in out
+            assert "GPUs of the pool (simulated):" in out
+            assert "2 × L4 (22 GB) on sim-node-1" in out
+            assert "in MIG mode: 2 × 3g.40gb" in out
+        else:
+            assert "simulated" not in out
+        log = (tmp_path / "state" / "jupyterhub.log").read_text(errors="replace")
+        # waiting for the hub must not look like failures: no 404s through the proxy, no 401s at the broker
+        assert " 404 GET /hub/api" not in log and "Failed to get custom error page" not in log
+        assert " 401 " not in log
+    finally:
+        assert demo.interrupt() == 0
+
+
+def test_a_port_in_time_wait_counts_as_free_and_a_listener_as_busy():
+    import socket
+
+    from jupyter_gpulease.hub.demo import port_is_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    assert not port_is_free(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection waits in TIME-WAIT
+    client.close()
+    server.close()
+    assert port_is_free(port)

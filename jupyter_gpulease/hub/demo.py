@@ -1,8 +1,10 @@
 """`jupyter gpulease demo`: JupyterHub, its proxy, the lease broker and the spawner on 127.0.0.1.
 
 Runs ``jupyterhub -f config/jupyterhub_config.py`` (the annotated example) with its state in
-one folder, prints the URL and how to log in, and on Ctrl-C stops the hub (which stops the
-servers, the broker and the proxy) and makes sure no process it started is left behind.
+one folder, says which GPUs the pool has (simulated ones on a machine without NVIDIA GPUs,
+and why), prints the URL and how to log in. On Ctrl-C it stops the hub, which first stops
+granting leases, withdraws the spawns waiting in the queue and stops the servers while the
+broker still runs (see :mod:`.lifecycle`), and makes sure no process it started is left behind.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import quote
 
 DEFAULT_STATE_DIR = "demo-state"
 DEFAULT_PASSWORD = "gpulease"
@@ -93,9 +94,15 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether the hub's proxy could listen on ``port`` of 127.0.0.1 now.
+
+    Checked the way servers bind (tornado and Node.js set SO_REUSEADDR): connections of a
+    run that just ended, still in TIME-WAIT, do not make the port busy; a listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
+            s.listen(1)
         except OSError:
             return False
     return True
@@ -115,23 +122,74 @@ def _token(path: Path) -> str:
     return tok
 
 
-def _hub_answers(url: str) -> bool:
+def _get(url: str, token: str = "", timeout: float = 2):
+    """(status, JSON or None) of a GET; (0, None) when nothing answers."""
+    req = urllib.request.Request(url, headers={"Authorization": f"token {token}"} if token else {})
     try:
-        with urllib.request.urlopen(f"{url}/hub/api", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _broker_answers(url: str) -> bool:
-    # the broker's API refuses an anonymous call (401/403) once it listens; 503/404 while the proxy has no route yet
-    try:
-        urllib.request.urlopen(f"{url}/services/gpulease/api/pool", timeout=2)
-        return True
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+            return r.status, json.loads(body) if body else None
     except urllib.error.HTTPError as e:
-        return e.code in (401, 403)
-    except (urllib.error.URLError, OSError):
+        return e.code, None
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, None
+
+
+def demo_ready(env: dict[str, str]) -> bool:
+    """The hub, the broker and the proxy's routes to both are up.
+
+    Asked of each on its own port (the hub's, the broker's with the spawner's token, the
+    proxy's API), never through the proxy: a request through it before its routes exist
+    would fill the log with 404 errors, and an anonymous one to the broker with 401s."""
+    status, _ = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_HUB_PORT']}/hub/api")
+    if status != 200:
         return False
+    status, _ = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
+    if status != 200:
+        return False
+    status, routes = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_PROXY_API_PORT']}/api/routes", env["CONFIGPROXY_AUTH_TOKEN"])
+    return status == 200 and isinstance(routes, dict) and "/" in routes and "/services/gpulease" in routes
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """(backend to run, why, in words). ``auto`` is decided here, so the demo can say it: NVML
+    when it finds GPUs, else the simulated pool (with NVML's reason)."""
+    if requested != "auto":
+        return requested, f"--device-backend {requested}"
+    from ..devices import DeviceUnavailable, get_backend
+
+    try:
+        backend = get_backend("nvml")
+        try:
+            gpus = backend.inventory()
+        finally:
+            backend.close()
+    except DeviceUnavailable as e:
+        return "simulated", str(e).split(". Use the")[0]
+    except Exception as e:  # noqa: BLE001 - any NVML trouble means: simulate, and say why
+        return "simulated", f"NVML failed: {e}"
+    if not gpus:
+        return "simulated", "NVML works but finds no GPU"
+    return "nvml", f"NVML finds {len(gpus)} GPU(s)"
+
+
+def describe_pool(pool: dict | None) -> list[str]:
+    """The broker's pool in lines: '2 × L4 (22 GB) on sim-node-1', MIG instances included."""
+    if not pool:
+        return []
+    groups: dict[tuple, int] = {}
+    for d in pool.get("devices") or []:
+        mig = ", ".join(sorted({m.get("profile", "") for m in d.get("mig") or []}))
+        mig_n = len(d.get("mig") or [])
+        key = (d.get("model", "?"), round(int(d.get("memory_mib") or 0) / 1024), d.get("node", ""), mig, mig_n)
+        groups[key] = groups.get(key, 0) + 1
+    out = []
+    for (model, gb, node, mig, mig_n), n in sorted(groups.items()):
+        what = f"{n} × {model} ({gb} GB)"
+        if mig:
+            what += f" in MIG mode: {mig_n} × {mig}" + (" each" if n > 1 else "")
+        out.append(f"{what} on {node}")
+    return out
 
 
 _OURS = ("jupyterhub", "configurable-http-proxy", "jupyter_gpulease", "jupyter-gpulease", "ipykernel", "jupyter-lab", "jupyter_server")
@@ -229,8 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = args.port or free_port()
     if not port_is_free(port):
-        print(f"jupyter gpulease demo: port {port} on 127.0.0.1 is in use; choose another with --port", file=sys.stderr)
+        print(f"jupyter gpulease demo: port {port} on 127.0.0.1 is in use (another program listens there); "
+              "choose another with --port", file=sys.stderr)
         return 2
+    backend, why = choose_backend(args.device_backend)
 
     env = dict(os.environ)
     env.pop("JUPYTERHUB_API_TOKEN", None)
@@ -243,11 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         GPULEASE_DEMO_PASSWORD=args.password,
         GPULEASE_HUB_TOKEN=_token(state / "spawner-token"),
         GPULEASE_CHP=chp,
-        GPULEASE_DEVICE_BACKEND=args.device_backend,
+        GPULEASE_DEVICE_BACKEND=backend,
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
     )
-    env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, args.device_backend))
+    env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
     cmd = [sys.executable, "-m", "jupyterhub", "-f", str(config_dir / "jupyterhub_config.py")]
     log_path = state / "jupyterhub.log"
@@ -262,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     print(f"Starting JupyterHub with GPU leases (state folder: {state}) ...", flush=True)
+    if backend == "simulated":
+        print(f"The GPUs are simulated: {why}. Leases, the queue and placement are real; the GPUs and their "
+              "figures are not (no CUDA program can run on them).", flush=True)
+    last = _last_stop(state)
+    if last:
+        print(last, flush=True)
     with open(log_path, "ab") as log:
         log.write(f"\n===== jupyter gpulease demo {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
         log.flush()
@@ -269,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 0
         try:
             deadline = time.monotonic() + 120
-            while not (_hub_answers(url) and _broker_answers(url)):
+            while not demo_ready(env):
                 if hub.poll() is not None:
                     print(f"JupyterHub exited with status {hub.returncode}. The end of its log ({log_path}):\n", file=sys.stderr)
                     print(_tail(log_path), file=sys.stderr)
@@ -282,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 time.sleep(0.3)
             else:
-                print(_banner(url, args.password, state, log_path), flush=True)
+                _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
+                print(_banner(url, args.password, state, log_path, describe_pool(pool), backend), flush=True)
             while not stop_requested and rc == 0:
                 if hub.poll() is not None:
                     print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
@@ -290,10 +357,15 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 time.sleep(0.3)
         finally:
-            print("Stopping JupyterHub, the servers, the broker and the proxy ...", flush=True)
             if hub.poll() is None:
-                _stop_servers(url, env["GPULEASE_DEMO_ADMIN_TOKEN"])
+                print(f"Stopping: {_what_runs(url, env['GPULEASE_DEMO_ADMIN_TOKEN'])}. No new GPU grants; waiting spawns "
+                      "are withdrawn, then the servers stop (their leases are given back), then the broker and the proxy ...",
+                      flush=True)
             _shutdown(hub, state)
+            summary = _shutdown_summary(log_path)
+            if summary:
+                print(summary, flush=True)
+                _remember_stop(state, summary)
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
     print("Stopped; nothing is left running.", flush=True)
@@ -323,13 +395,18 @@ def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
     return path
 
 
-def _banner(url: str, password: str, state: Path, log_path: Path) -> str:
+def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: list[str] = (), backend: str = "") -> str:
+    gpus = []
+    if pool_lines:
+        gpus = ["  GPUs of the pool" + (" (simulated)" if backend == "simulated" else "") + ":"]
+        gpus += [f"      {line}" for line in pool_lines]
     return "\n".join([
         "",
         f"JupyterHub with GPU leases is running at {url}/",
         "",
         f"  Log in with any user name (alice, bob, ...) and the password {password!r}.",
         "  Pick a GPU option on the spawn form; a second user asking for a busy GPU sees their place in the queue.",
+        *gpus,
         "  User 'admin' is a hub admin and sees every lease on the broker's page:",
         f"      {url}/services/gpulease/",
         f"  State folder: {state}   (logs: {log_path.name}; delete the folder, or use --fresh, to start afresh)",
@@ -346,38 +423,53 @@ def _tail(path: Path, n: int = 40) -> str:
         return ""
 
 
-def _hub_api(url: str, token: str, method: str, path: str):
-    req = urllib.request.Request(f"{url}/hub/api/{path}", method=method, headers={"Authorization": f"token {token}"})
+def _what_runs(url: str, token: str) -> str:
+    """'3 servers and 2 waiting spawns' from the Hub API (the demo's own token)."""
+    status, users = _get(f"{url}/hub/api/users?state=active", token, timeout=10)
+    if status != 200 or not isinstance(users, list):
+        return "the hub"
+    running = waiting = 0
+    for u in users:
+        for server in (u.get("servers") or {}).values():
+            if (server or {}).get("pending") == "spawn":
+                waiting += 1
+            elif (server or {}).get("ready"):
+                running += 1
+    return f"{running} server(s) running, {waiting} spawn(s) waiting"
+
+
+SHUTDOWN_MARK = "GPU leases at shutdown"
+
+
+def _shutdown_summary(log_path: Path) -> str:
+    """What the hub said about the leases at its shutdown (the last such line of its log)."""
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            body = r.read()
-            return r.status, json.loads(body) if body else None
-    except urllib.error.HTTPError as e:
-        return e.code, None
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if SHUTDOWN_MARK in line]
+    except OSError:
+        return ""
+    if not lines:
+        return ""
+    said = lines[-1].split(SHUTDOWN_MARK, 1)[1].split(": ", 1)[-1].strip()
+    return f"GPU leases: {said}."
 
 
-def _stop_servers(url: str, token: str, timeout: float = 60) -> None:
-    """Stop every server (and cancel pending spawns) through the Hub API while the broker still
-    runs, so that their leases are released; the hub stops its services before its servers.
+def _remember_stop(state: Path, summary: str) -> None:
+    (state / "last-stop.txt").write_text(summary + "\n")
 
-    Stopping one server can grant a waiting spawn its GPU, which then starts: keep asking until
-    no server is left (or ``timeout``), not just once per server.
-    """
-    deadline = time.monotonic() + timeout
+
+def _last_stop(state: Path) -> str:
+    """At the next start: what the last stop did to waiting spawns, said to whoever restarts."""
     try:
-        while time.monotonic() < deadline:
-            status, users = _hub_api(url, token, "GET", "users?state=active")
-            if status != 200 or not users:
-                return
-            for u in users:
-                for name, server in (u.get("servers") or {}).items():
-                    if (server or {}).get("pending") == "stop":
-                        continue
-                    path = f"users/{quote(u['name'], safe='')}/servers/{quote(name, safe='')}" if name else f"users/{quote(u['name'], safe='')}/server"
-                    _hub_api(url, token, "DELETE", path)
-            time.sleep(0.5)
-    except (urllib.error.URLError, OSError, ValueError):
-        return
+        text = (state / "last-stop.txt").read_text().strip()
+    except OSError:
+        return ""
+    import re
+
+    m = re.search(r"(\d+) waiting spawn\(s\) withdrawn", text)
+    if not m or m.group(1) == "0":
+        return ""
+    return (f"At the last stop, {m.group(1)} spawn(s) were waiting for GPUs and were withdrawn (their spawn page said so): "
+            "those users start their servers again.")
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> None:

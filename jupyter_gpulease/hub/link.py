@@ -500,7 +500,10 @@ class BrokerLink:
         start = clock()
         warned = False
         while True:
-            line, kind = await self._check_once()
+            try:
+                line, kind = await asyncio.wait_for(self._check_once(), min(10.0, self.timeout))
+            except TimeoutError:
+                line, kind = f"GPU lease broker at {self.url}: not answering yet (no answer within {min(10.0, self.timeout):g} s)", "unreachable"
             if kind != "unreachable":
                 break
             self._note_problem(kind, line)
