@@ -37,8 +37,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from hubharness import wait_for
-from storm import Storm, queue_seen, storm_options
+from hubharness import wait_for  # noqa: E402
+from storm import Storm, queue_seen, storm_options  # noqa: E402
 
 
 def lease_of(storm: Storm, user: str) -> dict:

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hubharness import HubHarness, free_port, wait_for
-
 from jupyter_gpulease.client import BrokerClient
 
 SPAWNER_SERVICE = "gpulease-spawner"
@@ -201,7 +200,7 @@ class Storm:
                             into.append(ev)
                             if ev.get("failed") or ev.get("ready"):
                                 return
-            except Exception as e:  # noqa: BLE001 - recorded for the test to see
+            except Exception as e:
                 into.append({"stream_error": repr(e)})
         t = threading.Thread(target=read, daemon=True)
         t.start()
@@ -281,7 +280,7 @@ class Checker:
             if not self._paused.is_set():
                 try:
                     self.check_once()
-                except Exception:  # noqa: BLE001 - a hub or broker answering slowly: try again
+                except Exception:
                     self.errors += 1
             self._stop.wait(self.interval)
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from hubharness import find_chp, free_port, pid_alive, wait_for
 
 pytestmark = pytest.mark.timeout(300)

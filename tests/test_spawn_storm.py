@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from hubharness import wait_for
 from storm import Checker, Storm, granted_seen, queue_seen, storm_options
 

@@ -222,7 +222,8 @@ class FakeBroker:
         if not new and timeout:
             changed = self._changed
             try:
-                await asyncio.wait_for(changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
             except TimeoutError:
                 pass
             self._check()

@@ -166,7 +166,7 @@ def choose_backend(requested: str) -> tuple[str, str]:
             backend.close()
     except DeviceUnavailable as e:
         return "simulated", str(e).split(". Use the")[0]
-    except Exception as e:  # noqa: BLE001 - any NVML trouble means: simulate, and say why
+    except Exception as e:
         return "simulated", f"NVML failed: {e}"
     if not gpus:
         return "simulated", "NVML works but finds no GPU"
@@ -388,8 +388,9 @@ def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
         "c.GPULeaseBroker.tick_interval = 1.0  # a lively demo: decisions within a second",
     ]
     if backend in ("auto", "simulated"):
-        # the simulated pool: 4 GPUs of two models, one A100 in MIG mode (real GPUs instead when NVML finds them)
-        lines.append("c.GPULeaseBroker.devices = {}")
+        # the simulated pool: 4 GPUs of two models, one A100 in MIG mode (real GPUs instead when
+        # NVML finds them); its figures in a file the servers' extension reads too
+        lines.append(f"c.GPULeaseBroker.devices = {{'state_file': {str(state / 'sim-gpus.json')!r}}}")
     path = state / "gpulease_config.py"
     path.write_text("\n".join(lines) + "\n")
     return path

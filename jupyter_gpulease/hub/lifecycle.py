@@ -42,7 +42,8 @@ def attach(app) -> None:
 
     async def cleanup():
         try:
-            await asyncio.wait_for(end_leases_at_shutdown(app), SHUTDOWN_LIMIT_S)
+            async with asyncio.timeout(SHUTDOWN_LIMIT_S):
+                await end_leases_at_shutdown(app)
         except TimeoutError:
             app.log.error("GPU leases at shutdown: not done within %g s; leaving the rest to the broker's check", SHUTDOWN_LIMIT_S)
         except Exception:

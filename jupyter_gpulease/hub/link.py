@@ -58,15 +58,22 @@ class Backoff:
 
 
 def ended_by_holder(lease: dict) -> bool:
-    """Whether the lease's own user ended it (released or reclaimed from inside their server,
-    with the CLI or the my-leases page), rather than the spawner, an admin or the broker."""
-    by = lease.get("ended_by")
-    if isinstance(by, str) and by in ("holder", "user"):
+    """Whether the server's own side gave the lease back, so that the server may keep running:
+    the release asked to keep the server (``keep_server``), the server extension reclaimed an
+    idle GPU (state ``reclaimed``), or the lease's own user released it (from inside the
+    server, the CLI or the my-leases page) rather than the spawner, an admin or the broker."""
+    if lease.get("keep_server") is True:
         return True
-    actor = lease.get("ended_actor")
-    if actor is None:
-        actor = by if isinstance(by, str) else ""
-    return lease.get("state") in ("released", "reclaimed") and bool(actor) and actor == lease.get("user")
+    state = lease.get("state")
+    if state not in ("released", "reclaimed"):
+        return False
+    by = lease.get("ended_by")
+    if isinstance(by, dict) and by.get("kind"):
+        return by["kind"] in ("holder", "user", "idle")
+    actor = lease.get("ended_actor") or ""
+    if state == "reclaimed":
+        return not actor.startswith(("service:", "admin:")) and actor != "broker"
+    return bool(actor) and actor == lease.get("user")
 
 
 class LeaseWatch:
@@ -82,6 +89,7 @@ class LeaseWatch:
         self.lease: dict = dict(lease) if lease else {"id": lease_id}
         self.warning: dict | None = None
         self.on_change: list[Callable[[LeaseWatch], Any]] = []
+        self.on_event: list[Callable[[dict], Any]] = []  # each broker event of the lease, as the feed delivers it
         self._event = asyncio.Event()
         self.closed = False
 
@@ -113,6 +121,14 @@ class LeaseWatch:
         self.warning = event
         self._fire()
 
+    def deliver(self, event: dict) -> None:
+        """One event of the lease from the broker's feed, for ``on_event`` callbacks."""
+        for callback in list(self.on_event):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("lease event callback for %s failed", self.lease_id)
+
     def _fire(self) -> None:
         event, self._event = self._event, asyncio.Event()
         event.set()
@@ -125,8 +141,11 @@ class LeaseWatch:
     async def changed(self, timeout: float | None = None) -> bool:
         """Wait until something changes (True) or ``timeout`` seconds pass (False)."""
         event = self._event
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+        # that races with the event, which would leave the waiting spawn running
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             return False
         return True
@@ -135,6 +154,7 @@ class LeaseWatch:
         if not self.closed:
             self.closed = True
             self.on_change.clear()
+            self.on_event.clear()
             self.link._forget(self)
 
 
@@ -241,15 +261,17 @@ class BrokerLink:
     async def _run_refresh(self) -> None:
         while self._refresh:
             ids, self._refresh = list(self._refresh), set()
-            results = await asyncio.gather(*(self.client.get_lease(i) for i in ids if i in self.watches), return_exceptions=True)
-            for lid, got in zip([i for i in ids if i in self.watches], results):
+            ids = [i for i in ids if i in self.watches]
+            results = await asyncio.gather(*(self.client.get_lease(i) for i in ids), return_exceptions=True)
+            for lid, got in zip(ids, results, strict=True):
                 if isinstance(got, BrokerError) and got.status == 404:
                     for w in self._watches_of(lid):
                         w.update(state="unknown", end_reason="the broker does not know this lease")
                 elif isinstance(got, dict):
-                    if got.get("state") not in LIVE_STATES and not got.get("ended_by") and not self._ended_actor_known(lid):
-                        got = await self._with_ended_actor(got)
-                    self._update(got)
+                    lease = got
+                    if lease.get("state") not in LIVE_STATES and not lease.get("ended_by") and not self._ended_actor_known(lid):
+                        lease = await self._with_ended_actor(lease)
+                    self._update(lease)
                 elif isinstance(got, BaseException):
                     self.log.debug("Could not read lease %s: %s", lid, got)
 
@@ -372,6 +394,8 @@ class BrokerLink:
             lid = ev.get("lease_id")
             if lid not in self.watches:
                 continue
+            for w in self._watches_of(lid):
+                w.deliver(ev)
             if kind in ("warned", "preempt-warned"):
                 for w in self._watches_of(lid):
                     w.warn(ev)
@@ -418,7 +442,8 @@ class BrokerLink:
                         if w.state == "queued" and entry.get("queue") is not None:
                             w.update(queue=entry["queue"])
             try:
-                await asyncio.wait_for(self._queue_kick.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._queue_kick.wait()
                 await asyncio.sleep(0.05)  # let a burst of events settle: one refresh for all
             except TimeoutError:
                 pass
@@ -501,7 +526,8 @@ class BrokerLink:
         warned = False
         while True:
             try:
-                line, kind = await asyncio.wait_for(self._check_once(), min(10.0, self.timeout))
+                async with asyncio.timeout(min(10.0, self.timeout)):
+                    line, kind = await self._check_once()
             except TimeoutError:
                 line, kind = f"GPU lease broker at {self.url}: not answering yet (no answer within {min(10.0, self.timeout):g} s)", "unreachable"
             if kind != "unreachable":

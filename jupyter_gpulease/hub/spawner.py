@@ -637,8 +637,11 @@ class GPULeaseSpawner(Spawner):
         return spawn_error(f"The GPU lease was refused: {e.message}", reason="gpulease_refused",
                            status_code=403 if e.status == 403 else 400)
 
-    async def _withdraw_orphans(self) -> None:
-        """End leases of this server that no running spawner holds (left by a hub that died mid-spawn)."""
+    async def _withdraw_orphans(self, reason: str = "left behind by an earlier spawn", *, keep: str = "") -> None:
+        """End the live leases bound to this server (``meta.spawner`` is jupyter-gpulease: the
+        spawner's own and those the server's extension took, e.g. to resume a kernel) except
+        ``keep``: at a start, what a hub that died mid-spawn left; at a stop, what the server
+        itself held."""
         try:
             leases = await self.broker.list_leases(state=None, user=self.user.name)
         except BrokerError as e:
@@ -646,9 +649,9 @@ class GPULeaseSpawner(Spawner):
             return
         for lease in leases:
             if (lease.get("state") in ACTIVE_STATES and lease.get("server", "") == (self.name or "")
-                    and (lease.get("meta") or {}).get("spawner") == "jupyter-gpulease" and lease.get("id") != self.lease_id):
-                self.log.warning("Ending lease %s of %s: no running server holds it", lease["id"], self._log_name)
-                self._end_lease(lease["id"], "left behind by an earlier spawn")
+                    and (lease.get("meta") or {}).get("spawner") == "jupyter-gpulease" and lease.get("id") not in (self.lease_id, keep)):
+                self.log.warning("Ending lease %s of %s: %s", lease["id"], self._log_name, reason)
+                self._end_lease(lease["id"], reason)
 
     def withdraw_for_shutdown(self, message: str) -> bool:
         """The hub is shutting down: a spawn waiting in the queue gives up at once, telling the
@@ -700,6 +703,9 @@ class GPULeaseSpawner(Spawner):
                 await asyncio.wait([early], timeout=min(5.0, self.broker_timeout))
             elif lease_id:
                 await self._end_lease_briefly(lease_id, "server stopped")
+            if self.broker_url and not self._lease_pending:
+                # leases the server took itself (a kernel resumed after a reclaim) end with it
+                self._background(self._withdraw_orphans("its server stopped", keep=lease_id))
 
     async def poll(self):
         if self._stopping:
@@ -755,12 +761,17 @@ class GPULeaseSpawner(Spawner):
         return 0 if status is None else status
 
     def _remember_end(self, lease: dict) -> None:
+        known = self.lease if isinstance(self.lease, dict) and self.lease.get("id") == lease.get("id") else {}
         self.last_lease_end = {
             "lease_id": lease.get("id") or self.lease_id,
             "state": lease.get("state") or "",
             "end_reason": lease.get("end_reason") or "",
+            "end_message": lease.get("end_message") or "",
             "ended_at": lease.get("ended_at") or time.time(),
             "ended_by": lease.get("ended_by") or lease.get("ended_actor") or "",
+            "tier": lease.get("tier") or known.get("tier") or "",
+            "request": lease.get("request") or known.get("request") or {},
+            "placement": lease.get("placement") or known.get("placement") or {},
         }
 
     def _end_lease(self, lease_id: str, reason: str) -> asyncio.Future | None:
@@ -817,7 +828,23 @@ class GPULeaseSpawner(Spawner):
         self._unfollow()
         w = self._watch = self.link.watch(lease_id, lease)
         w.on_change.append(self._on_lease_change)
+        w.on_event.append(self._on_lease_event)
         return w
+
+    def _on_lease_event(self, event: dict) -> None:
+        if type(self).on_lease_event is not GPULeaseSpawner.on_lease_event:
+            self._background(self._call_on_lease_event(event))
+
+    async def _call_on_lease_event(self, event: dict) -> None:
+        try:
+            await self.on_lease_event(event)
+        except Exception:
+            self.log.exception("on_lease_event of %s failed for %s", self._log_name, event.get("kind"))
+
+    async def on_lease_event(self, event: dict) -> None:
+        """Called with every broker event of this server's lease (requested, granted, warned,
+        preempt-warned, extended, confirmed, ended, ...), as the hub's event feed delivers it.
+        Engines override it (the Slurm engine moves the job's time limit on ``extended``)."""
 
     def _unfollow(self) -> None:
         w, self._watch = self._watch, None
