@@ -104,7 +104,7 @@ def run(args) -> dict:
             time.sleep(1)
             at_once = [lease for lease in storm.leases("live") if lease["state"] == "active"]
             first_ready = [confirmed(storm, lease["user"])["confirmed_at"] - posted[lease["user"]] for lease in at_once]
-            early_streams = {"waiting": 0, "showed_position_and_eta": 0}
+            early_streams = {"waiting": 0, "showed_position": 0, "showed_position_and_eta": 0}
 
             # 3. hand-over while the queue is long
             to_grant, to_ready, deletes, no_grant = [], [], [], 0
@@ -144,8 +144,9 @@ def run(args) -> dict:
                 # waited: not granted in the pass that took the request (broker time, request to grant)
                 if lease.get("granted_at") is None or lease["granted_at"] - lease["created_at"] > 1:
                     early_streams["waiting"] += 1
-                    ev = queue_seen(s["events"])
-                    if ev is not None and ev["gpulease"].get("eta") is not None:
+                    if queue_seen(s["events"]):
+                        early_streams["showed_position"] += 1
+                    if queue_seen(s["events"], with_eta=True):
                         early_streams["showed_position_and_eta"] += 1
             for user in storm.server_models():
                 storm.hub.api("DELETE", f"users/{user}/server")
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
     for name, s, target in rows:
         print(f"{name:42} {s.get('n', 0):>3} {s.get('p50', float('nan')):>7} {s.get('max', float('nan')):>7}   {target}")
     es = res["early_progress_streams"]
-    print(f"progress streams opened 0.3 s after the POST, of spawns that waited: {es['showed_position_and_eta']} of {es['waiting']} showed position and ETA")
+    print(f"progress streams opened 0.3 s after the POST, of {es['waiting']} spawns that waited: {es['showed_position']} showed "
+          f"their position, {es['showed_position_and_eta']} also an ETA (none: the broker had no estimate)")
     c = res["cpu_during_storm"]
     print(f"CPU during the storm and hand-over ({c['wall_s']} s): hub {c['hub_cpu_s']} s, broker {c['broker_cpu_s']} s")
     if res["stops_without_a_grant"]:

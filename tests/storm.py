@@ -228,11 +228,11 @@ class Storm:
         return out
 
 
-def queue_seen(events: list[dict]) -> dict | None:
-    """The first progress event that showed a queue position, or None."""
-    for ev in events:
+def queue_seen(events: list[dict], *, with_eta: bool = False) -> dict | None:
+    """The first progress event that showed a queue position (and an ETA), or None."""
+    for ev in list(events):
         g = ev.get("gpulease") or {}
-        if g.get("state") == "queued" and g.get("position"):
+        if g.get("state") == "queued" and g.get("position") and (not with_eta or g.get("eta") is not None):
             return ev
     return None
 
@@ -247,7 +247,9 @@ class Checker:
     def __init__(self, storm: Storm, *, interval: float = 0.3, grace: float | None = None):
         self.storm = storm
         self.interval = interval
-        self.grace = grace if grace is not None else storm.poll_interval + 8
+        # a server may take the engine's stop timeouts (SIGINT, then SIGTERM after 10 s) to exit
+        # after its lease was given back as the stop began
+        self.grace = grace if grace is not None else storm.poll_interval + 20
         self.checks = 0
         self.rounds = 0
         self.violations: list[str] = []

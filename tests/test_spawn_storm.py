@@ -47,17 +47,24 @@ def test_thirty_users_at_once_every_lease_ends_through_the_hub_and_no_gpu_is_giv
         assert {s["status"] for s in spawns.values()} <= {201, 202}, {u: (s["status"], s["body"]) for u, s in spawns.items()}
         assert len(storm.leases("live")) == USERS
 
-        # ---- every early progress stream shows the queue: position and ETA
+        # ---- every early progress stream shows the queue: its position, and its ETA whenever
+        # the broker has one (the stream was opened 0.3 s after the POST, as the spawn page is)
         def streams_told():
             leases = {lease["user"]: lease for lease in storm.leases("live")}
-            waiting = [u for u, lease in leases.items() if lease["state"] == "queued"]
-            return waiting if all(queue_seen(spawns[u]["events"]) for u in waiting) else None
-        waiting = wait_for(streams_told, 120, "a waiting spawn's progress stream never showed its queue position")
-        assert len(waiting) >= USERS - 10, waiting
+            waiting = {u: lease for u, lease in leases.items() if lease["state"] == "queued"}
+            for u, lease in waiting.items():
+                if not queue_seen(spawns[u]["events"]):
+                    return None
+                if (lease.get("queue") or {}).get("eta") is not None and not queue_seen(spawns[u]["events"], with_eta=True):
+                    return None
+            return waiting
+        waiting = wait_for(streams_told, 120, "a waiting spawn's progress stream never showed its queue position and ETA")
+        assert len(waiting) >= USERS - 10, list(waiting)
+        with_eta = [u for u in waiting if queue_seen(spawns[u]["events"], with_eta=True)]
+        assert len(with_eta) >= len(waiting) // 2, (len(with_eta), len(waiting))  # most waits have an estimate
         for u in waiting:
             ev = queue_seen(spawns[u]["events"])
-            assert ev["gpulease"]["eta"] is not None, ev
-            assert f"of {ev['gpulease']['length']}" in ev["message"], ev
+            assert f"position {ev['gpulease']['position']} of {ev['gpulease']['length']}" in ev["message"], ev
 
         # ---- servers stop one by one; each stop ends its lease through the hub at once
         stopped: set[str] = set()

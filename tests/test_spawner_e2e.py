@@ -38,10 +38,10 @@ def broker_config(path: Path, *, tick: float = 0.5, extra: tuple[str, ...] = ())
         f"c.GPULeaseBroker.devices = {{'gpus': [{{'node': 'n1', 'model': {GPU_MODEL!r}, 'count': 1, 'memory_mib': 23034}}]}}\n"
         f"c.GPULeaseBroker.tick_interval = {tick}\n"
         "c.GPULeaseBroker.warn_before_s = 10\n"
-        "c.GPULeaseBroker.min_duration_s = 20\n"  # the 'short' tier's leases last 25-60 s
+        "c.GPULeaseBroker.min_duration_s = 20\n"  # the 'short' tier's leases last 20-120 s
         "c.GPULeaseBroker.tiers = {\n"
         "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
-        "    'short': {'priority': 20, 'max_duration_s': 60, 'default_duration_s': 30},\n"
+        "    'short': {'priority': 20, 'max_duration_s': 120, 'default_duration_s': 60},\n"
         "    'staff': {'priority': 30, 'max_duration_s': 3600, 'default_duration_s': 1800, 'users': ['carol']},\n"
         "}\n"
         "c.GPULeaseBroker.default_tier = 'experiment'\n"
@@ -111,6 +111,8 @@ def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol")
             "c.GPULeaseSpawner.queue_refresh_interval = 0.5",
             "c.GPULeaseSpawner.lease_wait_timeout = 300",
             "c.Spawner.poll_interval = 1",
+            # the server's own token reaches the broker (its extension, `jupyter gpulease release` in its terminal)
+            "c.Spawner.server_token_scopes = ['users:activity!user', 'access:servers!server', 'access:services!service=gpulease']",
             "c.Spawner.http_timeout = 60",
             "c.JupyterHub.log_level = 'INFO'",
             *config_lines,
@@ -274,11 +276,12 @@ def test_two_half_shares_of_one_gpu_and_a_third_waits(hub1):
 
 def test_short_lease_warns_then_ends_stops_the_server_and_frees_the_gpu(hub1):
     hub, url, token = hub1
-    status, body = spawn(hub, "alice", {"gpus": 1, "tier": "short", "duration_s": 25})
+    # long enough for the server to come up on a loaded machine before the lease ends
+    status, body = spawn(hub, "alice", {"gpus": 1, "tier": "short", "duration_s": 75})
     assert status in (201, 202), body
     wait_ready(hub, "alice")
     (lease,) = leases_of(url, token, "alice", "active")
-    wait_gone(hub, "alice", timeout=90)
+    wait_gone(hub, "alice", timeout=150)
     feed = broker_call(url, token, "events", since=0, lease_id=lease["id"], timeout=0)
     kinds = [e["kind"] for e in feed["events"]]
     assert "warned" in kinds and "ended" in kinds
@@ -313,7 +316,7 @@ def test_cancelled_pending_spawn_withdraws_its_lease(hub1):
         ({"gpus": 0}, "'gpus' must be at least 1"),
         ({"gpus": 1000}, "asks for 1000 GPUs on one node, but the most any node has is 1"),
         ({"gpus": 1, "tier": "staff"}, "staff"),
-        ({"gpus": 1, "tier": "short", "duration_s": 3600}, "over the 'short' tier's limit of 60 s (1 min)"),
+        ({"gpus": 1, "tier": "short", "duration_s": 3600}, "over the 'short' tier's limit of 120 s (2 min)"),
     ],
 )
 def test_bad_user_options_fail_the_spawn_with_what_to_change(hub1, options, words):
@@ -427,3 +430,105 @@ def test_a_lease_whose_server_died_while_the_broker_was_down_is_revoked_by_the_c
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
+
+
+# --------------------------------------------------------------------------- crash paths and the link to the broker
+def test_a_lease_the_user_gives_back_from_inside_the_server_keeps_the_server_running(hub1):
+    """`jupyter gpulease release` in the server's terminal (the server's own token): the lease ends
+    as released, the server goes on without a GPU lease, and the spawner remembers the end."""
+    hub, url, token = hub1
+    status, body = spawn(hub, "alice", {"gpus": 1})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice")
+    (lease,) = leases_of(url, token, "alice", "active")
+    pid = server_pid(hub, "alice")
+    own = server_env(hub, "alice")["JUPYTERHUB_API_TOKEN"]
+    released = broker_call(url, own, "release", lease["id"], reason="done with the GPU")
+    assert released["state"] == "released"
+
+    def forgotten():
+        s = server_model(hub, "alice")
+        return s if s and "lease_id" not in (s.get("state") or {}).get("gpulease", {}) else None
+    s = wait_for(forgotten, 30, "the spawner did not notice the release")
+    assert s["ready"] and pid_alive(pid)
+    assert s["state"]["gpulease"]["last_end"]["state"] == "released"
+    time.sleep(3)  # three more polls (one a second) go by: the server keeps running
+    assert pid_alive(pid) and server_model(hub, "alice")["ready"]
+
+
+def test_the_hub_checks_the_broker_url_and_token_and_says_what_is_wrong(hub1):
+    """One line for the admin: connected, an invalid token, a token without the admin scope, a URL
+    that leads elsewhere (here: the hub itself), nothing listening."""
+    from jupyter_gpulease.hub.link import BrokerLink
+
+    hub, url, token = hub1
+    assert "connected; the spawner's token may ask for leases on behalf of users" in hub.log_file.read_text()
+    user_token = hub.create_token("alice")
+
+    async def check(u, t):
+        link = BrokerLink(u, t, timeout=10)
+        return await link._check_once()
+
+    def run(u, t):
+        return asyncio.run(check(u, t))
+    assert run(url, token)[1] == ""
+    line, kind = run(url, "not-a-token")
+    assert kind == "token" and "token is not valid" in line and "broker_api_token" in line
+    line, kind = run(url, user_token)
+    assert kind == "scope" and "lacks the scope custom:gpulease:admin" in line
+    line, kind = run(hub.url + "/hub/", token)
+    assert kind == "url" and "does not lead to the lease broker" in line and "broker_url" in line
+    line, kind = run(f"http://127.0.0.1:{free_port()}/services/gpulease/", token)
+    assert kind == "unreachable" and "not answering" in line
+
+
+def test_a_lease_that_ended_while_the_hub_was_down_stops_its_server_as_soon_as_the_broker_answers(tmp_path):
+    """The hub restarts with its servers left running (cleanup_servers = False); alice's lease
+    expires meanwhile. The hub checks its servers before it starts the broker, so the first look
+    fails; the spawner keeps trying and stops the server once the broker answers, long before the
+    next periodic poll (5 min here)."""
+    hub, url, token = make_hub(tmp_path, users=("alice",),
+                               config_lines=["c.JupyterHub.cleanup_servers = False", "c.Spawner.poll_interval = 300"])
+    pid = None
+    try:
+        status, body = spawn(hub, "alice", {"gpus": 1, "tier": "short", "duration_s": 90})
+        assert status in (201, 202), body
+        wait_ready(hub, "alice")
+        (lease,) = leases_of(url, token, "alice", "active")
+        pid = server_pid(hub, "alice")
+        hub.keep_servers = True
+        hub.stop()
+        hub.keep_servers = False
+        wait_for(lambda: time.time() > lease["expires_at"] + 1, 120, "the lease's end did not come")
+        assert pid_alive(pid)
+        hub.start()
+        wait_for(lambda: not pid_alive(pid), 90, "the server of the expired lease kept running")
+        assert broker_call(url, token, "get_lease", lease["id"])["state"] == "expired"
+        wait_for(lambda: server_model(hub, "alice") is None, 60, "the hub still lists the server")
+    finally:
+        hub.stop()
+        if pid and pid_alive(pid):
+            os.kill(pid, 9)
+
+
+def test_a_killed_broker_comes_back_and_a_release_made_meanwhile_reaches_it(hub1):
+    """The broker is killed (SIGKILL) while alice's server runs; the hub restarts it. Alice stops
+    her server meanwhile: the stop answers at once, and the release reaches the broker when it is
+    back (retried with back-off), ending the lease as released by the spawner, not by a check."""
+    import signal
+
+    hub, url, token = hub1
+    status, body = spawn(hub, "alice", {"gpus": 1})
+    assert status in (201, 202), body
+    wait_ready(hub, "alice")
+    (lease,) = leases_of(url, token, "alice", "active")
+    broker_pid = hub.find_process("jupyter_gpulease.cli broker")
+    os.kill(broker_pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(broker_pid), 30, "the broker did not die")
+    status, body = hub.api("DELETE", "users/alice/server")
+    assert status in (202, 204), body
+    wait_gone(hub, "alice")
+    wait_for(lambda: broker_call(url, token, "pool"), 120, "the hub did not restart the broker")
+    ended = wait_for(lambda: (lambda lease_: lease_ if lease_["state"] != "active" else None)(broker_call(url, token, "get_lease", lease["id"])),
+                     60, "the release never reached the broker")
+    assert (ended["state"], ended["end_reason"]) == ("released", "server stopped"), ended
