@@ -156,10 +156,3 @@ if env("GPULEASE_DEVICE_BACKEND") == "simulated":
 if os.getuid() == 0:
     c.Spawner.args = ["--allow-root"]
 c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")
-if env("GPULEASE_DEMO_DIR") and env("GPULEASE_DEVICE_BACKEND") == "simulated":
-    # The demo's simulated GPUs: the servers' extension reads the same pool and the same
-    # driven figures (utilization, processes) as the broker, from one state file.
-    c.Spawner.environment = {
-        "GPULEASE_DEVICE_BACKEND": "simulated",
-        "GPULEASE_DEVICE_CONFIG": json.dumps({"state_file": str(state / "sim-gpus.json")}),
-    }

@@ -260,6 +260,7 @@ class GPULeaseSpawner(Spawner):
         self._progress_signal = asyncio.Event()
         self._link: BrokerLink | None = None
         self._checked_pool: dict | None = None
+        self._spawn_pool: dict | None = None
         self._confirm_task: asyncio.Future | None = None
         self._orphan_task: asyncio.Future | None = None
         self._end_task: asyncio.Future | None = None
@@ -525,7 +526,8 @@ class GPULeaseSpawner(Spawner):
         try:
             lease = await self._wait_for_grant(lease, pool, time.monotonic() + wait_limit, wait_limit)
             self.lease = lease
-            self.apply_placement(lease, pool)
+            self._spawn_pool = pool
+            self.apply_placement(lease)
             self.emit_progress(granted_message(lease), 45, lease_id=lease["id"], state="active",
                                expires_at=lease.get("expires_at"))
             self._finish_lease_progress(engine_starts=True)
@@ -664,14 +666,14 @@ class GPULeaseSpawner(Spawner):
         return True
 
     # ------------------------------------------------------------------ placement (engine part)
-    def apply_placement(self, lease: dict, pool: dict | None = None) -> None:
+    def apply_placement(self, lease: dict) -> None:
         """Make the engine give the server the leased devices. Local processes: the environment.
 
         Container engines override this (and call super()) to add resource requests, node
-        selectors or device mounts for ``lease["placement"]``. ``pool``: the broker's pool as
-        read for this spawn (devices with their memory), when at hand.
+        selectors or device mounts for ``lease["placement"]``.
         """
-        memory = {d.get("uuid"): int(d.get("memory_mib") or 0) for d in (pool or {}).get("devices") or [] if d.get("uuid")}
+        pool = self._spawn_pool or {}  # the broker's pool as read for this spawn: each GPU's memory
+        memory = {d.get("uuid"): int(d.get("memory_mib") or 0) for d in pool.get("devices") or [] if d.get("uuid")}
         self._lease_env = lease_environment(lease, broker_url=self.server_broker_url or self.broker_url,
                                             gpu_memory_mib=memory, cuda_mps=self.cuda_mps)
 
