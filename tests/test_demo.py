@@ -279,7 +279,7 @@ def test_ctrl_c_withdraws_waiting_spawns_before_stopping_servers_and_a_restart_r
     demo = Demo(tmp_path / "state").start()
     try:
         alice, bob = Browserless(demo, "alice"), Browserless(demo, "bob")
-        choices = dict(re.findall(r'<option value="([^"]*)"[^>]*>([^<]*)</option>', alice.spawn_form()))
+        choices = re.findall(r'<input type="radio" name="choice" id="[^"]*" value="([^"]*)"', alice.spawn_form())
         assert "gpu:2:L4" in choices, choices
         alice.submit({"choice": "gpu:2:L4", "tier": "experiment", "duration_h": "1"})
 
