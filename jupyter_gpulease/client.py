@@ -301,15 +301,12 @@ class BrokerClient:
         """What each ask (a body of ``POST api/leases``) would get now, without asking: one estimate per ask, in order."""
         return (await self._call("POST", "api/estimate", {"asks": list(asks)}))["estimates"]
 
-    async def drain(self, on: bool = True, reason: str = "") -> dict:
-        """Admins: stop granting leases (``on``) or grant again; queued leases stay queued."""
-        return await self._call("POST", "api/drain", {"drain": bool(on), "reason": reason})
-
     async def queue(self) -> list[dict]:
         return (await self._call("GET", "api/queue"))["queue"]
 
     async def drain(self, drain: bool = True) -> bool:
-        """Stop (or resume) granting leases (admins); returns whether the broker now drains."""
+        """Admins: stop (or resume) granting leases; queued leases stay queued. Returns whether
+        the broker now drains."""
         return (await self._call("POST", "api/drain", {"drain": drain}))["draining"]
 
     async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:

@@ -623,3 +623,18 @@ def test_ended_leases_are_listed_newest_first_up_to_a_limit(tmp_path):
         await expect_error(alice._call("GET", "api/leases", query={"state": "ended", "limit": "many"}), 400, "limit")
 
     run_with_broker(tmp_path, scenario)
+
+
+def test_since_latest_gives_where_to_follow_the_feed_from_without_history(tmp_path):
+    async def scenario(app, client):
+        alice, bob = client("alice"), client("bob")
+        lease = await alice.request_lease({"gpus": 1})
+        await alice.release(lease["id"])
+        feed = await bob.events(since="latest", timeout=0)
+        newest = (await alice.events(since=0, timeout=0))["last_id"]
+        assert feed == {"events": [], "last_id": newest} and newest > 0
+        other = await bob.request_lease({"gpus": 1})
+        after = await bob.events(since=feed["last_id"], timeout=0)
+        assert {e["lease_id"] for e in after["events"]} == {other["id"]}
+
+    run_with_broker(tmp_path, scenario)

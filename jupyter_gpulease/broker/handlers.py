@@ -426,6 +426,11 @@ class EventsHandler(APIHandler):
             raise _TooMany(e.message, field="stream") from None
 
     async def get(self):
+        if self.get_argument("since", None) == "latest":
+            # where to follow from without replaying history: no events, the newest committed id
+            await self._filters()
+            self.write_json({"events": [], "last_id": self.manager.last_event_id})
+            return
         since = self._since()
         timeout = self.query_number("timeout", 30.0, minimum=0, maximum=MAX_POLL_S, unit="seconds")
         limit = self.query_number("limit", 500, integer=True, minimum=1, maximum=5000)

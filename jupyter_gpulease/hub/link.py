@@ -502,7 +502,9 @@ class BrokerLink:
         """Ask the broker to stop (``on``) or resume granting; False when it cannot (an older
         broker without drain mode, or none reachable)."""
         try:
-            await self.client.drain(on, reason)
+            await self.client.drain(on)
+            if reason:
+                self.log.info("Broker %s granting: %s", "stopped" if on else "resumed", reason)
         except BrokerError as e:
             self.log.debug("Broker drain %s: %s", on, e)
             return False
