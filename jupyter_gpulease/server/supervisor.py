@@ -230,7 +230,8 @@ class GPUSupervisor:
         self._report_activity(snap, uses, now)
         if self.keeper.active and not self.returning:
             timeout = self.timeout()
-            for d in self.tracker.plan(now, timeout, lease_active=True):
+            # samples drift by milliseconds: a deadline that falls on a sample is due at that sample, not the next
+            for d in self.tracker.plan(now + 0.05 * self.settings.sample_interval, timeout, lease_active=True):
                 self._decide(d, now)
             self._check_shares(snap, now)
         self._check_preemption(now)
