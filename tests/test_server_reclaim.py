@@ -189,8 +189,9 @@ async def test_the_reclaimed_lease_goes_back_to_the_broker_and_the_next_in_queue
     assert [s["gpu_uuid"] for s in bob_now["placement"]["slices"]] == [s["gpu_uuid"] for s in lease["placement"]["slices"]]
     _, ended = await broker_call_async(url, "GET", f"api/leases/{lease['id']}")
     assert ended["end_reason"].startswith("idle")
-    lease_events = [e for e in feed_events(server, "lease") if e["event"] == "reclaimed"]
-    assert lease_events and "keeps running without a GPU" in lease_events[0]["message"]
+    lease_events = await wait_for(lambda: [e for e in feed_events(server, "lease") if e["event"] == "reclaimed"],
+                                  message="the feed says the lease went back")
+    assert "keeps running without a GPU" in lease_events[0]["message"]
     # a kernel started now gets no GPU
     k2 = await start_kernel(server, jp_fetch)
     reply = await k2.run("import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")

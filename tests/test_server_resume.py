@@ -150,3 +150,51 @@ async def test_without_cuda_checkpoint_the_fallback_runs_and_the_user_is_told_wh
     assert first["outcome"] == "fallback" and "cannot be suspended (NVIDIA's cuda-checkpoint was not found" in first["message"]
     assert reclaims[-1]["action"] == "shutdown"
     await wait_for(lambda: k.id not in server.kernel_manager.list_kernel_ids(), message="the kernel was shut down")
+
+
+TIERS = {
+    "production": {"priority": 30, "max_duration_s": 3600, "default_duration_s": 3600},
+    "experiment": {"priority": 20, "max_duration_s": 3600, "default_duration_s": 3600},
+    "learning": {"priority": 10, "max_duration_s": 3600, "default_duration_s": 3600, "preemptible": True, "grace_s": 20},
+}
+
+
+@pytest.mark.parametrize("broker_traits", [{"tiers": TIERS, "default_tier": "experiment", "tick_interval": 0.5}], indirect=True)
+@pytest.mark.parametrize("lease_request", [{"gpus": 1, "tier": "learning"}], indirect=True)
+@pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 0}], indirect=True)
+async def test_before_a_preemption_ends_the_lease_the_kernels_holding_the_gpu_are_suspended(
+        server, jp_fetch, sim, broker, lease, checkpoint_dir, broker_traits, lease_request, ext_config):
+    url = broker_url(broker)
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    pid = k.pid
+    sim.run(pid, 5000, sm=60.0)  # computing: no idle reclaim; a preemption is another matter
+    await wait_for(lambda: kernel_status_holds(server, k.id), sim=sim, message="the kernel holds GPU memory")
+    _, carol = await broker_call_async(url, "POST", "api/leases", {"gpus": 1}, token="carol")
+    _, bob = await broker_call_async(url, "POST", "api/leases", {"gpus": 1, "tier": "production"}, token="bob")
+    assert carol["state"] == "active" and bob["state"] == "queued"
+    _, mine = await broker_call_async(url, "GET", f"api/leases/{lease['id']}")
+    preempt_at = mine["preempt_at"]
+    assert preempt_at, mine
+    warned = await wait_for(lambda: [e for e in feed_events(server, "warning") if e["kind"] == "preemption"], message="warned")
+    assert warned[0]["deadline"] == pytest.approx(preempt_at) and "nothing is lost" in warned[0]["message"]
+    done = await wait_for(lambda: [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id and e["action"] == "suspend"],
+                          timeout=60, message="suspended before the end")
+    assert done[0]["outcome"] == "done" and done[0]["time"] < preempt_at
+    assert "preempted" in done[0]["message"]
+    await wait_for(lambda: _is(lease_state(broker, lease["id"]), "preempted"), timeout=60, message="the lease is preempted")
+    _, bob_now = await broker_call_async(url, "GET", f"api/leases/{bob['id']}", token="bob")
+    assert bob_now["state"] == "active"
+
+    async def ended():
+        st = await status(jp_fetch)
+        return st if st["lease"] is None else None
+
+    st = await wait_for(ended, message="the server knows its lease ended")
+    assert st["last_lease"]["state"] == "preempted" and kernel_status(st, k.id)["state"] == "suspended"
+    assert k.pid == pid  # the kernel and its variables are still there, waiting for a GPU
+
+
+def kernel_status_holds(server, kid):
+    rec = server.web_app.settings["gpulease_supervisor"].kernels.get(kid)
+    return rec is not None and rec.gpu is not None and rec.gpu.holds_memory

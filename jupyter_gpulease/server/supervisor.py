@@ -153,6 +153,7 @@ class GPUSupervisor:
         self._attribution_mode = "process"
         self._broker_warned: set[tuple[str, float]] = set()
         self._preempt_suspend_at: float | None = None
+        self._preempt_noticed: float | None = None  # the preemption end already warned about
         keeper.on_change = self._lease_changed
         keeper.on_warnings = self._broker_warnings
         keeper.usage = self.usage
@@ -444,8 +445,11 @@ class GPUSupervisor:
         mig = any(s.get("mig_uuid") for s in (lease.get("placement") or {}).get("slices", []))
         return unavailable_reason(self.checkpoint.path, self.checkpoint.path, mig=mig)
 
-    async def _act(self, rec: KernelRecord, action: str, why: str) -> None:
-        """Free a kernel's GPU by ``action``; suspend falls back (and says why) where it cannot work."""
+    async def _act(self, rec: KernelRecord, action: str, why: str, *, idle: bool = True) -> None:
+        """Free a kernel's GPU by ``action``; suspend falls back (and says why) where it cannot work.
+
+        ``idle``: the kernel was reclaimed for idleness, so when no other kernel holds GPU memory
+        the lease goes back right after (not so for a share's memory overrun: the GPU is in use)."""
         try:
             if action == "suspend":
                 reason = self.suspend_unavailable(rec)
@@ -455,17 +459,21 @@ class GPUSupervisor:
                                         f"doing '{fb}' instead.")
                     action = fb
                 elif await self._suspend(rec, why):
+                    if idle and self.keeper.active and not self._others_hold_gpu(rec):
+                        # its memory is in host memory now and nobody else holds any: the lease goes back
+                        # at once, not at the next sample
+                        await self._return_lease(f"idle: {why}")
                     return
                 else:
                     action = self.settings.fallback_action
-            await self._plain_action(rec, action, why)
+            await self._plain_action(rec, action, why, idle=idle)
         finally:
             if rec.state == "acting":
                 rec.state = "reclaimed"
 
-    async def _plain_action(self, rec: KernelRecord, action: str, why: str) -> None:
+    async def _plain_action(self, rec: KernelRecord, action: str, why: str, *, idle: bool = True) -> None:
         name = self._kname(rec)
-        if action in ("restart", "shutdown") and self.keeper.active and not self._others_hold_gpu(rec):
+        if idle and action in ("restart", "shutdown") and self.keeper.active and not self._others_hold_gpu(rec):
             # the lease goes back right after: the restarted kernel comes up without the GPU
             self.returning = True
             self._set_kernel_env(None)
@@ -576,7 +584,7 @@ class GPUSupervisor:
                            deadline=now + self.settings.share_grace_s, kernel_id=rec.id, action=self.settings.action)
             elif now - rec.share_warned_at >= self.settings.share_grace_s and rec.state == "ok":
                 rec.state = "acting"
-                rec.task = self._spawn(self._act(rec, self.settings.action, f"it used {mib} MiB, over the share's {caps[dev]} MiB"))
+                rec.task = self._spawn(self._act(rec, self.settings.action, f"it used {mib} MiB, over the share's {caps[dev]} MiB", idle=False))
 
     # ------------------------------------------------------------------ broker warnings, preemption, ends
     async def _broker_warnings(self, warnings: list[dict[str, Any]], lease: dict[str, Any]) -> None:
@@ -587,8 +595,14 @@ class GPUSupervisor:
             self._broker_warned.add(key)
             kind = "preemption" if w.get("kind") == "preemption" else "expiring"
             self._warn(kind, w.get("message") or f"The GPU lease ends at {w.get('at')}.", deadline=w.get("at"))
-        if lease.get("preempt_at"):
-            self._preempt_suspend_at = float(lease["preempt_at"]) - max(2 * self.settings.sample_interval, 10.0)
+        preempt_at = lease.get("preempt_at")
+        if preempt_at and float(preempt_at) != self._preempt_noticed:
+            preempt_at = self._preempt_noticed = float(preempt_at)
+            self._preempt_suspend_at = preempt_at - max(2 * self.settings.sample_interval, 10.0)
+            if not any(w.get("kind") == "preemption" for w in warnings):  # say it ourselves if the broker did not
+                saving = "" if self.suspend_unavailable() else " Kernels holding the GPU are suspended before then: nothing is lost."
+                self._warn("preemption", f"The GPU lease is being preempted for a higher-priority request: it ends in "
+                           f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{saving}", deadline=preempt_at)
 
     def _check_preemption(self, now: float) -> None:
         """Before a preemption ends the lease, suspend the kernels that hold the GPU: their work survives."""
