@@ -199,3 +199,27 @@ async def test_the_reclaimed_lease_goes_back_to_the_broker_and_the_next_in_queue
     st = await status(jp_fetch)
     assert kernel_status(st, k2.id)["cuda_visible_devices"] in ("", None)
     k2.close()
+
+
+@pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 5.0, "warn_before": 3.0, "reclaim_action": "restart"}], indirect=True)
+async def test_a_warned_kernel_that_computes_again_keeps_its_gpu_and_the_warning_goes_away(server, jp_fetch, sim, lease, ext_config):
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    sim.run(k.pid, 4096, sm=0.0)
+
+    async def warned():
+        st = await status(jp_fetch)
+        return [w for w in st["warnings"] if w["kind"] == "reclaim" and w["kernel_id"] == k.id]
+
+    [w] = await wait_for(warned, sim=sim, message="the status shows the reclaim warning")
+    assert "restarted" in w["message"] and w["action"] == "restart"
+    sim.run(k.pid, 4096, sm=70.0)  # the user's cell computes again
+    await wait_for(lambda: _not(warned()), sim=sim, message="the warning is gone from the status")
+    sup = server.web_app.settings["gpulease_supervisor"]
+    start = sup.monitor.samples
+    await wait_for(lambda: sup.monitor.samples >= start + 20, message="5 s of samples past the old deadline")
+    assert not [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id]
+
+
+async def _not(coro):
+    return not await coro

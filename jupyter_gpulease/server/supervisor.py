@@ -951,12 +951,32 @@ class GPUSupervisor:
                 "resume_on_execute": self.settings.resume_on_execute,
             },
             "resume": self.resume,
-            "warnings": [e.to_dict() for e in self.feed.recent(("warning",), 20)] + list(self.keeper.warnings),
+            "warnings": self._standing_warnings(now) + list(self.keeper.warnings),
             "notices": list(self.notices),
             "heartbeat": dict(self.keeper.heartbeat),
             "gpu_last_activity": self.last_gpu_activity,
             "feed_last_id": self.feed.last_id,
         }
+
+    def _standing_warnings(self, now: float) -> list[dict[str, Any]]:
+        """The warnings of the feed that still hold: their deadline is ahead and nothing since made them moot."""
+        out = []
+        for e in self.feed.recent(("warning",), 50):
+            w = e.to_dict()
+            deadline = w.get("deadline")
+            if deadline is None or deadline <= now:
+                continue
+            kid = w.get("kernel_id")
+            if w["kind"] == "reclaim" and (self.tracker.kernels.get(kid) is None or self.tracker.kernels[kid].warned_for != deadline):
+                continue  # the kernel computed again (or was kept): no reclaim at that time
+            if w["kind"] == "lease_reclaim" and self.tracker.lease_warned_for != deadline:
+                continue
+            if w["kind"] == "share_memory" and (kid not in self.kernels or self.kernels[kid].share_warned_at is None):
+                continue
+            if w["kind"] in ("preemption", "expiring", "lease_reclaim", "reclaim", "share_memory") and self.keeper.active is None:
+                continue
+            out.append(w)
+        return out
 
     def usage(self) -> dict[str, Any]:
         """The heartbeat's usage: per device and per kernel busy/idle seconds, memory peak, health (compact: the broker caps it)."""
