@@ -304,3 +304,13 @@ async def test_a_process_over_its_shares_memory_is_warned_then_acted_on(server, 
     assert done[-1]["action"] == "restart" and "over the share" in done[-1]["message"]
     assert done[-1]["time"] - warned[0]["time"] >= 1.0 - 0.05
     await wait_for(lambda: k.pid != pid, message="restarted")
+
+
+async def test_a_kernel_without_a_local_process_is_asked_for_its_pid(server, jp_fetch, lease):
+    # what a remote provisioner gives the extension: no pid; ipykernel answers a usage_request with its own
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    sup = server.web_app.settings["gpulease_supervisor"]
+    kernel = server.kernel_manager.get_kernel(k.id)
+    await sup._ask_kernel_pid(kernel)
+    assert kernel.gpulease_reported_pid == k.pid
