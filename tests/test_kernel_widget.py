@@ -90,6 +90,52 @@ def broker_lease(broker, lease_id: str) -> dict:
     return asyncio.run(BrokerClient(broker_url(broker), "alice").get_lease(lease_id))
 
 
+def test_the_widget_follows_a_grant_a_warning_a_reclaim_a_resume_and_an_expiry(stack):
+    broker, server, clock = stack
+    k = server.start_kernel()
+    try:
+        busy_kernel(server, k, 50.0)  # the kernel computes on the GPU: no idle reclaim yet
+        r = k.execute("%gpu watch")
+        assert any(m["msg_type"] == "display_data" and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]
+                   for m in r["messages"]), "no widget was displayed"
+        wait_widget(k, lambda s: s["lease_state"] == "none", "no lease at first")
+
+        # a grant (asked for from JupyterLab's panel, say): the widget counts down
+        status, lease = server.api("POST", "gpulease/api/lease", {"gpus": 1, "model": "L4", "duration_s": 3600})
+        assert status == 201, lease
+        s = wait_widget(k, lambda s: s["lease_state"] == "active" and s["countdown"], "the grant")
+        assert s["countdown"].endswith(" left")
+        assert set(s["buttons"]) == {"extend", "keep", "release"}
+
+        # 50 minutes on, the broker warns of the expiry; the widget shows it, and its Extend button extends
+        clock.advance(3000)
+        wait_widget(k, lambda s: any("expir" in w.lower() for w in s["warnings"]), "the expiry warning")
+        before = broker_lease(broker, lease["id"])["expires_at"]
+        k.execute("from jupyter_gpulease.kernel.widget import LeaseWidget\nLeaseWidget.instances[-1].buttons['extend'].click()")
+        assert broker_lease(broker, lease["id"])["expires_at"] == pytest.approx(before + 1800)
+
+        # the kernel stops computing but keeps its GPU memory: warned, then suspended, and the lease goes back
+        busy_kernel(server, k, 0.0)
+        wait_widget(k, lambda s: any("reclaim" in w.lower() or "idle" in w.lower() for w in s["warnings"]), "the idle warning")
+        s = wait_widget(k, lambda s: s["suspended"] and "resume" in s["buttons"], "the reclaim (suspend)")
+        assert any("suspend" in w for w in s["warnings"])
+        wait_for(lambda: broker_lease(broker, lease["id"])["state"] == "reclaimed", 60, "the idle lease did not go back")
+
+        # its Resume button: a new lease, the kernel's GPU memory restored
+        k.execute("from jupyter_gpulease.kernel.widget import LeaseWidget\nLeaseWidget.instances[-1].buttons['resume'].click()")
+        s = wait_widget(k, lambda s: not s["suspended"] and s["lease_state"] == "active", "the resume")
+        resumed = s["lease_id"]
+        assert resumed != lease["id"]
+        busy_kernel(server, k, 50.0)
+
+        # the new lease runs out: the widget says so
+        clock.advance(4 * 3600)
+        s = wait_widget(k, lambda s: s["lease_state"] == "none" and "expired" in s["header"], "the expiry")
+        assert broker_lease(broker, resumed)["state"] == "expired"
+    finally:
+        k.stop()
+
+
 def comm_updates(messages: list[dict]) -> list[dict]:
     return [m["content"]["data"]["state"] for m in messages
             if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"]
