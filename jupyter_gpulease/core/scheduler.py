@@ -5,8 +5,8 @@ from the caller and returns the :class:`~.events.Event` list of what changed, so
 broker can persist each batch in one transaction and the simulator can replay a trace with
 its own clock. Nothing here does I/O.
 
-A scheduling pass (:meth:`Scheduler.schedule`) reads as the Kubernetes scheduling framework's
-phases, each in its own module:
+A scheduling pass (:meth:`Scheduler.schedule`, walked by :class:`~.passes.SchedulingPass`)
+follows the Kubernetes scheduling framework's phases, each in its own module:
 
 1. queue order — tiers, fair share, aging (:mod:`.queue`);
 2. quota gate — a lease whose concurrent quota is in use waits (:mod:`.quota`);
@@ -16,8 +16,9 @@ phases, each in its own module:
 5. reserve — the earliest slot, which is the lease's ETA (:mod:`.reservations`).
 
 Time-driven work (expiry, warnings, grace ends, wait limits, timeouts) is typed deadlines
-(:mod:`.deadlines`) handled by :meth:`Scheduler.tick`; queries that change nothing (position,
-ETA, the estimate for a request not yet made) are in :mod:`.estimate`.
+(:mod:`.deadlines`) handled by :meth:`Scheduler.tick` (one handler per kind); the bookkeeping of
+grants and ends is :class:`~.ledger.LeaseBook`'s; queries that change nothing (position, ETA,
+the estimate for a request not yet made) are in :mod:`.views` and :mod:`.estimate`.
 """
 
 from __future__ import annotations
