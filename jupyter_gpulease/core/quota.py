@@ -101,7 +101,7 @@ class Quotas:
         for g in lease.groups:
             gq = pol.group_quotas.get(g)
             if gq is not None and gq.max_gpus is not None and self.held_by_group[g] + milli > gq.max_gpus * MILLI:
-                return f"group {g}'s quota of {gq.max_gpus:g} concurrent GPUs is in use"
+                return f"the quota of group '{g}' ({gq.max_gpus:g} concurrent GPUs) is in use; it starts when the group's leases end"
         return ""
 
     def frees_at(self, lease: Lease, milli: int, leases: Mapping[str, Lease], end_of) -> float | None:
