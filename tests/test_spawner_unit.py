@@ -659,8 +659,9 @@ def test_an_eta_beyond_the_wait_limit_says_the_spawn_gives_up_first():
     assert "position 3 of 5, about 13 h" in msg
     assert "after this spawn stops waiting (in 1 h)" in msg and "it will give up" in msg
     assert "give up" not in queue_message(lease, POOL, now=1000.0, gives_up_at=1000.0 + 14 * 3600)
-    flagged = {**lease, "queue": {**lease["queue"], "beyond_wait": True}}
-    assert "give up" in queue_message(flagged, POOL, now=1000.0)
+    # the broker's own flag and wait limit, as its queue info carries them
+    flagged = {**lease, "queue": {**lease["queue"], "eta_after_wait_limit": True, "gives_up_at": 1000.0 + 3600}}
+    assert "after this spawn stops waiting (in 1 h)" in queue_message(flagged, POOL, now=1000.0)
 
 
 def test_a_share_gets_mps_limits_where_mps_serves_the_gpu_and_a_memory_fraction_everywhere():

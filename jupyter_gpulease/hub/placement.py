@@ -157,7 +157,8 @@ def queue_message(lease: dict[str, Any], pool: dict | None = None, now: float | 
     """'Waiting for 1 × A100 (80 GB): position 2 of 5, about 14 min'.
 
     ``gives_up_at``: when the spawn stops waiting (POSIX seconds); an ETA beyond it says that
-    the spawn will give up first (so does the broker's ``beyond_wait`` flag)."""
+    the spawn will give up first (so does the broker's ``eta_after_wait_limit`` flag, and its
+    ``gives_up_at`` stands in for ``gives_up_at`` when not given)."""
     now = time.time() if now is None else now
     q = lease.get("queue") or {}
     what = describe_request(lease.get("request") or {}, pool)
@@ -165,7 +166,9 @@ def queue_message(lease: dict[str, Any], pool: dict | None = None, now: float | 
         return f"Waiting for {what}"
     text = f"Waiting for {what}: position {q.get('position')} of {q.get('length')}, {describe_wait(q.get('eta'), now)}"
     eta = q.get("eta")
-    beyond = q.get("beyond_wait")
+    if gives_up_at is None and q.get("gives_up_at") is not None:
+        gives_up_at = float(q["gives_up_at"])
+    beyond = q.get("eta_after_wait_limit")
     if beyond is None and eta is not None and gives_up_at is not None:
         beyond = float(eta) > gives_up_at
     if beyond:
