@@ -53,6 +53,17 @@ def test_generate_config_writes_every_option_with_its_help(tmp_path):
                    "fair_share_half_life_s", "warn_before_s", "reservation_depth", "extend_when_contended", "confirm_timeout_s",
                    "heartbeat_timeout_s", "min_duration_s", "resume_priority", "tick_interval", "stop_servers_on_end", "admin_scope", "bind_url"):
         assert f"c.GPULeaseBroker.{option} =" in text, option
+    # one section for the broker: the policy options with their whole help, not "See also" a
+    # mixin; the tiers' default is the tiers the broker runs with, not an empty dict
+    assert "PolicyOptions" not in text and "c.PolicyConfig." not in text and "See also: _" not in text
+    tiers = text.split("\n# c.GPULeaseBroker.tiers =", 1)[1].splitlines()[0]
+    assert all(f"'{name}'" in tiers for name in ("production", "experiment", "learning"))
+    quotas_help = text.split("# c.GPULeaseBroker.group_quotas =", 1)[0].rsplit("##", 1)[1]
+    assert "gpu_hours" in quotas_help and "period_s" in quotas_help and "together" in quotas_help
+    # the generated file loads back as it is
+    r = subprocess.run([sys.executable, "-m", "jupyter_gpulease.broker", f"--config={out}", "--check-config", "--db-url=sqlite://"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -134,3 +145,17 @@ def test_check_config_says_ok_and_warns_about_names_that_match_no_tier(tmp_path)
     assert "OK (1 warning(s))" in r.stdout and "pool: 4 GPU(s)" in r.stdout
     assert "preempted_by names 'staf', which is not a tier" in r.stderr
     assert "groups named: students (not checked against the hub" in r.stdout
+
+
+def test_the_token_cache_age_reaches_the_hub_auth_of_the_api_and_the_pages(tmp_path, monkeypatch):
+    from brokerutil import make_broker
+
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "t" * 32)
+    monkeypatch.setenv("JUPYTERHUB_API_URL", "http://127.0.0.1:1/hub/api")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    default = make_broker(tmp_path / "a").make_web_app()
+    assert default.settings["hub_auth"].cache_max_age == 10 and default.settings["hub_oauth"].cache_max_age == 10
+    GPULeaseBroker.clear_instance()
+    short = make_broker(tmp_path / "b", token_cache_max_age=3).make_web_app()
+    assert short.settings["hub_auth"].cache_max_age == 3 and short.settings["hub_oauth"].cache_max_age == 3

@@ -81,6 +81,15 @@ class GPULeaseBroker(PolicyConfig, Application):
         "debug": ({"Application": {"log_level": logging.DEBUG}}, "log at DEBUG level"),
     }
 
+    # the policy options are the broker's: one section in the generated config and in
+    # --help-all, each with its whole help, not a "See also" of the mixin that declares it
+    _POLICY_MIXINS = tuple(c for c in PolicyConfig.__mro__ if c not in Application.__mro__)
+
+    def _classes_with_config_traits(self, classes=None):
+        for cls in super()._classes_with_config_traits(classes):
+            if cls not in self._POLICY_MIXINS:
+                yield cls
+
     @default("log_level")
     def _default_log_level(self):
         return logging.INFO
@@ -173,11 +182,12 @@ class GPULeaseBroker(PolicyConfig, Application):
     stop_servers_on_end = Bool(
         False,
         help="""Whether the broker itself asks the Hub to stop a server when the broker ends its lease
-        (expired, preempted, revoked, failed; see ``stop_server_states``). A GPULeaseSpawner stops its
-        own server when its lease ends whether or not this is on (at its next poll,
-        ``c.Spawner.poll_interval``); turn this on for servers whose spawner does not, or to stop them
-        sooner. Needs the broker's service to hold the ``admin:servers`` scope (a role in
-        jupyterhub_config.py, see the README).
+        (expired, preempted, revoked, failed; see ``stop_server_states``). Leave it off with
+        GPULeaseSpawner: the spawner hears of the end through the broker's event feed and stops
+        (or keeps, per its ``on_lease_end``) its own server within about a second, or at its next
+        ``c.Spawner.poll_interval`` when the feed missed it. Turn it on for servers started by
+        another spawner that knows nothing of leases. Needs the broker's service to hold the
+        ``admin:servers`` scope (a role in jupyterhub_config.py, see the README).
         """,
     ).tag(config=True)
     stop_server_states = List(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from traitlets import Bool, CaselessStrEnum, Dict, Float, Integer, TraitError, Unicode, default, observe, validate
+from traitlets import Bool, CaselessStrEnum, Dict, Float, Integer, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
 from .policy import DEFAULT_TIERS, SETTINGS, Policy, Quota, Tier
@@ -45,8 +45,13 @@ def _renamed_trait(old: str, new: Setting):
     return t(None, allow_none=True, help=f"Renamed to {new.name} (same meaning and unit); the old name still works, with a warning.").tag(config=True)
 
 
+def _default_tiers() -> dict:
+    return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
+
+
 class _PolicyOptions(Configurable):
     tiers = Dict(
+        _default_tiers(),
         help="""Priority tiers, name -> settings (all optional): ``priority`` (higher is served
         first), ``max_duration_s`` / ``default_duration_s`` (seconds), ``max_lifetime_s`` (cap
         including extensions), ``users`` / ``groups`` (who may use it; both empty: everyone),
@@ -59,14 +64,10 @@ class _PolicyOptions(Configurable):
                 "learning": {"priority": 10, "max_duration_s": 14400, "preemptible": True, "grace_s": 600},
             }
 
-        Not set: the three tiers production, experiment and learning, as in this example
-        without the groups.
+        The default (below) is the three tiers production, experiment and learning; setting
+        this option replaces them all.
         """,
     ).tag(config=True)
-
-    @default("tiers")
-    def _default_tiers(self):
-        return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
 
     default_user_quota = Dict(
         help="""Quota of every user without an entry in ``user_quotas``: ``max_gpus`` (GPUs held
