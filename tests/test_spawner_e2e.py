@@ -481,6 +481,15 @@ def test_the_hub_checks_the_broker_url_and_token_and_says_what_is_wrong(hub1):
     line, kind = run(f"http://127.0.0.1:{free_port()}/services/gpulease/", token)
     assert kind == "unreachable" and "not answering" in line
 
+    # a broker left in drain mode (a hub killed in the middle of its shutdown) grants again
+    async def left_draining():
+        link = BrokerLink(url, token, timeout=10)
+        assert await link.client.drain(True) is True
+        checked = await link._check_once()
+        return checked, await link.client.pool()
+    (line, kind), pool = asyncio.run(left_draining())
+    assert kind == "" and pool["draining"] is False
+
 
 def test_a_lease_that_ended_while_the_hub_was_down_stops_its_server_as_soon_as_the_broker_answers(tmp_path):
     """The hub restarts with its servers left running (cleanup_servers = False); alice's lease

@@ -7,11 +7,13 @@ would stay active until the broker's own check with the hub found them. So when 
 module is loaded into a running hub, :func:`attach` adds two steps:
 
 * **at start**: once the broker answers, one log line says whether ``broker_url`` and the
-  spawner's token work (wrong URL, invalid token, missing scope: what to fix);
+  spawner's token work (wrong URL, invalid token, missing scope: what to fix); a broker left in
+  drain mode by an interrupted shutdown grants again;
 * **at shutdown**, before the hub's own clean-up stops the broker: the broker stops granting
   (drain mode), spawns waiting in the queue give up with a message saying so, and, when
   ``c.JupyterHub.cleanup_servers`` is true (the default), the servers that hold leases are
-  stopped and their leases released while the broker still runs. With ``cleanup_servers =
+  stopped and their leases released while the broker still runs; then the broker grants again
+  (drain mode lasts for the shutdown only). With ``cleanup_servers =
   False`` the servers go on running and keep their leases; the restarted hub follows them
   again from the saved spawner state.
 """
@@ -129,6 +131,11 @@ async def end_leases_at_shutdown(app) -> dict:
                     app.log.error("Could not stop %s at shutdown: %s", s._log_name, r)
             done["stopped"] += len(holding)
         done["unreleased"] += await link.flush(10)
+        if done["drained"]:
+            # drain mode is for the shutdown only: a broker that runs on without this hub (its own
+            # service, other hubs, servers kept with cleanup_servers = False resuming kernels)
+            # grants again; a hub-managed broker is stopped next anyway
+            await link.drain(False)
     parts = ["the broker grants no more leases" if done["drained"] else "the broker could not be put in drain mode",
              f"{done['withdrawn']} waiting spawn(s) withdrawn"]
     if cleanup_servers:

@@ -551,7 +551,7 @@ class BrokerLink:
     async def _check_once(self) -> tuple[str, str]:
         where = f"GPU lease broker at {self.url}"
         try:
-            await self.client.pool()
+            pool = await self.client.pool() or {}
         except BrokerError as e:
             if e.status == 0 or e.status in (502, 503, 504):
                 return f"{where}: not answering yet ({e.message})", "unreachable"
@@ -569,6 +569,14 @@ class BrokerLink:
         except ValueError:  # an answer that is not JSON: some other web server
             return (f"{where}: this URL answers, but not as the lease broker (not JSON for api/pool); "
                     "check c.GPULeaseSpawner.broker_url, prefix included"), "url"
+        if pool.get("draining"):
+            # only a hub's shutdown drains the broker, for the shutdown's length; a broker left
+            # draining (a hub killed mid-shutdown, a broker that outlived its hub) grants again
+            try:
+                await self.client.drain(False)
+                self.log.warning("GPU lease broker at %s was not granting leases (drain mode left from a hub shutdown); it grants again", self.url)
+            except BrokerError as e:
+                self.log.warning("GPU lease broker at %s is in drain mode and could not be resumed: %s", self.url, e.message)
         # the admin scope: only an admin may see another user's pool
         try:
             await self.client.pool(user="gpulease-check", groups=["gpulease-check"])
