@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import urllib.error
+import urllib.parse
 
 import pytest
 
@@ -201,8 +202,27 @@ def test_the_admin_page_shows_lease_admins_the_holders_and_refuses_others(hub):
         assert info.value.code == 403
         refusal = info.value.read().decode()
         assert "custom:gpulease:admin" in refusal and 'href="/services/gpulease/"' in refusal, refusal
+        # bob's own page form token does not let him revoke through the admin form
+        bob_xsrf = _form_xsrf(other.open(hub.service_url("gpulease"), timeout=60).read().decode())
+        with pytest.raises(urllib.error.HTTPError) as info:
+            other.open(f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke",
+                       data=urllib.parse.urlencode({"_xsrf": bob_xsrf, "reason": "mine now"}).encode(), timeout=60)
+        assert info.value.code == 403
+        assert run(client(hub, "alice").get_lease(lease["id"]))["state"] == "active"
+        # carol revokes: a reason is required, and it is what alice then reads
+        revoke = f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke"
+        xsrf = _form_xsrf(page)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            browser.open(revoke, data=urllib.parse.urlencode({"_xsrf": xsrf, "reason": " "}).encode(), timeout=60)
+        assert info.value.code == 400 and "say why the lease is revoked" in info.value.read().decode()
+        done = browser.open(revoke, data=urllib.parse.urlencode({"_xsrf": xsrf, "reason": "node maintenance"}).encode(), timeout=60).read().decode()
+        assert "revoked; its server will be stopped" in done and lease["id"] not in done.split('id="queue"')[0].split('id="active"')[1]
+        ended = run(client(hub, "alice").get_lease(lease["id"]))
+        assert ended["state"] == "revoked" and ended["ended_by"] == {"kind": "admin", "user": "carol"}
+        assert ended["end_message"].startswith("Revoked by carol (admin)") and "node maintenance" in ended["end_message"]
     finally:
-        run(client(hub, "alice").release(lease["id"]))
+        if run(client(hub, "alice").get_lease(lease["id"]))["state"] == "active":
+            run(client(hub, "alice").release(lease["id"]))
 
 
 def _form_xsrf(page: str) -> str:

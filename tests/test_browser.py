@@ -1,5 +1,6 @@
 """Headless Chromium against the demo: log in, pick a GPU on the spawn form, reach JupyterLab and
-run a cell in a real kernel on the leased GPUs; a second user sees the queue on the spawn page.
+run a cell in a real kernel on the leased GPUs; a second user sees the queue on the spawn page;
+the admin revokes the first lease on the broker's admin page and its user's home page says why.
 Screenshots go to test-artifacts/browser/.
 
 Needs Chromium (found by tests/tooling.py; skipped without it, failed in CI) and the Python
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hubharness import wait_for
 from test_demo import Demo
 
 pytestmark = pytest.mark.timeout(400)
@@ -116,10 +118,33 @@ def test_log_in_pick_a_gpu_run_a_cell_see_the_lease_on_the_home_page_while_a_sec
                 bob.screenshot(path=str(ARTIFACTS / "04-bob-waits-in-the-queue.png"), full_page=True)
                 assert ("bob", "queued") in demo.leases()
 
+                # the hub's admin revokes alice's lease on the broker's admin page, saying why
+                admin = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+                login(admin, demo.url, "admin", demo.password)
+                admin.goto(f"{demo.url}/services/gpulease/admin")
+                row = admin.locator("#active tr", has_text="alice")
+                row.locator("input[name=reason]").fill("GPU maintenance on sim-node-1 at noon")
+                admin.screenshot(path=str(ARTIFACTS / "05-admin-revokes-a-lease.png"), full_page=True)
+                row.locator("button", has_text="Revoke").click()
+                assert "revoked; its server will be stopped" in admin.locator("p.msg").inner_text()
+
+                # alice's home page then says why her lease ended and what to do
+                def ended_panel():
+                    alice.goto(f"{demo.url}/hub/home")
+                    return alice.locator("#gpulease-lease").get_attribute("data-kind") == "ended"
+                wait_for(ended_panel, 60, "alice's home page never showed the end of her lease", interval=2)
+                text = alice.locator("#gpulease-lease").inner_text()
+                assert "Your GPU lease (2 × L4 on sim-node-1) ended" in text
+                assert "Revoked by admin (admin)" in text and "GPU maintenance on sim-node-1 at noon" in text
+                assert "Your server was stopped." in text and "ask your administrator" in text
+                alice.screenshot(path=str(ARTIFACTS / "06-home-page-says-why-the-lease-ended.png"), full_page=True)
+                # and bob, first in the queue, gets the L4 she held
+                wait_for(lambda: ("bob", "active") in demo.leases(), 60, "bob was not granted the freed L4")
+
             finally:
                 browser.close()
     finally:
         demo.stop()
-    # Ctrl-C ended both leases (bob's may have been granted in the moment between the two stops)
+    # the admin ended alice's lease; Ctrl-C ended bob's
     states = dict(demo.leases())
-    assert states["alice"] == "released" and states["bob"] in ("withdrawn", "released")
+    assert states["alice"] == "revoked" and states["bob"] == "released"

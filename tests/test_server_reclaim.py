@@ -12,6 +12,7 @@ These are plain ``async def`` tests: pytest-jupyter runs them on the server's ev
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from tornado.httpclient import HTTPClientError
@@ -199,6 +200,22 @@ async def test_the_reclaimed_lease_goes_back_to_the_broker_and_the_next_in_queue
     st = await status(jp_fetch)
     assert kernel_status(st, k2.id)["cuda_visible_devices"] in ("", None)
     k2.close()
+
+
+@pytest.mark.parametrize("ext_config", [{"reclaim_action": "shutdown", "on_reclaim": "stop"}], indirect=True)
+async def test_with_on_reclaim_stop_the_lease_goes_back_without_keep_server_and_the_server_stops(server, jp_fetch, sim, broker, lease, ext_config):
+    sup = server.web_app.settings["gpulease_supervisor"]
+    stops: list[float] = []
+    sup.stop_server = lambda: stops.append(time.time())  # the test's own server must keep serving
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    sim.run(k.pid, 8000, sm=0.0)
+    await wait_for(lambda: _is(lease_state(broker, lease["id"]), "reclaimed"), sim=sim, timeout=60, message="the lease reclaimed")
+    _, ended = await broker_call_async(broker_url(broker), "GET", f"api/leases/{lease['id']}")
+    assert ended["keep_server"] is False  # so the spawner stops the server too
+    [event] = await wait_for(lambda: [e for e in feed_events(server, "lease") if e["event"] == "reclaimed"], message="the feed says so")
+    assert "The server stops now." in event["message"]
+    await wait_for(lambda: stops, message="the server was asked to stop")
 
 
 @pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 5.0, "warn_before": 3.0, "reclaim_action": "restart"}], indirect=True)

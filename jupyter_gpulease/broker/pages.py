@@ -3,8 +3,9 @@
 * the service root (what the hub's Services menu links to): "my leases" for every user —
   their leases now (queue position, time left, extend and release buttons) and their history
   with how each lease ended; admins get a link to
-* ``admin``: who holds what, the queue with ETAs, the pool (the admin scope only; others get
-  a page saying so, with a link back to their own leases).
+* ``admin``: who holds what, the queue with ETAs, the pool, and a Revoke button per lease
+  (with the reason its user then reads on the hub's home page); the admin scope only, others
+  get a page saying so, with a link back to their own leases.
 
 Browsers log in through the hub (HubOAuth); forms carry JupyterHub's xsrf token.
 """
@@ -18,9 +19,9 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
-from ..core.model import LeaseError, LeaseState
+from ..core.model import BadRequest, LeaseError, LeaseState
 from .handlers import BaseHandler
-from .inputs import parse_number
+from .inputs import parse_number, short_text
 from .present import describe_placement, describe_request, format_duration, local_time
 
 HISTORY = 50  # ended leases shown on "my leases"
@@ -156,11 +157,44 @@ def render_admin_page(m, viewer: str = "", base_url: str = "/services/gpulease/"
 class AdminPage(PageHandler):
     """Who holds what, the queue with ETAs, and the pool. Admin scope only."""
 
-    @web.authenticated
-    def get(self):
+    def check_admin(self) -> None:
         if not self.is_admin:
             raise web.HTTPError(403, f"The lease admin page is for callers with the {self.admin_scope} scope. Your own leases are on the leases page.")
-        self.page("admin.html", **admin_context(self.manager, self.caller_name))
+
+    @web.authenticated
+    def get(self):
+        self.check_admin()
+        self.show()
+
+    def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
+        xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
+        self.page("admin.html", status, message=message, error=error, xsrf=xsrf, **admin_context(self.manager, self.caller_name))
+
+
+class AdminRevokeHandler(AdminPage):
+    """The admin page's Revoke button: end another user's lease (or withdraw a request) with a
+    reason that its user reads on the hub's home page."""
+
+    @web.authenticated
+    async def post(self, lease_id: str):
+        self.check_admin()
+        m = self.manager
+        reason = self.get_body_argument("reason", "").strip()
+        try:
+            if not reason:
+                raise BadRequest("say why the lease is revoked: its user reads the reason", field="reason")
+            reason = short_text({"reason": reason}, "reason", self.limits.reason_chars)
+            d = await m.get(lease_id)
+            actor = self.actor if d["user"] == self.caller_name else f"admin:{self.caller_name}"
+            d = await m.release(lease_id, state=LeaseState.REVOKED, reason=reason, actor=actor)
+        except LeaseError as e:
+            self.show(message=e.message, error=True, status=e.status)
+            return
+        short = lease_id[:12]
+        if d["state"] == LeaseState.WITHDRAWN.value:
+            self.show(message=f"Request {short} of {d['user']} withdrawn.")
+        else:
+            self.show(message=f"Lease {short} of {d['user']} revoked; its server will be stopped.")
 
 
 class OAuthCallbackHandler(HubOAuthCallbackHandler):
@@ -180,6 +214,7 @@ def page_handlers(prefix: str) -> list[tuple]:
     return [
         (prefix + r"oauth_callback", OAuthCallbackHandler),
         (prefix + r"admin/?", AdminPage),
+        (prefix + rf"admin/leases/{lease_id}/revoke", AdminRevokeHandler),
         (prefix + rf"leases/{lease_id}/(extend|release)", LeaseFormHandler),
         (prefix + r"?", MyLeasesPage),
     ]
