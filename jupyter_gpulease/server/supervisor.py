@@ -594,15 +594,21 @@ class GPUSupervisor:
                 continue
             self._broker_warned.add(key)
             kind = "preemption" if w.get("kind") == "preemption" else "expiring"
-            self._warn(kind, w.get("message") or f"The GPU lease ends at {w.get('at')}.", deadline=w.get("at"))
+            message = w.get("message") or f"The GPU lease ends at {w.get('at')}."
+            if kind == "preemption":
+                # what this server does about it: the broker cannot know
+                message = message[:1].upper() + message[1:].rstrip(".") + "." + self._preemption_saving()
+            self._warn(kind, message, deadline=w.get("at"))
         preempt_at = lease.get("preempt_at")
         if preempt_at and float(preempt_at) != self._preempt_noticed:
             preempt_at = self._preempt_noticed = float(preempt_at)
             self._preempt_suspend_at = preempt_at - max(2 * self.settings.sample_interval, 10.0)
             if not any(w.get("kind") == "preemption" for w in warnings):  # say it ourselves if the broker did not
-                saving = "" if self.suspend_unavailable() else " Kernels holding the GPU are suspended before then: nothing is lost."
                 self._warn("preemption", f"The GPU lease is being preempted for a higher-priority request: it ends in "
-                           f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{saving}", deadline=preempt_at)
+                           f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{self._preemption_saving()}", deadline=preempt_at)
+
+    def _preemption_saving(self) -> str:
+        return "" if self.suspend_unavailable() else " Kernels holding the GPU are suspended before then: nothing is lost."
 
     def _check_preemption(self, now: float) -> None:
         """Before a preemption ends the lease, suspend the kernels that hold the GPU: their work survives."""
