@@ -98,12 +98,12 @@ c.JupyterHub.load_roles = [
     # The spawner asks for leases for users; only the hub process holds this token.
     {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
     # The broker reads users' groups (group tiers and quotas; read:users), the hub's group
-    # names to check the ones in its config (read:groups), checks every
+    # names to check the ones in its config (list:groups, read:groups), checks every
     # GPULeaseBroker.reconcile_interval seconds that each leased server still exists
     # (read:users + read:servers: a lease whose server is gone is revoked, e.g. after the hub
     # stopped its servers while the broker was down), and may stop a server whose lease ended
     # (admin:servers, for GPULeaseBroker.stop_servers_on_end).
-    {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+    {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
     # Hub admins manage every lease on the broker's admin page.
     {"name": "gpulease-admins", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["admin"]},
 ]

@@ -39,7 +39,7 @@ def hub_for_broker(tmp_path: Path, *, db_url: str | None = None, pool=None, user
     cfg.write_text(BROKER_CONFIG.format(db_url=db_url or f"sqlite:///{tmp_path / 'gpulease.sqlite'}", pool=pool or POOL) + extra_config)
     roles = [
         {"name": "gpulease-admin", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "users": ["carol"]},
-        {"name": "gpulease-service", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+        {"name": "gpulease-service", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
     ]
     if server_role:
         roles.append({"name": "server", "scopes": ["users:activity!user", "access:servers!server", "access:services!service=gpulease"]})

@@ -94,7 +94,7 @@ class Storm:
             custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
             roles=[
                 {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
-                {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+                {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
             ],
             user_scopes=["access:services!service=gpulease"],
             spawner_class="gpulease-simple",

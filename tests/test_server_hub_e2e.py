@@ -81,7 +81,7 @@ def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs, str]:
         custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
         roles=[
             {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
         ],
         user_scopes=["access:services!service=gpulease"],
         spawner_class="gpulease-simple",

@@ -100,7 +100,7 @@ def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol")
         custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
         roles=[
             {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "admin:servers"], "services": ["gpulease"]},
+            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
             {"name": "state-reader", "scopes": ["admin:server_state"], "services": ["test-admin"]},
         ],
         user_scopes=["access:services!service=gpulease"],

@@ -421,7 +421,7 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     async def check_hub_groups(self) -> None:
         """Warn about group names in the config the hub does not know; again when that changes."""
-        unknown = await hubapi.unknown_groups(self.policy, self.hub)
+        unknown = await hubapi.unknown_groups(self.policy, self.hub, self.log)
         if unknown is None:
             return
         before = getattr(self, "_unknown_groups", {})

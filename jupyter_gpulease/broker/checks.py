@@ -167,7 +167,7 @@ def check_config_main(app) -> int:
     if os.environ.get("JUPYTERHUB_API_TOKEN") and os.environ.get("JUPYTERHUB_API_URL"):
         unknown = asyncio.run(hubapi.unknown_groups(app.policy, app.hub))
         if unknown is None:
-            warnings.append("could not list the hub's groups (the broker's service needs read:groups); group names were not checked")
+            warnings.append("could not list the hub's groups (the broker service's role needs list:groups and read:groups); group names were not checked")
         else:
             warnings += [f"the hub has no group {g!r} (named in {', '.join(w)})" for g, w in sorted(unknown.items())]
     else:

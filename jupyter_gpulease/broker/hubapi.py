@@ -119,7 +119,7 @@ def configured_groups(policy) -> dict[str, list[str]]:
     return where
 
 
-async def unknown_groups(policy, hub: HubClient) -> dict[str, list[str]] | None:
+async def unknown_groups(policy, hub: HubClient, log: logging.Logger | None = None) -> dict[str, list[str]] | None:
     """Groups the config names that the hub does not know (name -> options); None when the hub
     would not list its groups (the broker's service needs ``read:groups``)."""
     wanted = configured_groups(policy)
@@ -127,6 +127,10 @@ async def unknown_groups(policy, hub: HubClient) -> dict[str, list[str]] | None:
         return {}
     try:
         known = set(await hub.groups())
-    except BrokerError:
+    except BrokerError as e:
+        if e.status == 403 and log is not None and not getattr(hub, "_told_list_groups", False):
+            hub._told_list_groups = True
+            log.warning("The hub does not let the broker list its groups (%s), so group names in the config are not checked; "
+                        "add the scope list:groups to the broker service's role", e.message)
         return None
     return {g: opts for g, opts in wanted.items() if g not in known}
