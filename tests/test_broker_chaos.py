@@ -204,8 +204,12 @@ def run_chaos(hub, db_url: str, find_active, kills: int = KILLS) -> None:
                 await admin.release(x["id"], state="revoked", reason="end of the chaos test")
 
     asyncio.run(agree())
+    # a kill may land while the broker that took the lock is still restoring (before it listens
+    # and says "active"): a legal moment to die, counted above by the lock, not by the log. The
+    # broker serving at the end came up whole and said so
     log = hub.log_file.read_text(errors="replace")
-    assert log.count("active (pid") >= kills + 1, "fewer take-overs in the log than kills"
+    assert f"active (pid {find_active()})" in log, "the serving broker never logged that it became active"
+    assert log.count("active (pid") >= 2, "no take-over in the log"
 
 
 def test_200_clients_see_nothing_lost_while_the_broker_is_killed_again_and_again(tmp_path):
