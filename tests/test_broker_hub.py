@@ -202,12 +202,17 @@ def test_the_admin_page_shows_lease_admins_the_holders_and_refuses_others(hub):
         assert info.value.code == 403
         refusal = info.value.read().decode()
         assert "custom:gpulease:admin" in refusal and 'href="/services/gpulease/"' in refusal, refusal
-        # bob's own page form token does not let him revoke through the admin form
-        bob_xsrf = _form_xsrf(other.open(hub.service_url("gpulease"), timeout=60).read().decode())
-        with pytest.raises(urllib.error.HTTPError) as info:
-            other.open(f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke",
-                       data=urllib.parse.urlencode({"_xsrf": bob_xsrf, "reason": "mine now"}).encode(), timeout=60)
-        assert info.value.code == 403
+        # the form token of bob's own page (he holds a lease, so it has forms) does not let him
+        # revoke through the admin form
+        bobs = run(client(hub, "bob").request_lease({"gpus": 1, "model": "L4"}))
+        try:
+            bob_xsrf = _form_xsrf(other.open(hub.service_url("gpulease"), timeout=60).read().decode())
+            with pytest.raises(urllib.error.HTTPError) as info:
+                other.open(f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke",
+                           data=urllib.parse.urlencode({"_xsrf": bob_xsrf, "reason": "mine now"}).encode(), timeout=60)
+            assert info.value.code == 403
+        finally:
+            run(client(hub, "bob").release(bobs["id"]))
         assert run(client(hub, "alice").get_lease(lease["id"]))["state"] == "active"
         # carol revokes: a reason is required, and it is what alice then reads
         revoke = f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke"

@@ -130,3 +130,17 @@ def test_the_home_page_template_shows_the_lease_panel():
     assert 'href="/services/gpulease/">My GPU leases' in html
     assert 'href="/services/gpulease/admin">All GPU leases (admin)' in html
     assert Path(pages.TEMPLATE_PATH, "spawn_pending.html").exists()
+
+
+def test_an_end_remembered_from_the_feed_alone_still_says_who_ended_it():
+    remembered = {"lease_id": "L1", "state": "revoked", "end_reason": "node maintenance", "ended_at": NOW - 60, "ended_by": "admin:carol"}
+    s = status(last_end=remembered, server_active=False)
+    assert s["lines"][0] == "It was revoked by carol (admin): node maintenance."
+    broker = dict(remembered, ended_by="broker", end_reason="its server was gone")
+    assert status(last_end=broker, server_active=False)["lines"][0] == "It was revoked by the broker: its server was gone."
+
+
+def test_an_end_while_the_server_stops_says_it_is_being_stopped():
+    ended = {"lease_id": "L1", "state": "revoked", "end_reason": "maintenance", "ended_at": NOW - 5, "ended_by": "admin:carol"}
+    s = status(last_end=ended, server_active=True, server_stopping=True)
+    assert s["lines"][1] == "Your server is being stopped."

@@ -75,8 +75,10 @@ def end_words(lease: dict) -> str:
         return str(lease["end_message"])
     state = lease.get("state") or "ended"
     by = lease.get("ended_by") or {}
-    if not isinstance(by, dict):
-        by = {"kind": str(by)}
+    if not isinstance(by, dict):  # the actor of the feed's event: 'admin:<name>', 'broker', a user
+        actor = str(by)
+        by = ({"kind": "admin", "user": actor.split(":", 1)[1]} if actor.startswith("admin:")
+              else {"kind": "broker"} if actor == "broker" else {"kind": actor})
     reason = (lease.get("end_reason") or "").strip()
     if state == "preempted":
         who = f" for {by['user']}'s" if by.get("user") else " for a"
@@ -86,6 +88,10 @@ def end_words(lease: dict) -> str:
         return "It reached the end of its time."
     words = {"reclaimed": "Its GPU was reclaimed", "revoked": "It was revoked", "failed": "It failed",
              "released": "It was released", "withdrawn": "It was withdrawn"}.get(state, f"It ended ({state})")
+    if by.get("kind") == "admin" and by.get("user"):
+        words += f" by {by['user']} (admin)"
+    elif by.get("kind") == "broker" and state in ("revoked", "failed"):
+        words += " by the broker"
     return f"{words}: {reason}." if reason else f"{words}."
 
 
@@ -96,7 +102,8 @@ def leases_page(broker_url: str) -> str:
 
 
 def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bool, server_ready: bool, cpu_only: bool,
-                 broker_url: str = "", warning: dict | None = None, now: float | None = None) -> dict[str, Any]:
+                 broker_url: str = "", warning: dict | None = None, now: float | None = None,
+                 server_stopping: bool = False) -> dict[str, Any]:
     """The home page's lease panel as data (the template only lays it out).
 
     ``lease``: the broker's JSON of the server's current lease (None: none); ``last_end``: the
@@ -137,7 +144,8 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
     if last_end and last_end.get("state") not in (None, "active", "queued", "released", "withdrawn"):
         ended_at = last_end.get("ended_at")
         when = f" at {_when(float(ended_at), now)}" if ended_at else ""
-        server = "Your server keeps running without a GPU." if server_active else "Your server was stopped."
+        server = ("Your server is being stopped." if server_active and server_stopping
+                  else "Your server keeps running without a GPU." if server_active else "Your server was stopped.")
         held = holding_words(last_end) if last_end.get("placement") or last_end.get("request") else ""
         out.update(kind="ended", lease_id=last_end.get("id") or last_end.get("lease_id") or "",
                    headline=f"Your GPU lease ({held}) ended{when}" if held else f"Your GPU lease ended{when}",

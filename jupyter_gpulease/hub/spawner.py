@@ -351,8 +351,10 @@ class GPULeaseSpawner(Spawner):
         last_end = self.last_lease_end or None
         if not last_end and not self.lease_id and (self.lease or {}).get("state") not in (None, "active", "queued"):
             last_end = self.lease  # the ended lease poll() found
+        stopping = bool(self._stopping or getattr(self, "_stop_pending", False))
         return pages.lease_status(lease=lease, last_end=last_end, server_active=self.active, server_ready=self.ready,
-                                  cpu_only=not self.lease_id, broker_url=self.broker_url, warning=self.last_warning)
+                                  cpu_only=not self.lease_id, broker_url=self.broker_url, warning=self.last_warning,
+                                  server_stopping=stopping)
 
     def lease_choice(self, user_options: dict | None, pool: dict | None = None) -> LeaseChoice:
         """``user_options`` checked into what to ask the broker for; spawn failure with a message if bad."""
@@ -742,6 +744,15 @@ class GPULeaseSpawner(Spawner):
     async def _lease_ended(self, lease: dict):
         """The lease of the running server ended: stop the server, or keep it running without it."""
         lease_id = lease.get("id") or self.lease_id
+        if lease_id and not lease.get("end_message"):
+            # the feed's event says that it ended; the lease JSON says how, in words, and who
+            # ended it (what the user reads on the home page): a short wait for it
+            try:
+                full = await asyncio.wait_for(self.link.get_lease(lease_id), timeout=min(3.0, self.broker_timeout))
+            except (BrokerError, TimeoutError):
+                full = None
+            if full and full.get("state") == lease.get("state"):
+                lease = {**lease, **full}
         self._unfollow()
         self._remember_end(lease)
         by_user = ended_by_holder(lease)
