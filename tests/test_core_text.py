@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from jupyter_gpulease.core.text import format_duration, format_figure, format_table, format_time_left, parse_duration
+from jupyter_gpulease.core.text import (
+    format_duration,
+    format_figure,
+    format_gpus,
+    format_table,
+    format_time_left,
+    parse_duration,
+    usage_words,
+)
 
 
 @pytest.mark.parametrize(
@@ -68,3 +76,10 @@ def test_tables_line_up_columns_without_trailing_spaces():
     assert out.splitlines() == ["NAME   N", "a      1", "bbb   22"]
     ruled = format_table([["x", "1.0"]], ["", "policy"], align="<>", min_width=[4, 9], rule=True)
     assert ruled.splitlines() == ["         policy", "-" * 15, "x           1.0"]
+
+
+def test_gpu_counts_and_the_callers_use_of_the_pool_read_as_people_write_them():
+    assert [format_gpus(v) for v in (None, 2.0, 0.5, 299.936, 1250.0)] == ["-", "2", "0.5", "299.9", "1,250"]
+    assert usage_words({"gpus_held": 1}) == "you hold 1 GPU"
+    assert usage_words({"gpus_held": 0.5, "max_gpus": 2, "gpu_hours_left": 299.936, "gpu_hours": 300, "period_s": 604800}) == \
+        "you hold 0.5 GPUs of your 2; 299.9 of 300 GPU-hours left this 7 d"

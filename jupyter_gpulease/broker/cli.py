@@ -22,7 +22,7 @@ import sys
 import time
 
 from ..client import BrokerClient, BrokerError, default_broker_url
-from ..core.text import format_duration, format_table
+from ..core.text import format_duration, format_gpus, format_table, usage_words
 from ..core.text import parse_duration as core_parse_duration
 from .present import describe_placement, describe_request, local_time
 
@@ -70,13 +70,7 @@ def fmt_when(t: float | None, now: float | None = None) -> str:
     return f"{local_time(t, now)} ({rel})"
 
 
-def fmt_gpus(x: float | None) -> str:
-    """GPU counts and GPU-hours people read: '2', '0.5', '299.9', '1,250'."""
-    if x is None:
-        return "-"
-    if abs(x - round(x)) < 0.05:
-        return f"{round(x):,}"
-    return f"{x:,.1f}" if abs(x) >= 10 else f"{x:.2g}" if abs(x) < 1 else f"{x:.1f}"
+fmt_gpus = format_gpus  # the CLI's name for it
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -184,12 +178,8 @@ def pool_main(argv: list[str] | None = None) -> int:
         print(table(["NODE", "INDEX", "MODEL", "MEMORY", "MIG", "HEALTHY"], devs))
         print()
         u = pool.get("usage") or {}
-        held = f"You hold {fmt_gpus(u.get('gpus_held', 0))} GPU{'s' if u.get('gpus_held', 0) != 1 else ''}"
-        if u.get("max_gpus") is not None:
-            held += f" of your {fmt_gpus(u['max_gpus'])}"
-        if u.get("gpu_hours_left") is not None:
-            held += f"; {fmt_gpus(u['gpu_hours_left'])} of {fmt_gpus(u.get('gpu_hours'))} GPU-hours left this {format_duration(u.get('period_s', 0))}"
-        print(held + ".")
+        held = usage_words(u)
+        print(held[:1].upper() + held[1:] + ".")
         print(f"Queue: {pool.get('queue_length', 0)} waiting." + (" The broker is not granting leases right now (drain)." if pool.get("draining") else ""))
         tiers = [[t["name"], str(t.get("priority", "")), format_duration(t.get("default_duration_s", 0)), format_duration(t["max_duration_s"]),
                   ("yes, " + format_duration(t.get("grace_s", 0)) + " warning") if t.get("preemptible") else "no", t.get("description", "")] for t in pool.get("tiers", [])]

@@ -30,6 +30,8 @@ ENDED_LIMIT = 1000  # ended leases listed at most, newest first, unless ?limit= 
 MAX_ESTIMATES = 32
 ERROR_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed", 413: "TooLarge", 429: "TooManyRequests"}
 
+LEASE_ID_ROUTE = r"([A-Za-z0-9_.\-]+)"  # a lease id in a URL path (the API's and the pages')
+
 
 class BaseHandler(web.RequestHandler):
     """Shared plumbing: the manager, who the caller is."""
@@ -546,7 +548,7 @@ class NotFoundHandler(APIHandler):
 def api_handlers(prefix: str) -> list[tuple]:
     """Routes of the REST API under the service ``prefix`` (which starts and ends with '/')."""
     p = prefix
-    lease_id = r"([A-Za-z0-9_.\-]+)"
+    lease_id = LEASE_ID_ROUTE
     return [
         (p + r"api/pool/?", PoolHandler),
         (p + r"api/leases/?", LeasesHandler),

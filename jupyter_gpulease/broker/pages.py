@@ -20,7 +20,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
 from ..core.model import BadRequest, LeaseError, LeaseState
-from .handlers import BaseHandler
+from .handlers import LEASE_ID_ROUTE, BaseHandler
 from .inputs import parse_number, short_text
 from .present import describe_placement, describe_request, format_duration, local_time
 
@@ -210,7 +210,7 @@ class OAuthCallbackHandler(HubOAuthCallbackHandler):
 
 
 def page_handlers(prefix: str) -> list[tuple]:
-    lease_id = r"([A-Za-z0-9_.\-]+)"
+    lease_id = LEASE_ID_ROUTE
     return [
         (prefix + r"oauth_callback", OAuthCallbackHandler),
         (prefix + r"admin/?", AdminPage),

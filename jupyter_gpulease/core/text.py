@@ -114,6 +114,30 @@ def format_time_left(seconds: float, *, compact: bool = False) -> str:
     return format_duration(s, compact=compact)
 
 
+def format_gpus(x: float | None) -> str:
+    """GPU counts and GPU-hours as people read them: '2', '0.5', '299.9', '1,250' ('-' for None)."""
+    if x is None:
+        return "-"
+    x = float(x)
+    if abs(x - round(x)) < 0.05:
+        return f"{round(x):,}"
+    return f"{x:,.1f}" if abs(x) >= 10 else f"{x:.2g}" if abs(x) < 1 else f"{x:.1f}"
+
+
+def usage_words(usage: dict) -> str:
+    """The caller's use of the pool (the ``usage`` of the broker's ``GET api/pool``) in one
+    clause: 'you hold 2 GPUs of your 4; 299.9 of 300 GPU-hours left this 7 d'."""
+    held = float(usage.get("gpus_held") or 0)
+    out = f"you hold {format_gpus(held)} GPU{'' if held == 1 else 's'}"
+    if usage.get("max_gpus") is not None:
+        out += f" of your {format_gpus(usage['max_gpus'])}"
+    if usage.get("gpu_hours_left") is not None:
+        out += f"; {format_gpus(usage['gpu_hours_left'])} of {format_gpus(usage.get('gpu_hours'))} GPU-hours left"
+        if usage.get("period_s"):
+            out += f" this {format_duration(float(usage['period_s']))}"
+    return out
+
+
 def format_figure(seconds: float | None) -> str:
     """A measured duration in one unit with one decimal, for tables that compare figures: '30s', '7.4m', '1.8h', '2.5d'."""
     if seconds is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.text import format_duration, format_table, format_time_left
+from ..core.text import format_duration, format_gpus, format_table, format_time_left, usage_words
 
 
 def _mib(v: float | None) -> str:
@@ -174,16 +174,11 @@ def queue_text(queue: list[dict[str, Any]], now: float) -> str:
 
 def pool_text(pool: dict[str, Any]) -> str:
     cap = pool.get("capacity") or {}
-    rows = [[m, c.get("gpus", ""), c.get("idle_gpus", ""), f"{float(c.get('free_share') or 0):g}",
+    rows = [[m, c.get("gpus", ""), c.get("idle_gpus", ""), format_gpus(float(c.get("free_share") or 0)),
              ",".join(f"{k}:{v}" for k, v in (c.get("mig") or {}).items()) or "-"] for m, c in sorted(cap.items())]
     out = [table(["MODEL", "GPUS", "IDLE", "FREE SHARE", "MIG FREE"], rows)] if rows else ["no GPUs in the pool"]
     u = pool.get("usage") or {}
-    held = f"you hold {float(u.get('gpus_held') or 0):g} GPU(s)"
-    if u.get("max_gpus") is not None:
-        held += f" of {float(u['max_gpus']):g}"
-    if u.get("gpu_hours_left") is not None:
-        held += f"; {float(u['gpu_hours_left']):g} GPU-hours left"
-    out += ["", f"queue: {pool.get('queue_length', 0)} waiting; {held}"]
+    out += ["", f"queue: {pool.get('queue_length', 0)} waiting; {usage_words(u)}"]
     tiers = pool.get("tiers") or []
     if tiers:
         out.append("tiers: " + ", ".join(f"{t['name']} (up to {format_duration(float(t['max_duration_s']))})" for t in tiers if t.get("max_duration_s")))
