@@ -16,7 +16,6 @@ from traitlets.config import Config
 from hubharness import free_port
 from jupyter_gpulease.broker import handlers
 from jupyter_gpulease.broker.app import GPULeaseBroker
-from jupyter_gpulease.broker.manager import ManualClock
 
 SMALL_POOL = [
     {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
@@ -37,6 +36,20 @@ async def _fake_authenticate(self):
     if name.startswith("admin"):
         scopes.append("custom:gpulease:admin")
     return {"kind": "user", "name": name, "groups": GROUPS.get(name, []), "scopes": scopes, "admin": False}
+
+
+class ManualClock:
+    """A clock a test moves by hand (the broker's ``clock=``: anything with ``now()``)."""
+
+    def __init__(self, t: float = 1_700_000_000.0):
+        self.t = float(t)
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> float:
+        self.t += seconds
+        return self.t
 
 
 def make_broker(tmp_path, clock=None, *, pool=None, db_name="broker.sqlite", **traits) -> GPULeaseBroker:

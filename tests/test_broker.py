@@ -9,8 +9,7 @@ import asyncio
 
 import pytest
 
-from brokerutil import broker_url, make_broker, patch_auth
-from jupyter_gpulease.broker.manager import ManualClock
+from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient, BrokerError
 
 pytestmark = pytest.mark.timeout(60)

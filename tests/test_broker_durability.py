@@ -12,8 +12,7 @@ import threading
 import pytest
 import sqlalchemy
 
-from brokerutil import broker_url, make_broker, patch_auth
-from jupyter_gpulease.broker.manager import ManualClock
+from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient, BrokerError
 from jupyter_gpulease.store import LeaseStore
 

@@ -11,9 +11,8 @@ import json
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from brokerutil import broker_url, make_broker, patch_auth
+from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.feed import Feed
-from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.core.model import BadRequest
 from jupyter_gpulease.core.request import parse_number

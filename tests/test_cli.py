@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from brokerutil import broker_in_thread, broker_url, patch_auth
+from brokerutil import ManualClock, broker_in_thread, broker_url, patch_auth
 from jupyter_gpulease.broker import cli
-from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.cli import main as jupyter_gpulease
 
 pytestmark = pytest.mark.timeout(60)

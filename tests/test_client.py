@@ -41,8 +41,7 @@ def test_an_unreachable_broker_is_a_broker_error_with_status_0_after_retrying():
 def test_a_client_retries_through_a_broker_restart_and_a_retried_write_makes_one_lease(tmp_path, monkeypatch):
     """The broker is down when the call starts and comes up a moment later (a standby taking
     over): the call succeeds; a request whose first answer was lost is not made twice."""
-    from brokerutil import make_broker, patch_auth
-    from jupyter_gpulease.broker.manager import ManualClock
+    from brokerutil import ManualClock, make_broker, patch_auth
 
     patch_auth(monkeypatch)
 

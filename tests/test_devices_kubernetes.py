@@ -19,8 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from brokerutil import broker_url, make_broker, patch_auth
-from jupyter_gpulease.broker.manager import ManualClock
+from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.devices import DeviceUnavailable, get_backend
 from jupyter_gpulease.devices.kubernetes import (

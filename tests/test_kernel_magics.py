@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from brokerutil import broker_in_thread, broker_url, patch_auth
+from brokerutil import ManualClock, broker_in_thread, broker_url, patch_auth
 from hubharness import wait_for
-from jupyter_gpulease.broker.manager import ManualClock
 from jupyter_gpulease.client import BrokerClient
 from kernelstack import JupyterServer
 

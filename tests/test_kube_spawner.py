@@ -23,8 +23,7 @@ from kubernetes_asyncio.client import ApiClient
 from traitlets import TraitError
 from traitlets.config import Config
 
-from brokerutil import broker_url, make_broker, patch_auth
-from jupyter_gpulease.broker.manager import ManualClock
+from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.devices.kubernetes import items_of
 from jupyter_gpulease.hub.kube import GPULeaseKubeSpawner, KubeGPUOptions, PlacementError, pod_gpu_spec

@@ -50,20 +50,6 @@ class SystemClock:
         return time.time()
 
 
-class ManualClock:
-    """A clock a test moves by hand."""
-
-    def __init__(self, t: float = 1_700_000_000.0):
-        self.t = float(t)
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> float:
-        self.t += seconds
-        return self.t
-
-
 class Unavailable(LeaseError):
     """The broker cannot commit any more (its database failed); it is stopping."""
 
