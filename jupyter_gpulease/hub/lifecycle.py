@@ -136,7 +136,7 @@ async def end_leases_at_shutdown(app) -> dict:
             # service, other hubs, servers kept with cleanup_servers = False resuming kernels)
             # grants again; a hub-managed broker is stopped next anyway
             await link.drain(False)
-    parts = ["the broker grants no more leases" if done["drained"] else "the broker could not be put in drain mode",
+    parts = ["no grants while the servers stopped (drain mode, lifted after)" if done["drained"] else "the broker could not be put in drain mode",
              f"{done['withdrawn']} waiting spawn(s) withdrawn"]
     if cleanup_servers:
         parts.append(f"{done['stopped']} server(s) with GPU leases stopped")
