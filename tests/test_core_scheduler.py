@@ -260,7 +260,7 @@ def test_group_quota_counts_all_members():
     b = ask(s, "b", {"gpus": 1}, groups=["lab"])
     s.tick(T0)
     assert a.state is LeaseState.ACTIVE and b.state is LeaseState.QUEUED
-    assert "group lab" in s.waiting_for(b.id)
+    assert "group 'lab'" in s.waiting_for(b.id)
 
 
 # ------------------------------------------------------------------ time
