@@ -637,3 +637,15 @@ def test_since_latest_gives_where_to_follow_the_feed_from_without_history(tmp_pa
         assert {e["lease_id"] for e in after["events"]} == {other["id"]}
 
     run_with_broker(tmp_path, scenario)
+
+
+def test_a_call_caught_by_the_brokers_stop_gets_503_to_retry_not_500(tmp_path):
+    async def scenario(app, client):
+        lease = await client("alice").request_lease({"gpus": 1})
+        await app.manager.close()  # what SIGTERM does, while connections are still open
+        once = BrokerClient(broker_url(app), "alice", retry_for=0)
+        err = await expect_error(once.release(lease["id"]), 503)
+        assert "stopping" in err.message
+        await expect_error(once.request_lease({"gpus": 1}), 503)
+
+    run_with_broker(tmp_path, scenario)

@@ -20,6 +20,7 @@ from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState
 from ..core.request import Ask, parse_ask
 from . import inputs
 from .feed import TooManyStreams
+from .manager import STOPPING, Unavailable
 
 RELEASE_FIELDS = {"reason", "state", "keep_server"}
 STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in LeaseState}
@@ -162,6 +163,11 @@ class APIHandler(BaseHandler):
         return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
 
     def _handle_request_exception(self, e: BaseException) -> None:
+        manager = self.settings.get("gpulease_manager")
+        if not isinstance(e, (LeaseError, web.HTTPError)) and manager is not None and manager.closed:
+            # a call caught by the broker's stop (its store closed under it): the client retries
+            self.log.info("%s %s during the broker's stop: %s", self.request.method, self.request.path, type(e).__name__)
+            e = Unavailable(STOPPING)
         if isinstance(e, LeaseError):
             self.log.info("%s %s %s -> %s %s: %s", e.status, self.request.method, self.request.path, type(e).__name__, e.field or "-", e.message)
             self._reported = True

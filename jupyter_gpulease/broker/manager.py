@@ -50,6 +50,9 @@ class SystemClock:
         return time.time()
 
 
+STOPPING = "the broker is stopping; try again in a moment (its standby or the restarted broker answers)"
+
+
 class Unavailable(LeaseError):
     """The broker cannot commit any more (its database failed); it is stopping."""
 
@@ -134,6 +137,8 @@ class LeaseManager:
         """Queue decisions for the next group commit; the future resolves once they are on disk."""
         if self.failed is not None:
             raise Unavailable("the broker lost its database and is stopping; try again in a few seconds")
+        if self.closed:
+            raise Unavailable(STOPPING)
         self._pending.append((events, key))
         for lease in leases:
             self._pending_leases[lease.id] = lease
