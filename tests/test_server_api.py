@@ -219,8 +219,12 @@ async def test_a_queued_request_reports_its_position_and_is_followed_until_grant
         return st["lease"] and st["lease"]["state"] == "active"
 
     await wait_for(granted, message="the queued lease is granted and the server knows")
-    _, got = await broker_call_async(url, "GET", f"api/leases/{queued['id']}")
-    assert got["state"] == "active" and got["confirmed_at"]  # the server confirmed it: it is up
+
+    async def confirmed():  # the server confirms the grant (it is up) right after it hears of it
+        _, got = await broker_call_async(url, "GET", f"api/leases/{queued['id']}")
+        return got["state"] == "active" and got["confirmed_at"]
+
+    await wait_for(confirmed, message="the server confirmed the granted lease")
 
 
 # ---------------------------------------------------------------------- heartbeats
