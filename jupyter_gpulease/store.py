@@ -23,9 +23,11 @@ the scheduler decided) and reads from others; it never blocks the event loop on 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import sqlite3
 import threading
 import time
 import zlib
@@ -158,6 +160,47 @@ def _event_values(e: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# SQLite: the columns written by the multi-row statements of LeaseStore._write_sqlite, in order;
+# JSON columns are serialised as SQLAlchemy's JSON type does (json.dumps; None is 'null')
+_LEASE_COLS = ("id", "user", "server", "tier", "state", "seq", "created_at", "granted_at", "expires_at", "ended_at", "end_reason", "request", "placement", "data")
+_EVENT_COLS = ("id", "lease_id", "time", "kind", "from_state", "to_state", "actor", "reason", "data", "request_key")
+# parameters a statement may have: 32,766 since SQLite 3.32, 999 before
+_SQLITE_MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
+_SQLITE_ROWS_LEASES = _SQLITE_MAX_PARAMS // len(_LEASE_COLS)
+_SQLITE_ROWS_EVENTS = _SQLITE_MAX_PARAMS // len(_EVENT_COLS)
+
+
+def _lease_params(d: dict[str, Any]) -> tuple:
+    v = _row_values(d)
+    return tuple(json.dumps(v[c]) if c in ("request", "placement", "data") else v[c] for c in _LEASE_COLS)
+
+
+def _event_params(e: dict[str, Any]) -> tuple:
+    v = _event_values(e)
+    return tuple(json.dumps(v[c]) if c == "data" else v[c] for c in _EVENT_COLS[1:])
+
+
+def _chunks(rows: list, n: int):
+    for i in range(0, len(rows), n):
+        yield rows[i : i + n]
+
+
+def _values_sql(ncols: int, nrows: int) -> str:
+    one = "(" + ", ".join("?" * ncols) + ")"
+    return ", ".join([one] * nrows)
+
+
+def _sqlite_upsert_sql(nrows: int) -> str:
+    cols = ", ".join(f'"{c}"' for c in _LEASE_COLS)
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in _LEASE_COLS if c != "id")
+    return f"INSERT INTO leases ({cols}) VALUES {_values_sql(len(_LEASE_COLS), nrows)} ON CONFLICT (id) DO UPDATE SET {updates}"
+
+
+def _sqlite_events_sql(nrows: int) -> str:
+    cols = ", ".join(f'"{c}"' for c in _EVENT_COLS)
+    return f"INSERT INTO lease_events ({cols}) VALUES {_values_sql(len(_EVENT_COLS), nrows)}"
+
+
 def _is_in_memory_sqlite(db_url: str) -> bool:
     if not db_url.startswith("sqlite"):
         return False
@@ -214,6 +257,7 @@ class LeaseStore:
                 cur.close()
 
         self._wconn: Connection | None = None  # the writer's own connection (holds the PostgreSQL lock)
+        self._next_event_id: int | None = None  # SQLite: the id of the next event written (the leader's own count)
         self._lock_fd: int | None = None
         self._leader = False
         self._lease_upsert = self._make_upsert()
@@ -312,6 +356,7 @@ class LeaseStore:
         else:
             got = True  # an in-memory database belongs to this process alone
         self._leader = got
+        self._next_event_id = None  # another leader may have written since: read it again
         return got
 
     def acquire_leadership(self, stop: threading.Event | None = None, poll_s: float = 0.2, on_wait=None) -> bool:
@@ -409,22 +454,12 @@ class LeaseStore:
         conn = self._writer_conn()
         try:
             with conn.begin():
-                if batch.leases:
-                    rows = [_row_values(d) for d in batch.leases.values()]
-                    if self._lease_upsert is not None:
-                        conn.execute(self._lease_upsert, rows)
-                    else:  # another dialect: update what exists, insert the rest
-                        have = set(conn.scalars(select(LEASES.c.id).where(LEASES.c.id.in_(list(batch.leases)))))
-                        for r in rows:
-                            if r["id"] in have:
-                                conn.execute(update(LEASES).where(LEASES.c.id == r["id"]).values(**{k: v for k, v in r.items() if k != "id"}))
-                            else:
-                                conn.execute(insert(LEASES).values(**r))
-                ids: list[int] = []
-                if batch.events:
-                    values = [_event_values(e) for e in batch.events]
-                    ids = list(conn.scalars(insert(EVENTS).returning(EVENTS.c.id, sort_by_parameter_order=True), values))
+                if self.dialect == "sqlite":
+                    ids = self._write_sqlite(conn, batch)
+                else:
+                    ids = self._write_sql(conn, batch)
         except Exception:
+            self._next_event_id = None  # read it again from the database
             if self.dialect != "postgresql" and self._wconn is not None:
                 # a fresh connection next time (a PostgreSQL one holds the lock: keep it, the caller decides)
                 self._wconn.close()
@@ -437,6 +472,47 @@ class LeaseStore:
             d.setdefault("data", {})
             out.append(d)
         return out
+
+    def _write_sql(self, conn: Connection, batch: Batch) -> list[int]:
+        """Any other database (PostgreSQL): SQLAlchemy's upsert and a multi-row INSERT … RETURNING."""
+        if batch.leases:
+            rows = [_row_values(d) for d in batch.leases.values()]
+            if self._lease_upsert is not None:
+                conn.execute(self._lease_upsert, rows)
+            else:  # another dialect: update what exists, insert the rest
+                have = set(conn.scalars(select(LEASES.c.id).where(LEASES.c.id.in_(list(batch.leases)))))
+                for r in rows:
+                    if r["id"] in have:
+                        conn.execute(update(LEASES).where(LEASES.c.id == r["id"]).values(**{k: v for k, v in r.items() if k != "id"}))
+                    else:
+                        conn.execute(insert(LEASES).values(**r))
+        if not batch.events:
+            return []
+        values = [_event_values(e) for e in batch.events]
+        return list(conn.scalars(insert(EVENTS).returning(EVENTS.c.id, sort_by_parameter_order=True), values))
+
+    def _write_sqlite(self, conn: Connection, batch: Batch) -> list[int]:
+        """SQLite: the batch in a few multi-row statements, values serialised here.
+
+        The sqlite3 module lets go of the GIL around every statement it steps; a statement per
+        row (what ``executemany`` does) makes the writer thread wait for the GIL once per row
+        while the event loop is busy, which made a commit of a hundred leases last ~70 ms under
+        load for ~20 ms of work. Event ids are given here, not by the database: only the
+        leader writes, so the next id is the highest one + 1, as SQLite itself would choose.
+        """
+        for rows in _chunks([_lease_params(d) for d in batch.leases.values()], _SQLITE_ROWS_LEASES):
+            conn.exec_driver_sql(_sqlite_upsert_sql(len(rows)), tuple(v for r in rows for v in r))
+        if not batch.events:
+            return []
+        if self._next_event_id is None:
+            self._next_event_id = int(conn.exec_driver_sql("SELECT max(id) FROM lease_events").scalar() or 0) + 1
+        first = self._next_event_id
+        ids = list(range(first, first + len(batch.events)))
+        params = [(i, *_event_params(e)) for i, e in zip(ids, batch.events)]
+        for rows in _chunks(params, _SQLITE_ROWS_EVENTS):
+            conn.exec_driver_sql(_sqlite_events_sql(len(rows)), tuple(v for r in rows for v in r))
+        self._next_event_id = first + len(ids)
+        return ids
 
     def apply(self, events: Iterable[Event], leases: Iterable[Lease] = ()) -> list[dict[str, Any]]:
         """:meth:`snapshot` then :meth:`write`, on this thread."""

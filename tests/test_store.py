@@ -246,3 +246,61 @@ def test_an_empty_postgresql_database_gets_the_newest_schema(postgres):
         assert store.describe().startswith("postgresql")
     finally:
         store.close()
+
+
+def test_a_batch_larger_than_one_statement_is_written_whole_and_in_order(db_url, monkeypatch):
+    """SQLite writes a batch in multi-row statements (a few per commit, not one per row); a batch
+    of more rows than one statement takes spans several, in one transaction, events in order."""
+    import jupyter_gpulease.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_SQLITE_ROWS_LEASES", 3)
+    monkeypatch.setattr(store_mod, "_SQLITE_ROWS_EVENTS", 4)
+    store = LeaseStore(db_url)
+    leases = [make_lease(i, user=f"u{i}", meta={"n": i}) for i in range(1, 11)]
+    for lease in leases[::2]:
+        granted(lease)
+    written = store.apply([ev(lease, "requested", 1000 + lease.seq, "", lease.state.value) for lease in leases])
+    assert [e["id"] for e in written] == list(range(1, 11))
+    assert [e["lease_id"] for e in written] == [f"l{i}" for i in range(1, 11)]
+    for lease in leases:
+        assert store.get_lease(lease.id) == lease
+    with store.engine.connect() as conn:  # the columns as SQLAlchemy's JSON type reads them
+        rows = {r.id: r for r in conn.execute(sqlalchemy.select(store_mod.LEASES))}
+    assert rows["l2"].placement is None and rows["l2"].state == "queued"
+    assert rows["l1"].placement["slices"][0]["gpu_uuid"] == "GPU-a" and rows["l1"].request == {"kind": "gpu", "gpus": 1}
+    assert [e["kind"] for e in store.events_since(0, user="u3")] == ["requested"]
+    # an update of rows that exist (the upsert), several statements again
+    for lease in leases:
+        lease.state, lease.ended_at = LeaseState.RELEASED, 3000.0
+    store.apply([ev(lease, "ended", 3000, "active", "released") for lease in leases])
+    assert store.last_event_id() == 20
+    assert {lease.state for lease in store.list_leases()} == {LeaseState.RELEASED}
+    assert store.count_leases() == 10
+    store.close()
+
+
+def test_event_ids_go_on_from_the_database_after_a_failure_a_reopen_and_another_leader(tmp_path):
+    """The leader numbers events itself (SQLite): after a failed batch, a reopen, or another
+    broker that led meanwhile, the next id is the highest on disk + 1, never one already used."""
+    url = f"sqlite:///{tmp_path / 'ids.sqlite'}"
+    a = LeaseStore(url)
+    assert a.try_acquire_leadership()
+    assert [e["id"] for e in a.apply([ev(make_lease(1), "requested", 1001, "", "queued")])] == [1]
+    bad = a.snapshot([ev(make_lease(2), "requested", 1002, "", "queued")])
+    bad.events.append({"lease_id": None, "kind": "broken", "time": 1.0})
+    with pytest.raises(sqlalchemy.exc.IntegrityError):
+        a.write(bad)
+    assert [e["id"] for e in a.apply([ev(make_lease(3), "requested", 1003, "", "queued")])] == [2]
+    a.release_leadership()
+    b = LeaseStore(url)  # a standby that took over, wrote, and stopped
+    assert b.try_acquire_leadership()
+    assert [e["id"] for e in b.apply([ev(make_lease(4), "requested", 1004, "", "queued")])] == [3]
+    b.release_leadership()
+    b.close()
+    assert a.try_acquire_leadership()
+    assert [e["id"] for e in a.apply([ev(make_lease(5), "requested", 1005, "", "queued")])] == [4]
+    a.close()
+    c = LeaseStore(url)
+    assert [e["id"] for e in c.apply([ev(make_lease(6), "requested", 1006, "", "queued")])] == [5]
+    assert [e["lease_id"] for e in c.events_since(0)] == ["l1", "l3", "l4", "l5", "l6"]
+    c.close()
