@@ -244,3 +244,42 @@ def test_old_events_of_ended_leases_are_pruned_and_live_ones_kept(tmp_path):
         assert (await alice.get_lease(old["id"]))["state"] == "released"  # the lease row stays
 
     run(tmp_path, scenario, pool=A100_ONLY)
+
+
+def test_a_release_and_the_reads_after_it_come_from_memory_and_older_ends_from_disk(tmp_path):
+    """The answer to a release, and reads of a lease that ended lately, are the committed end
+    kept in memory (no database read per release); past the bound, the database answers."""
+    from tornado.httpclient import AsyncHTTPClient
+
+    async def scenario(app, client):
+        alice = client("alice")
+        app.manager.recently_ended_max = 2
+        reads = []
+        real = app.store.get_lease_dict
+        app.store.get_lease_dict = lambda lid: reads.append(lid) or real(lid)
+        leases = [await alice.request_lease({"share": 0.25}) for _ in range(3)]
+        ended = [await alice.release(x["id"]) for x in leases]
+        assert [x["state"] for x in ended] == ["released"] * 3 and reads == []
+        assert all(on_disk(app, x["id"]) == "released" for x in leases)
+        assert (await alice.get_lease(leases[2]["id"]))["end_message"] == ended[2]["end_message"]
+        assert (await alice.get_lease(leases[1]["id"]))["state"] == "released" and reads == []
+        oldest = await alice.get_lease(leases[0]["id"])  # no longer among the 2 kept
+        assert reads == [leases[0]["id"]] and oldest["state"] == "released"
+        assert oldest["end_message"] == ended[0]["end_message"]
+        # API answers are not cached (no-store), so no ETag is computed for them
+        r = await AsyncHTTPClient().fetch(f"{broker_url(app)}api/leases/{leases[1]['id']}", headers={"Authorization": "token alice"})
+        assert r.headers.get("Cache-Control") == "no-store" and "Etag" not in r.headers
+
+    run(tmp_path, scenario, pool=[{"node": "n1", "model": "L4", "count": 1, "memory_mib": 23034}])
+
+
+def test_the_broker_process_tunes_the_garbage_collector_once_it_serves():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import gc; from jupyter_gpulease.broker.app import tune_gc, GC_GEN0_THRESHOLD as T; tune_gc(); "
+         "print(gc.get_threshold()[0] == T, gc.get_freeze_count() > 1000)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["True", "True"]

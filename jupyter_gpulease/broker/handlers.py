@@ -109,6 +109,10 @@ class APIHandler(BaseHandler):
         # token-authenticated only (no cookies are read here): no cross-site forgery to guard against
         return
 
+    def compute_etag(self):
+        # answers are 'Cache-Control: no-store': no ETag (tornado would hash every GET's body)
+        return None
+
     async def prepare(self):
         if self.request.method in ("POST", "PUT", "PATCH", "DELETE") and len(self.request.body or b"") > self.limits.body_bytes:
             raise inputs.TooLarge(f"the request body is {len(self.request.body)} bytes, over the limit of {self.limits.body_bytes}", field="body")

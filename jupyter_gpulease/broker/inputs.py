@@ -70,6 +70,10 @@ def depth(v: Any, limit: int) -> int:
     return deepest
 
 
+# one decoder for every body (json.loads with an option builds a new one per call)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     """A request body: a JSON object within the limits, or a 400/413 that says what is wrong."""
     if not raw or not raw.strip():
@@ -77,7 +81,7 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
     if len(raw) > limits.body_bytes:
         raise TooLarge(f"the request body is {len(raw)} bytes, over the limit of {limits.body_bytes}", field="body")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes) else raw)  # as json.loads
     except RecursionError:
         raise BadRequest(f"the request body is nested too deeply (the limit is {limits.json_depth} levels)", field="body") from None
     except (ValueError, UnicodeDecodeError) as e:

@@ -91,6 +91,10 @@ class LeaseManager:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpulease-store-write")
         self._readers = self._writer if store.in_memory else ThreadPoolExecutor(2, thread_name_prefix="gpulease-store-read")
         self.committed: dict[str, dict[str, Any]] = {}  # live leases as last committed
+        # leases that ended lately, as committed: the answer to a release and the reads that
+        # follow an end come from here, not from the database (bounded, oldest end out first)
+        self.recently_ended: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.recently_ended_max = 8192
         self._pending: list[tuple[list[Event], str | None]] = []
         self._pending_leases: dict[str, Any] = {}
         self._pending_tick = False
@@ -239,6 +243,10 @@ class LeaseManager:
             else:
                 self.committed.pop(lid, None)
                 self._end_extra.pop(lid, None)
+                self.recently_ended[lid] = d
+                self.recently_ended.move_to_end(lid)
+                if len(self.recently_ended) > self.recently_ended_max:
+                    self.recently_ended.popitem(last=False)
         users = {}
         for e in events:
             lease = getattr(e, "lease", None)
@@ -443,12 +451,12 @@ class LeaseManager:
 
     # ------------------------------------------------------------------ reading
     async def _lease_dict(self, lease_id: str) -> dict[str, Any] | None:
-        d = self.committed.get(lease_id)
+        d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
         if d is not None:
             return d
         if lease_id in self.scheduler.leases:  # its first commit is pending
             await self.flush()
-            d = self.committed.get(lease_id)
+            d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
             if d is not None:
                 return d
         return await self._in_reader(self.store.get_lease_dict, lease_id)
