@@ -1,17 +1,27 @@
-"""Broker benchmarks: throughput and latency under 200 concurrent clients, side by side with a
-baseline build; and memory holding many leases.
+"""Broker benchmarks: throughput and latency under 200 concurrent clients, side by side with
+baseline builds and with the web framework alone; and memory holding many leases.
 
-    python benchmarks/bench_broker.py [--clients 200] [--seconds 20] [--base 8bdb240] [--leases 100000]
+    python benchmarks/bench_broker.py [--clients 200] [--seconds 20] [--base 8bdb240 ...] [--rates 500,800,1000] [--leases 100000]
 
 1. Load: the broker runs as its own process (SQLite file, WAL, synchronous=FULL: every commit
    fsyncs) on 127.0.0.1 with a pool of 256 GPUs. A second process runs ``--clients`` clients,
    each on its own keep-alive connection, in a loop of the mixed calls a hub makes: request a
-   lease (granted at once), read it, extend it, release it. For ``--seconds`` it counts the
-   calls answered per second and their latency by kind (writes: request, extend, release).
-   The same load runs first against the ``--base`` build (a ``git worktree`` of that commit,
-   made in a temporary folder) and then against this tree, in the same script, one after the
-   other, so both see the same machine. The hub's token check is left out of both (the caller
-   is named by the token, as in the unit tests): it is a cached lookup per token.
+   lease (granted at once), read it, extend it, release it. Latency by kind (writes: request,
+   extend, release; reads: get).
+
+   * Closed loop: each client sends its next call as soon as the last is answered, for
+     ``--seconds``: the most calls per second the build answers. With 200 clients that each
+     wait for their answer, latency is at least 200 / throughput (Little's law), whatever the
+     server; the same load against Tornado alone (a handler that answers every call with a
+     lease of the same size, no broker behind it) shows that floor on this machine.
+   * Open loop, at each of ``--rates``: the clients' calls arrive as Poisson processes adding
+     up to that many calls per second, answered or not; latency counts from when a call was
+     due (no coordinated omission). This is latency at a given load.
+
+   Every ``--base`` build (a ``git worktree`` of that commit in a temporary folder) and this
+   tree run the same loads in the same script, one after the other, so all see the same
+   machine. The hub's token check is left out (the caller is named by the token, as in the
+   unit tests): it is a cached lookup per token.
 2. Memory: this build's process RSS before and after holding ``--leases`` live leases (1 000
    active on 1 000 GPUs, the rest queued), and the time of a scheduling pass over them.
 
@@ -70,6 +80,39 @@ app.initialize([])
 import jupyter_gpulease
 print("serving", jupyter_gpulease.__file__, flush=True)
 app.start()
+'''
+
+
+# The floor: Tornado alone, with no broker behind it, answering each call of the same load with a
+# lease of the same size (what any Tornado service, JupyterHub's included, costs on this machine).
+SERVE_FLOOR = r'''
+import asyncio, json, sys
+from tornado import web
+port = int(sys.argv[3])
+LEASE = json.dumps({"id": "0" * 32, "user": "user0", "server": "", "groups": [], "request": {"kind": "gpu", "gpus": 1}, "tier": "experiment",
+    "duration_s": 3600.0, "max_wait_s": None, "prefer_gpus": [], "require_gpus": [], "resuming": False, "seq": 1, "state": "active",
+    "created_at": 1796054473.5509908, "granted_at": 1796054473.551366, "expires_at": 1796061673.551366, "ended_at": None, "end_reason": "",
+    "placement": {"node": "n0", "slices": [{"gpu_uuid": "GPU-sim-50e8d57c-ee3f-5bc7-82c8-0954ceefd30b", "node": "n0", "index": 0,
+    "model": "A100-SXM4-80GB", "memory_mib": 81920, "share": 1.0}]}, "warned_at": None, "preempt_at": None, "preempted_for": "",
+    "confirmed_at": None, "last_heartbeat": None, "usage": {}, "meta": {}})
+
+class Lease(web.RequestHandler):
+    def check_xsrf_cookie(self):
+        pass
+    def get(self, *args):
+        self.set_header("Content-Type", "application/json; charset=utf-8")
+        self.finish(LEASE)
+    def post(self, *args):
+        json.loads(self.request.body)
+        self.set_status(201 if not args[0] else 200)
+        self.get()
+
+async def main():
+    web.Application([(r"/services/gpulease/api/leases(/[0-9a-f]+(?:/[a-z]+)?)?/?", Lease)]).listen(port, "127.0.0.1")
+    print("serving Tornado alone", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
 '''
 
 
@@ -141,7 +184,49 @@ async def client(port: int, i: int, stop_at: float, lat: dict[str, list[float]],
                     errors.append(f"request answered {answer['state']}")
 
 
-def load_main(port: int, clients: int, seconds: float, out: str) -> None:
+async def paced_client(port: int, i: int, rate: float, start: float, stop_at: float, lat: dict[str, list[float]], errors: list[str], rng) -> None:
+    """Open loop: this client's calls arrive as a Poisson process of ``rate`` calls/s, whether or
+    not the broker keeps up; a call's latency counts from the moment it was due (a late answer
+    delays the next call's send, not its due time: no coordinated omission)."""
+    conn = Conn(port, f"user{i}")
+    due = start + rng.expovariate(rate)
+    while due < stop_at:
+        lease_id = None
+        for kind, method, action, body in CYCLE:
+            if due >= stop_at or time.perf_counter() >= stop_at + 5:  # (a build that falls far behind)
+                return
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            path = "api/leases" if kind == "request" else f"api/leases/{lease_id}" + (f"/{action}" if action else "")
+            status, answer = await conn.call(method, path, body)
+            lat[kind].append((time.perf_counter() - due) * 1000)
+            due += rng.expovariate(rate)
+            if status >= 400:
+                errors.append(f"{kind} {status} {answer.get('message', '')[:80]}")
+                break
+            if kind == "request":
+                lease_id = answer["id"]
+                if answer["state"] != "active":
+                    errors.append(f"request answered {answer['state']}")
+
+
+def summary(lat: dict[str, list[float]], errors: list[str], elapsed: float) -> dict:
+    n = sum(len(v) for v in lat.values())
+    writes = lat["request"] + lat["extend"] + lat["release"]
+    res = {"seconds": round(elapsed, 1), "calls": n, "calls_per_s": round(n / elapsed, 1), "errors": len(errors), "first_errors": errors[:3],
+           "write_ms_p50": round(statistics.median(writes), 1), "write_ms_p99": round(pct(writes, 99), 1),
+           "read_ms_p50": round(statistics.median(lat["get"]), 1), "read_ms_p99": round(pct(lat["get"], 99), 1)}
+    for k, v in lat.items():
+        res[f"{k}_ms_p50"], res[f"{k}_ms_p99"] = round(statistics.median(v), 1), round(pct(v, 99), 1)
+    return res
+
+
+def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0.0) -> None:
+    """Closed loop (``rate`` 0: each client sends its next call when the last is answered, the
+    most the broker can answer) or open loop (``rate`` calls/s offered by all clients together)."""
+    import random
+
     async def go():
         lat: dict[str, list[float]] = {k: [] for k in ("request", "get", "extend", "release")}
         errors: list[str] = []
@@ -149,25 +234,23 @@ def load_main(port: int, clients: int, seconds: float, out: str) -> None:
         warm_lat: dict[str, list[float]] = {k: [] for k in lat}
         await asyncio.gather(*(client(port, i, warm, warm_lat, []) for i in range(clients)))  # connect and warm up
         t0 = time.perf_counter()
-        await asyncio.gather(*(client(port, i, t0 + seconds, lat, errors) for i in range(clients)))
+        if rate:
+            rng = random.Random(1)
+            await asyncio.gather(*(paced_client(port, i, rate / clients, t0, t0 + seconds, lat, errors, rng) for i in range(clients)))
+        else:
+            await asyncio.gather(*(client(port, i, t0 + seconds, lat, errors) for i in range(clients)))
         elapsed = time.perf_counter() - t0
-        n = sum(len(v) for v in lat.values())
-        writes = lat["request"] + lat["extend"] + lat["release"]
-        res = {"clients": clients, "seconds": round(elapsed, 1), "calls": n, "warm_up_calls": sum(len(v) for v in warm_lat.values()), "calls_per_s": round(n / elapsed, 1), "errors": len(errors), "first_errors": errors[:3],
-               "write_ms_p50": round(statistics.median(writes), 1), "write_ms_p99": round(pct(writes, 99), 1),
-               "read_ms_p50": round(statistics.median(lat["get"]), 1), "read_ms_p99": round(pct(lat["get"], 99), 1)}
-        for k, v in lat.items():
-            res[f"{k}_ms_p50"], res[f"{k}_ms_p99"] = round(statistics.median(v), 1), round(pct(v, 99), 1)
+        res = {"clients": clients, "offered_calls_per_s": rate or None, "warm_up_calls": sum(len(v) for v in warm_lat.values()), **summary(lat, errors, elapsed)}
         Path(out).write_text(json.dumps(res))
 
     asyncio.run(go())
 
 
-def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float) -> dict:
+def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate: float = 0.0, serve: str = SERVE) -> dict:
     port = free_port()
-    db = tmp / f"{name}.sqlite"
+    db = tmp / f"{name}-{rate:.0f}.sqlite"
     log = open(tmp / f"{name}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
-    broker = subprocess.Popen([sys.executable, "-c", SERVE, str(src), str(db), str(port), json.dumps(POOL)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    broker = subprocess.Popen([sys.executable, "-c", serve, str(src), str(db), str(port), json.dumps(POOL)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -179,7 +262,7 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float) -> d
                     raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{name}-broker.log').read_text()[-2000:]}") from None
                 time.sleep(0.2)
         out = tmp / f"{name}-load.json"
-        subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out)], check=True, timeout=seconds + 300)
+        subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out), str(rate)], check=True, timeout=seconds + 300)
         res = json.loads(out.read_text())
     finally:
         broker.terminate()
@@ -194,9 +277,9 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float) -> d
     return res
 
 
-def base_tree(rev: str, tmp: Path) -> Path:
-    """A git worktree of ``rev`` (the baseline build) in ``tmp``."""
-    dest = tmp / "base"
+def base_tree(rev: str, tmp: Path, name: str = "base") -> Path:
+    """A git worktree of ``rev`` (a baseline build) in ``tmp``."""
+    dest = tmp / f"base-{name}"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev], check=True, capture_output=True)
     return dest
 
@@ -246,33 +329,50 @@ async def memory(tmp: Path, n: int) -> dict:
     }
 
 
+def line(r: dict) -> str:
+    if r.get("skipped"):
+        return f"{r['build']:>22} ({r['offered_calls_per_s']:.0f} calls/s offered): not run, {r['skipped']}"
+    load = f"{r['offered_calls_per_s']:.0f} calls/s offered" if r.get("offered_calls_per_s") else "closed loop"
+    return (f"{r['build']:>22} ({load}): {r['calls_per_s']:7.1f} calls/s, writes p50 {r['write_ms_p50']} ms p99 {r['write_ms_p99']} ms, "
+            f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s)")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_load":
-        load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4])
+        load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4], float(argv[5]) if len(argv) > 5 else 0.0)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--seconds", type=float, default=20)
-    p.add_argument("--base", default="8bdb240", help="git revision of the baseline build (default: the broker before group commit)")
+    p.add_argument("--base", action="append", help="git revision of a baseline build, repeatable (default: 8bdb240, the broker before group commit)")
     p.add_argument("--base-src", default=None, help="a folder holding the baseline's jupyter_gpulease package, instead of a git worktree of --base")
+    p.add_argument("--rates", default="500,800,1000", help="offered loads (calls/s, comma-separated) of the open-loop runs; '' for none")
     p.add_argument("--leases", type=int, default=100_000, help="live leases for the memory figure (0: skip it)")
     p.add_argument("--out", default=str(HERE / "results" / "broker.json"))
     args = p.parse_args(argv)
+    revs = args.base or ["8bdb240"]
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
     result = {"command": "python benchmarks/bench_broker.py " + " ".join(argv), "python": sys.version.split()[0], "cpus": os.cpu_count()}
-    base = Path(args.base_src).resolve() if args.base_src else base_tree(args.base, tmp)
+    builds = [(f"base {rev}", Path(args.base_src).resolve() if args.base_src else base_tree(rev, tmp, rev)) for rev in revs] + [("this tree", ROOT)]
     try:
-        result["load"] = [
-            run_load(base, tmp, f"base {args.base}", args.clients, args.seconds),
-            run_load(ROOT, tmp, "this tree", args.clients, args.seconds),
-        ]
+        # the most each build answers (closed loop), and the web framework alone under the same load
+        result["load"] = [run_load(src, tmp, name, args.clients, args.seconds) for name, src in builds]
+        result["load"].append(run_load(ROOT, tmp, "Tornado alone", args.clients, args.seconds, serve=SERVE_FLOOR))
+        # latency at a given load (open loop)
+        # (a build offered more than it answered in the closed loop would only queue up)
+        most = {r["build"]: r["calls_per_s"] for r in result["load"]}
+        result["open_loop"] = [
+            run_load(src, tmp, name, args.clients, args.seconds, rate) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
+            for rate in rates for name, src in builds
+        ]  # fmt: skip
     finally:
-        if not args.base_src:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False, capture_output=True)
-    for r in result["load"]:
-        print(f"{r['build']:>16}: {r['calls_per_s']:7.1f} calls/s, writes p50 {r['write_ms_p50']} ms p99 {r['write_ms_p99']} ms, "
-              f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s)")
+        for name, src in builds:
+            if name != "this tree" and not args.base_src:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False, capture_output=True)
+    for r in result["load"] + result["open_loop"]:
+        print(line(r))
     if args.leases:
         result["memory"] = asyncio.run(memory(tmp, args.leases))
         print(json.dumps(result["memory"], indent=2))
