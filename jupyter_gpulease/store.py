@@ -417,13 +417,12 @@ class LeaseStore:
         return self._wconn
 
     def _make_upsert(self):
-        cols = [c.name for c in LEASES.columns if c.name != "id"]
-        if self.dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
-        elif self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert
-        else:
+        """PostgreSQL's upsert of lease rows (SQLite has its own statements, another dialect none)."""
+        if self.dialect != "postgresql":
             return None
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+
+        cols = [c.name for c in LEASES.columns if c.name != "id"]
         ins = dialect_insert(LEASES)
         return ins.on_conflict_do_update(index_elements=[LEASES.c.id], set_={c: ins.excluded[c] for c in cols})
 
