@@ -166,22 +166,32 @@ CYCLE = [
 ]
 
 
+def path_of(kind: str, lease_id: str | None, action: str | None) -> str:
+    return "api/leases" if kind == "request" else f"api/leases/{lease_id}" + (f"/{action}" if action else "")
+
+
+def checked(kind: str, status: int, answer: dict, errors: list[str]) -> bool:
+    """Note what is wrong with an answer; False when the client's cycle cannot go on."""
+    if status >= 400:
+        errors.append(f"{kind} {status} {answer.get('message', '')[:80]}")
+        return False
+    if kind == "request" and answer["state"] != "active":
+        errors.append(f"request answered {answer['state']}")
+    return True
+
+
 async def client(port: int, i: int, stop_at: float, lat: dict[str, list[float]], errors: list[str]) -> None:
     conn = Conn(port, f"user{i}")
     while time.perf_counter() < stop_at:
         lease_id = None
         for kind, method, action, body in CYCLE:
-            path = "api/leases" if kind == "request" else f"api/leases/{lease_id}" + (f"/{action}" if action else "")
             t0 = time.perf_counter()
-            status, answer = await conn.call(method, path, body)
+            status, answer = await conn.call(method, path_of(kind, lease_id, action), body)
             lat[kind].append((time.perf_counter() - t0) * 1000)
-            if status >= 400:
-                errors.append(f"{kind} {status} {answer.get('message', '')[:80]}")
+            if not checked(kind, status, answer, errors):
                 break
             if kind == "request":
                 lease_id = answer["id"]
-                if answer["state"] != "active":
-                    errors.append(f"request answered {answer['state']}")
 
 
 async def paced_client(port: int, i: int, rate: float, start: float, stop_at: float, lat: dict[str, list[float]], errors: list[str], rng) -> None:
@@ -198,17 +208,13 @@ async def paced_client(port: int, i: int, rate: float, start: float, stop_at: fl
             delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            path = "api/leases" if kind == "request" else f"api/leases/{lease_id}" + (f"/{action}" if action else "")
-            status, answer = await conn.call(method, path, body)
+            status, answer = await conn.call(method, path_of(kind, lease_id, action), body)
             lat[kind].append((time.perf_counter() - due) * 1000)
             due += rng.expovariate(rate)
-            if status >= 400:
-                errors.append(f"{kind} {status} {answer.get('message', '')[:80]}")
+            if not checked(kind, status, answer, errors):
                 break
             if kind == "request":
                 lease_id = answer["id"]
-                if answer["state"] != "active":
-                    errors.append(f"request answered {answer['state']}")
 
 
 def summary(lat: dict[str, list[float]], errors: list[str], elapsed: float) -> dict:

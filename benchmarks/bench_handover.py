@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from brokerhub import active_broker_pid, hub_for_broker, wait_for_broker  # noqa: E402
+from brokerhub import active_broker_pid, active_broker_pid_postgres, hub_for_broker, wait_for_broker  # noqa: E402
 from hubharness import pid_alive, wait_for  # noqa: E402
 
 
@@ -76,15 +76,7 @@ def serving_pid(hub, supervised: bool, pg_port: int | None = None) -> int | None
     """The broker that serves: the holder of the database's lock (with a supervisor), else the
     hub's one broker process."""
     if pg_port is not None:
-        import psycopg
-
-        with psycopg.connect(f"host=127.0.0.1 port={pg_port} user=postgres dbname=handover", autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = 'handover'"
-            ).fetchall()
-        pids = [int(n.split("pid=")[1]) for (n,) in rows if n and "pid=" in n]
-        return pids[0] if pids and pid_alive(pids[0]) else None
+        return active_broker_pid_postgres(pg_port, "handover")
     if supervised:
         return active_broker_pid(hub)
     brokers = [pid for pid, cmd in hub.descendants() if "jupyter_gpulease.broker" in cmd]

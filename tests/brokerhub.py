@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from hubharness import HubHarness, free_port, wait_for
+from hubharness import HubHarness, free_port, pid_alive, wait_for
 
 POOL = [
     {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
@@ -109,3 +109,18 @@ def active_broker_pid(hub: HubHarness) -> int | None:
         if pid in holders:
             return pid
     return None
+
+
+def active_broker_pid_postgres(port: int, dbname: str) -> int | None:
+    """The broker process that holds the advisory lock of PostgreSQL database ``dbname`` (each
+    broker names its connection ``gpulease-broker pid=N``)."""
+    import psycopg
+
+    with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname={dbname}", autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = %s",
+            (dbname,),
+        ).fetchall()
+    pids = [int(name.split("pid=")[1]) for (name,) in rows if name and "pid=" in name]
+    return pids[0] if pids and pid_alive(pids[0]) else None

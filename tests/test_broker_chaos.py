@@ -30,7 +30,7 @@ import time
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from brokerhub import active_broker_pid, hub_for_broker, wait_for_broker
+from brokerhub import active_broker_pid, active_broker_pid_postgres, hub_for_broker, wait_for_broker
 from hubharness import pid_alive, wait_for
 from jupyter_gpulease.client import BrokerClient, BrokerError
 from jupyter_gpulease.store import LeaseStore
@@ -226,22 +226,10 @@ def test_200_clients_see_nothing_lost_while_the_broker_is_killed_again_and_again
 def test_the_standby_on_postgresql_takes_over_from_a_killed_active_broker_with_nothing_lost(tmp_path, postgres):
     db_url = postgres.create_database("chaos")
 
-    def active_pid():
-        import psycopg
-
-        dsn = f"host=127.0.0.1 port={postgres.port} user=postgres dbname=chaos"
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = 'chaos'"
-            ).fetchall()
-        pids = [int(name.split("pid=")[1]) for (name,) in rows if name and "pid=" in name]
-        return pids[0] if pids and pid_alive(pids[0]) else None
-
     hub = hub_for_broker(tmp_path, db_url=db_url, pool=POOL, users=(*USERS, "carol"),
                          extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO")
     hub.start()
     try:
-        run_chaos(hub, db_url, active_pid, kills=max(5, KILLS // 2))
+        run_chaos(hub, db_url, lambda: active_broker_pid_postgres(postgres.port, "chaos"), kills=max(5, KILLS // 2))
     finally:
         hub.stop()
