@@ -216,7 +216,8 @@ class BrokerClient:
     def __repr__(self) -> str:
         return f"BrokerClient({self.url!r})"
 
-    async def _call(self, method: str, path: str, body: Any = None, *, query: dict | None = None, timeout: float | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: Any = None, *, query: dict | None = None, timeout: float | None = None,
+                    retry_for: float | None = None) -> Any:
         url = _join(self.url, path)
         if query:
             q = {k: v for k, v in query.items() if v is not None}
@@ -226,7 +227,8 @@ class BrokerClient:
         if method == "POST":
             headers["Idempotency-Key"] = uuid.uuid4().hex  # one per call, the same for its retries
         status, data, resp_headers = await fetch_json(
-            method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout, backoff=self.backoff, what="the lease broker",
+            method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout,
+            backoff=self.backoff if retry_for is None else Backoff(retry_for=min(retry_for, self.backoff.retry_for)), what="the lease broker",
             http_client=self.http_client,
         )
         if 300 <= status < 400:
@@ -292,10 +294,14 @@ class BrokerClient:
     async def confirm(self, lease_id: str) -> dict:
         return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/confirm", {})
 
-    async def heartbeat(self, lease_id: str, usage: dict | None = None) -> dict:
+    async def heartbeat(self, lease_id: str, usage: dict | None = None, *, retry_for: float | None = None) -> dict:
         """Report usage; the answer is the lease (its state, ``end_message`` once it ended) with
-        ``warnings`` (coming preemption, near expiry, the end)."""
-        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/heartbeat", {"usage": usage or {}})
+        ``warnings`` (coming preemption, near expiry, the end).
+
+        ``retry_for``: retry this one heartbeat at most so long (at most the client's own
+        ``retry_for``); a sender with its own loop passes its interval, so that a broker that is
+        away shows as failed heartbeats rather than one heartbeat hanging."""
+        return await self._call("POST", f"api/leases/{quote(lease_id, safe='')}/heartbeat", {"usage": usage or {}}, retry_for=retry_for)
 
     async def estimate(self, asks: list[dict]) -> list[dict]:
         """What each ask (a body of ``POST api/leases``) would get now, without asking: one estimate per ask, in order."""

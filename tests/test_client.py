@@ -48,6 +48,30 @@ def test_an_unreachable_broker_is_a_broker_error_with_status_0_after_retrying():
     assert len(waits) >= 4, f"the client gave up after {len(waits)} wait(s)"
 
 
+def test_a_heartbeat_is_retried_for_at_most_what_its_sender_asks(monkeypatch):
+    """A heartbeat sender has its own loop: it asks for a shorter retry than the client's, so a
+    broker that is away shows as failed heartbeats, one per interval, not as one hanging call."""
+    from jupyter_gpulease import client as client_mod
+
+    asked = []
+    real = client_mod.fetch_json
+
+    async def recording(*args, backoff, **kw):
+        asked.append(backoff.retry_for)
+        return await real(*args, backoff=backoff, **kw)
+
+    monkeypatch.setattr(client_mod, "fetch_json", recording)
+    url = f"http://127.0.0.1:{free_port()}/services/gpulease/"
+    c = BrokerClient(url, "t", timeout=5, retry_for=30.0)
+    short = BrokerClient(url, "t", timeout=5, retry_for=0.2)
+    for client, retry_for in ((c, 0.0), (short, 60.0)):
+        with pytest.raises(BrokerError) as info:
+            asyncio.run(client.heartbeat("abc", {}, retry_for=retry_for))
+        assert info.value.status == 0 and "cannot reach the lease broker" in info.value.message
+    assert asked == [0.0, 0.2]  # what the sender asked, never longer than the client's own
+    assert c.backoff.retry_for == 30.0  # the client's other calls keep theirs
+
+
 def test_a_client_retries_through_a_broker_restart_and_a_retried_write_makes_one_lease(tmp_path, monkeypatch):
     """The broker is down when the call starts and comes up a moment later (a standby taking
     over): the call succeeds; a request whose first answer was lost is not made twice."""

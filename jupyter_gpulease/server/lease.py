@@ -304,7 +304,8 @@ class LeaseKeeper:
         if lease is None or self.client is None:
             return False
         try:
-            reply = await self.client.heartbeat(lease["id"], self.usage())
+            # retried for one interval at most: the loop tries again, and counts each miss
+            reply = await self.client.heartbeat(lease["id"], self.usage(), retry_for=self.heartbeat_interval)
         except BrokerError as e:
             self.heartbeat["failures"] += 1
             self.heartbeat["last_error"] = e.message
