@@ -519,11 +519,17 @@ class LeaseStore:
 
     def prune_events(self, before: float, limit: int = 5000) -> int:
         """Delete at most ``limit`` events older than ``before`` of leases that have ended; the
-        number deleted. Lease rows stay (usage reports read them)."""
+        number deleted. Lease rows stay (usage reports read them).
+
+        The newest event always stays, however old: its id is the feed's high-water mark. The
+        next event's id is the highest on disk + 1 (SQLite), and a feed client's cursor
+        (``since``, ``Last-Event-ID``) must never see ids again that it has already passed."""
         live = select(LEASES.c.id).where(LEASES.c.state.in_(LIVE_STATES))
+        newest = select(func.max(EVENTS.c.id)).scalar_subquery()
         conn = self._writer_conn()
         with conn.begin():
-            ids = list(conn.scalars(select(EVENTS.c.id).where(EVENTS.c.time < before, EVENTS.c.lease_id.not_in(live)).order_by(EVENTS.c.id).limit(limit)))
+            ids = list(conn.scalars(select(EVENTS.c.id).where(EVENTS.c.time < before, EVENTS.c.lease_id.not_in(live), EVENTS.c.id < newest)
+                                    .order_by(EVENTS.c.id).limit(limit)))
             if ids:
                 conn.execute(delete(EVENTS).where(EVENTS.c.id.in_(ids)))
         return len(ids)

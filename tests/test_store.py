@@ -173,11 +173,35 @@ def test_old_events_of_ended_leases_are_pruned_and_lease_rows_kept(db_url):
     store.apply([ev(done, "requested", 1000, "", "queued"), ev(live, "requested", 1000, "", "queued")])
     done.state, done.ended_at = LeaseState.WITHDRAWN, 1100.0
     store.apply([ev(done, "ended", 1100, "queued", "withdrawn")])
+    store.apply([ev(make_lease(3), "requested", 1200, "", "queued")])
     assert store.prune_events(before=5000) == 2
-    assert [e["lease_id"] for e in store.events_since(0)] == ["l2"]
+    assert [e["lease_id"] for e in store.events_since(0)] == ["l2", "l3"]
     assert store.get_lease("l1").state is LeaseState.WITHDRAWN
     assert store.prune_events(before=5000) == 0
     store.close()
+
+
+def test_pruning_keeps_the_newest_event_so_that_ids_never_go_back(db_url):
+    """A hub idle for longer than the retention: every event is old and every lease ended. The
+    newest event stays, so the next id (after a restart too) is above every id a feed client
+    has seen; a client that follows the feed from its cursor misses nothing."""
+    store = LeaseStore(db_url)
+    a, b = make_lease(1), make_lease(2)
+    store.apply([ev(a, "requested", 1000, "", "queued"), ev(b, "requested", 1001, "", "queued")])
+    a.state, a.ended_at, b.state, b.ended_at = LeaseState.WITHDRAWN, 1100.0, LeaseState.WITHDRAWN, 1101.0
+    seen = [e["id"] for e in store.apply([ev(a, "ended", 1100, "queued", "withdrawn"), ev(b, "ended", 1101, "queued", "withdrawn")])]
+    cursor = max(seen)
+    assert store.prune_events(before=10_000) == 3
+    assert [e["id"] for e in store.events_since(0)] == [cursor]
+    assert store.prune_events(before=10_000) == 0
+    store.close()
+    again = LeaseStore(db_url)  # the broker restarted after the prune
+    assert again.last_event_id() == cursor
+    c = make_lease(3)
+    (new,) = again.apply([ev(c, "requested", 20_000, "", "queued")])
+    assert new["id"] > cursor
+    assert [e["lease_id"] for e in again.events_since(cursor)] == ["l3"]
+    again.close()
 
 
 def test_only_one_store_leads_a_database_until_it_lets_go(db_url):
