@@ -21,7 +21,7 @@ import os
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
@@ -228,7 +228,7 @@ class BrokerClient:
             headers["Idempotency-Key"] = uuid.uuid4().hex  # one per call, the same for its retries
         status, data, resp_headers = await fetch_json(
             method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout,
-            backoff=self.backoff if retry_for is None else Backoff(retry_for=min(retry_for, self.backoff.retry_for)), what="the lease broker",
+            backoff=self.backoff if retry_for is None else replace(self.backoff, retry_for=min(retry_for, self.backoff.retry_for)), what="the lease broker",
             http_client=self.http_client,
         )
         if 300 <= status < 400:
