@@ -18,6 +18,12 @@ baseline builds and with the web framework alone; and memory holding many leases
      up to that many calls per second, answered or not; latency counts from when a call was
      due (no coordinated omission). This is latency at a given load.
 
+   The load also reads the server process's CPU time per thread (``/proc``) at the start and
+   the end of the measured window: the event loop's thread (all of the HTTP side, the
+   handlers, the scheduler) and the others (the store's writer), in microseconds per call, and
+   how busy the loop thread was. Tornado alone runs every open-loop rate too: the loop's cost
+   per call and its latency at that rate with no broker behind it.
+
    Every ``--base`` build (a ``git worktree`` of that commit in a temporary folder) and this
    tree run the same loads in the same script, one after the other, so all see the same
    machine. The hub's token check is left out (the caller is named by the token, as in the
@@ -228,7 +234,36 @@ def summary(lat: dict[str, list[float]], errors: list[str], elapsed: float) -> d
     return res
 
 
-def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0.0) -> None:
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, from ``/proc``; {} where there is none."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def cpu_figures(pid: int, before: dict[int, float], after: dict[int, float], calls: int, elapsed: float) -> dict:
+    """The server's CPU over the measured window: its main thread (the event loop) and the rest."""
+    if not before or not after or not calls:
+        return {}
+    loop = after.get(pid, 0.0) - before.get(pid, 0.0)
+    other = sum(t - before.get(tid, 0.0) for tid, t in after.items() if tid != pid)
+    return {"loop_cpu_us_per_call": round(loop / calls * 1e6), "other_cpu_us_per_call": round(other / calls * 1e6), "loop_busy": round(loop / elapsed, 2)}
+
+
+def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0.0, server_pid: int = 0) -> None:
     """Closed loop (``rate`` 0: each client sends its next call when the last is answered, the
     most the broker can answer) or open loop (``rate`` calls/s offered by all clients together)."""
     import random
@@ -239,6 +274,7 @@ def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0
         warm = time.perf_counter() + 2
         warm_lat: dict[str, list[float]] = {k: [] for k in lat}
         await asyncio.gather(*(client(port, i, warm, warm_lat, []) for i in range(clients)))  # connect and warm up
+        cpu_before = thread_cpu(server_pid) if server_pid else {}
         t0 = time.perf_counter()
         if rate:
             rng = random.Random(1)
@@ -246,7 +282,9 @@ def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0
         else:
             await asyncio.gather(*(client(port, i, t0 + seconds, lat, errors) for i in range(clients)))
         elapsed = time.perf_counter() - t0
+        cpu_after = thread_cpu(server_pid) if server_pid else {}
         res = {"clients": clients, "offered_calls_per_s": rate or None, "warm_up_calls": sum(len(v) for v in warm_lat.values()), **summary(lat, errors, elapsed)}
+        res.update(cpu_figures(server_pid, cpu_before, cpu_after, res["calls"], elapsed))
         Path(out).write_text(json.dumps(res))
 
     asyncio.run(go())
@@ -268,7 +306,7 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate
                     raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{name}-broker.log').read_text()[-2000:]}") from None
                 time.sleep(0.2)
         out = tmp / f"{name}-load.json"
-        subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out), str(rate)], check=True, timeout=seconds + 300)
+        subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out), str(rate), str(broker.pid)], check=True, timeout=seconds + 300)
         res = json.loads(out.read_text())
     finally:
         broker.terminate()
@@ -339,14 +377,15 @@ def line(r: dict) -> str:
     if r.get("skipped"):
         return f"{r['build']:>22} ({r['offered_calls_per_s']:.0f} calls/s offered): not run, {r['skipped']}"
     load = f"{r['offered_calls_per_s']:.0f} calls/s offered" if r.get("offered_calls_per_s") else "closed loop"
+    cpu = f"; loop thread {r['loop_cpu_us_per_call']} µs/call ({r['loop_busy']:.0%} busy), other threads {r['other_cpu_us_per_call']} µs/call" if "loop_busy" in r else ""
     return (f"{r['build']:>22} ({load}): {r['calls_per_s']:7.1f} calls/s, writes p50 {r['write_ms_p50']} ms p99 {r['write_ms_p99']} ms, "
-            f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s)")
+            f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s){cpu}")
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_load":
-        load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4], float(argv[5]) if len(argv) > 5 else 0.0)
+        load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4], float(argv[5]) if len(argv) > 5 else 0.0, int(argv[6]) if len(argv) > 6 else 0)
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=200)
@@ -369,9 +408,10 @@ def main(argv=None) -> int:
         # latency at a given load (open loop)
         # (a build offered more than it answered in the closed loop would only queue up)
         most = {r["build"]: r["calls_per_s"] for r in result["load"]}
+        runs = [(name, src, SERVE) for name, src in builds] + [("Tornado alone", ROOT, SERVE_FLOOR)]
         result["open_loop"] = [
-            run_load(src, tmp, name, args.clients, args.seconds, rate) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
-            for rate in rates for name, src in builds
+            run_load(src, tmp, name, args.clients, args.seconds, rate, serve=serve) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
+            for rate in rates for name, src, serve in runs
         ]  # fmt: skip
     finally:
         for name, src in builds:
