@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procstat import thread_cpu
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 POOL = [{"node": f"n{i}", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920} for i in range(32)]
@@ -232,26 +234,6 @@ def summary(lat: dict[str, list[float]], errors: list[str], elapsed: float) -> d
     for k, v in lat.items():
         res[f"{k}_ms_p50"], res[f"{k}_ms_p99"] = round(statistics.median(v), 1), round(pct(v, 99), 1)
     return res
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, from ``/proc``; {} where there is none."""
-    out: dict[int, float] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # a thread that ended meanwhile
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return out
 
 
 def cpu_figures(pid: int, before: dict[int, float], after: dict[int, float], calls: int, elapsed: float) -> dict:

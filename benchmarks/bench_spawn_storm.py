@@ -37,6 +37,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from procstat import cpu_seconds  # noqa: E402
+
 from hubharness import wait_for  # noqa: E402
 from storm import Storm, queue_seen, storm_options  # noqa: E402
 
@@ -58,18 +60,6 @@ def ended(storm: Storm, user: str, timeout: float = 60) -> dict:
         lease = lease_of(storm, user)
         return lease if lease["state"] not in ("queued", "active") else None
     return wait_for(gone, timeout, f"{user}'s lease did not end", interval=0.05)
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    if not pid:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(xs: list[float]) -> dict:
