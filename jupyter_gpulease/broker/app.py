@@ -44,6 +44,7 @@ from ..core.policy_config import PolicyConfig
 from . import checks, hubapi
 from .checks import ConfigError
 from .inputs import Limits
+from .jsonapi import APIServer
 from .manager import LeaseManager, SystemClock
 
 SERVICE_NAME = "gpulease"
@@ -340,9 +341,10 @@ class GPULeaseBroker(PolicyConfig, Application):
         return Limits(body_bytes=self.max_body_bytes, meta_bytes=self.max_meta_bytes, usage_bytes=self.max_usage_bytes, reason_chars=self.max_reason_chars, json_depth=self.max_json_depth)
 
     def make_web_app(self) -> WebApplication:
+        """The tornado Application: the pages, and the settings every handler reads (the API's
+        handlers too, which :meth:`make_http_delegate` serves in front of it)."""
         from jupyterhub.services.auth import HubAuth, HubOAuth
 
-        from .handlers import api_handlers
         from .pages import page_handlers
 
         hub_auth = HubAuth(parent=self, base_url=self.base_url, cache_max_age=int(self.token_cache_max_age))
@@ -363,7 +365,13 @@ class GPULeaseBroker(PolicyConfig, Application):
             "gpulease_limits": self.limits,
             "log_function": self._log_request,
         }
-        return WebApplication(api_handlers(self.base_url) + page_handlers(self.base_url), **settings)
+        return WebApplication(page_handlers(self.base_url), **settings)
+
+    def make_http_delegate(self, web_app: WebApplication) -> APIServer:
+        """What the HTTP server serves: the REST API's routes, then ``web_app`` for the rest."""
+        from .handlers import api_handlers
+
+        return APIServer(web_app, api_handlers(self.base_url), self.base_url)
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()
@@ -462,7 +470,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         url = urlsplit(self.bind_url)
         self._quiet_successes = self.log_level > logging.DEBUG
         # no xheaders: the broker never uses the client's address, and checking it costs a lookup per call
-        self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
+        self.http_server = HTTPServer(self.make_http_delegate(self.web_app), max_body_size=max(4 * self.max_body_bytes, 1 << 20))
         await self._listen(url.port or 80, url.hostname or "127.0.0.1")
         self.ticker = PeriodicCallback(self.manager.tick, self.tick_interval * 1000)
         self.ticker.start()

@@ -20,6 +20,7 @@ from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState
 from ..core.request import Ask, parse_ask
 from . import inputs
 from .feed import TooManyStreams
+from .jsonapi import JSONHandler
 from .manager import STOPPING, Unavailable
 
 RELEASE_FIELDS = {"reason", "state", "keep_server"}
@@ -34,8 +35,8 @@ ERROR_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "N
 LEASE_ID_ROUTE = r"([A-Za-z0-9_.\-]+)"  # a lease id in a URL path (the API's and the pages')
 
 
-class BaseHandler(web.RequestHandler):
-    """Shared plumbing: the manager, who the caller is."""
+class BrokerHandler:
+    """Shared plumbing of the API's handlers and the pages: the manager, who the caller is."""
 
     @property
     def log(self):
@@ -98,20 +99,20 @@ class BaseHandler(web.RequestHandler):
             self.log.error("Uncaught exception in %s %s", self.request.method, self.request.path, exc_info=(typ, value, tb))
 
 
-class APIHandler(BaseHandler):
-    """JSON in, JSON out; errors as ``{"error", "message", "field"}``."""
+class BaseHandler(BrokerHandler, web.RequestHandler):
+    """A tornado.web handler with the broker's plumbing (the pages)."""
+
+
+class APIHandler(BrokerHandler, JSONHandler):
+    """JSON in, JSON out; errors as ``{"error", "message", "field"}``.
+
+    Served by :class:`~jupyter_gpulease.broker.jsonapi.APIServer`, not tornado.web: token
+    authentication only (no cookie is trusted, so there is no cross-site forgery to guard
+    against), every answer ``Cache-Control: no-store`` (no ETag)."""
 
     def set_default_headers(self):
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
-
-    def check_xsrf_cookie(self):
-        # token-authenticated only (no cookies are read here): no cross-site forgery to guard against
-        return
-
-    def compute_etag(self):
-        # answers are 'Cache-Control: no-store': no ETag (tornado would hash every GET's body)
-        return None
 
     async def prepare(self):
         if self.request.method in ("POST", "PUT", "PATCH", "DELETE") and len(self.request.body or b"") > self.limits.body_bytes:
@@ -139,9 +140,6 @@ class APIHandler(BaseHandler):
             raise web.HTTPError(403, f"{model['kind']} {model['name']} may not use this service: it lacks the scope {' or '.join(sorted(scopes))}")
         return model
 
-    def get_login_url(self):
-        raise web.HTTPError(401, "a valid JupyterHub token is required")
-
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
         self.finish(json.dumps(data))
@@ -164,7 +162,7 @@ class APIHandler(BaseHandler):
         self.finish(json.dumps(body))
 
     def allowed_methods(self) -> list[str]:
-        return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
+        return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower(), None) is not None]
 
     def _handle_request_exception(self, e: BaseException) -> None:
         manager = self.settings.get("gpulease_manager")
