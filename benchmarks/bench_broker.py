@@ -13,7 +13,11 @@ baseline builds and with the web framework alone; and memory holding many leases
      ``--seconds``: the most calls per second the build answers. With 200 clients that each
      wait for their answer, latency is at least 200 / throughput (Little's law), whatever the
      server; the same load against Tornado alone (a handler that answers every call with a
-     lease of the same size, no broker behind it) shows that floor on this machine.
+     lease of the same size, no broker behind it) shows that floor on this machine. Two floors:
+     ``tornado.web alone`` (a ``RequestHandler``, what any tornado.web service pays) and
+     ``HTTP/1.1 alone`` (a bare delegate on Tornado's HTTP/1.1 server whose calls each await
+     one loop turn before they answer: the request path the broker's API runs on, see
+     ``jupyter_gpulease/broker/jsonapi.py``).
    * Open loop, at each of ``--rates``: the clients' calls arrive as Poisson processes adding
      up to that many calls per second, answered or not; latency counts from when a call was
      due (no coordinated omission). This is latency at a given load.
@@ -21,8 +25,8 @@ baseline builds and with the web framework alone; and memory holding many leases
    The load also reads the server process's CPU time per thread (``/proc``) at the start and
    the end of the measured window: the event loop's thread (all of the HTTP side, the
    handlers, the scheduler) and the others (the store's writer), in microseconds per call, and
-   how busy the loop thread was. Tornado alone runs every open-loop rate too: the loop's cost
-   per call and its latency at that rate with no broker behind it.
+   how busy the loop thread was. Both floors run every open-loop rate too: the loop's cost per
+   call and its latency at that rate with no broker behind it.
 
    Every ``--base`` build (a ``git worktree`` of that commit in a temporary folder) and this
    tree run the same loads in the same script, one after the other, so all see the same
@@ -122,6 +126,48 @@ async def main():
 
 asyncio.run(main())
 '''
+
+# The broker API's own floor: Tornado's HTTP/1.1 server and a bare delegate (no tornado.web), each
+# call a task that awaits one loop turn (a broker call awaits its commit) and then answers the
+# same lease.
+SERVE_DELEGATE = SERVE_FLOOR.split("class Lease(")[0] + r'''
+from tornado import httputil
+from tornado.httpserver import HTTPServer
+BODY = LEASE.encode()
+
+class Call(httputil.HTTPMessageDelegate):
+    def __init__(self, conn):
+        self.conn, self.chunks = conn, []
+    def headers_received(self, start_line, headers):
+        self.start_line = start_line
+    def data_received(self, chunk):
+        self.chunks.append(chunk)
+    def finish(self):
+        asyncio.ensure_future(self.answer())
+    async def answer(self):
+        await asyncio.sleep(0)
+        code = 200
+        if self.start_line.method == "POST":
+            json.loads(b"".join(self.chunks))
+            code = 201 if self.start_line.path.rstrip("/").endswith("leases") else 200
+        h = httputil.HTTPHeaders()
+        h["Content-Type"] = "application/json; charset=utf-8"
+        h["Content-Length"] = str(len(BODY))
+        self.conn.write_headers(httputil.ResponseStartLine("", code, "OK"), h, BODY)
+        self.conn.finish()
+
+class Server(httputil.HTTPServerConnectionDelegate):
+    def start_request(self, server_conn, request_conn):
+        return Call(request_conn)
+
+async def main():
+    HTTPServer(Server()).listen(port, "127.0.0.1")
+    print("serving Tornado's HTTP/1.1 server alone", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+FLOORS = [("tornado.web alone", SERVE_FLOOR), ("HTTP/1.1 alone", SERVE_DELEGATE)]
 
 
 def free_port() -> int:
@@ -274,8 +320,9 @@ def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0
 
 def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate: float = 0.0, serve: str = SERVE) -> dict:
     port = free_port()
-    db = tmp / f"{name}-{rate:.0f}.sqlite"
-    log = open(tmp / f"{name}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
+    slug = "".join(c if c.isalnum() or c in "._" else "-" for c in name)  # a file name
+    db = tmp / f"{slug}-{rate:.0f}.sqlite"
+    log = open(tmp / f"{slug}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
     broker = subprocess.Popen([sys.executable, "-c", serve, str(src), str(db), str(port), json.dumps(POOL)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     try:
         deadline = time.monotonic() + 60
@@ -285,9 +332,9 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate
                 break
             except OSError:
                 if broker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{name}-broker.log').read_text()[-2000:]}") from None
+                    raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{slug}-broker.log').read_text()[-2000:]}") from None
                 time.sleep(0.2)
-        out = tmp / f"{name}-load.json"
+        out = tmp / f"{slug}-load.json"
         subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out), str(rate), str(broker.pid)], check=True, timeout=seconds + 300)
         res = json.loads(out.read_text())
     finally:
@@ -297,7 +344,7 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate
         except subprocess.TimeoutExpired:
             broker.kill()
         log.close()
-    served = next((line for line in (tmp / f"{name}-broker.log").read_text().splitlines() if line.startswith("serving ")), "")
+    served = next((line for line in (tmp / f"{slug}-broker.log").read_text().splitlines() if line.startswith("serving ")), "")
     res["build"] = name
     res["served_from"] = served.split(" ", 1)[-1]
     return res
@@ -386,11 +433,11 @@ def main(argv=None) -> int:
     try:
         # the most each build answers (closed loop), and the web framework alone under the same load
         result["load"] = [run_load(src, tmp, name, args.clients, args.seconds) for name, src in builds]
-        result["load"].append(run_load(ROOT, tmp, "Tornado alone", args.clients, args.seconds, serve=SERVE_FLOOR))
+        result["load"] += [run_load(ROOT, tmp, name, args.clients, args.seconds, serve=serve) for name, serve in FLOORS]
         # latency at a given load (open loop)
         # (a build offered more than it answered in the closed loop would only queue up)
         most = {r["build"]: r["calls_per_s"] for r in result["load"]}
-        runs = [(name, src, SERVE) for name, src in builds] + [("Tornado alone", ROOT, SERVE_FLOOR)]
+        runs = [(name, src, SERVE) for name, src in builds] + [(name, ROOT, serve) for name, serve in FLOORS]
         result["open_loop"] = [
             run_load(src, tmp, name, args.clients, args.seconds, rate, serve=serve) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
             for rate in rates for name, src, serve in runs
