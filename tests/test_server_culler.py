@@ -57,10 +57,16 @@ def test_gpu_work_keeps_a_server_and_an_idle_lease_lets_it_go_sooner(tmp_path, m
 
         assert asyncio.run(decide()) == [False, True, False, False, True, True]
         assert len(calls) == 1  # one listing for the whole pass
+        # bob's lease ended before the culler stops his server, saying why
+        _, ended = broker_call(url, "GET", f"api/leases/{leases['bob']['id']}", token="bob")
+        assert ended["state"] == "released" and ended["keep_server"] is True
+        assert "culled by the idle culler: no activity for 40 min and its GPU idle (last GPU work 3 h ago)" in ended["end_message"]
+        _, alive = broker_call(url, "GET", f"api/leases/{leases['alice']['id']}", token="alice")
+        assert alive["state"] == "active"
 
 
 def test_without_the_broker_the_culler_decides_by_activity_alone():
-    arbiter = GPUCullArbiter(client=BrokerClient("http://127.0.0.1:9/services/gpulease/", "t"))
+    arbiter = GPUCullArbiter(client=BrokerClient("http://127.0.0.1:9/services/gpulease/", "t", retry_for=0))
 
     async def decide():
         return [await arbiter(inactive=minutes(m), inactive_limit=3600, server=server("alice")) for m in (30, 90)]
