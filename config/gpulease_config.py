@@ -103,9 +103,12 @@ c.GPULeaseBroker.reconcile_grace = 120
 # The scope that lets a caller see all leases and act for users (the spawner needs it).
 c.GPULeaseBroker.admin_scope = "custom:gpulease:admin"
 
-# Require a hub token for /metrics (Prometheus: give it a token of a service with the
-# gpulease access scope).
+# Require a hub token for /metrics (Prometheus: the token of a hub service whose role has
+# access:services!service=gpulease; scrape config in config/prometheus.yml).
 c.GPULeaseBroker.authenticate_metrics = True
+# Per-user series in /metrics: one time series per user with a lease (a cardinality risk on a
+# large hub); the per-group series are always there.
+c.GPULeaseBroker.metrics_per_user = False
 
 # bind_url and base_url come from JUPYTERHUB_SERVICE_URL and JUPYTERHUB_SERVICE_PREFIX when
 # the hub runs the broker; set them only for a broker you run yourself:

@@ -96,8 +96,27 @@ class EventRow(Base):
     request_key: Mapped[str | None] = mapped_column(String(80), nullable=True, index=True)
 
 
+class MetricTotalRow(Base):
+    """The running total of one counter series of the broker's metrics (name and label values),
+    written in the same transaction as the events it counts: a broker that takes over (a
+    restart, the standby) goes on from these totals instead of from zero."""
+
+    __tablename__ = "metric_totals"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    labels: Mapped[str] = mapped_column(String(512), primary_key=True)  # JSON list of the label values
+    value: Mapped[float] = mapped_column(Float, default=0.0)
+    created: Mapped[float] = mapped_column(Float)  # when the series was first counted (Prometheus' _created)
+
+
 LEASES = LeaseRow.__table__
 EVENTS = EventRow.__table__
+TOTALS = MetricTotalRow.__table__
+# increment the total, keep the first ``created`` (the same statement on SQLite and PostgreSQL)
+_TOTALS_UPSERT = text(
+    "INSERT INTO metric_totals (name, labels, value, created) VALUES (:name, :labels, :value, :created) "
+    "ON CONFLICT (name, labels) DO UPDATE SET value = metric_totals.value + excluded.value"
+)
 EVENT_COLUMNS = (EVENTS.c.id, EVENTS.c.lease_id, EVENTS.c.time, EVENTS.c.kind, EVENTS.c.from_state, EVENTS.c.to_state, EVENTS.c.actor, EVENTS.c.reason, EVENTS.c.data)
 
 
@@ -122,6 +141,9 @@ class Batch:
 
     leases: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    # increments of counter totals, (name, label values) -> amount, counted at ``at``
+    totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
+    at: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.leases or self.events)
@@ -457,6 +479,8 @@ class LeaseStore:
                     ids = self._write_sqlite(conn, batch)
                 else:
                     ids = self._write_sql(conn, batch)
+                if batch.totals:
+                    self._add_totals(conn, batch)
         except Exception:
             self._next_event_id = None  # read it again from the database
             if self.dialect != "postgresql" and self._wconn is not None:
@@ -512,6 +536,22 @@ class LeaseStore:
             conn.exec_driver_sql(_sqlite_events_sql(len(rows)), tuple(v for r in rows for v in r))
         self._next_event_id = first + len(ids)
         return ids
+
+    def _add_totals(self, conn: Connection, batch: Batch) -> None:
+        rows = [{"name": name, "labels": json.dumps(list(labels)), "value": float(v), "created": batch.at} for (name, labels), v in batch.totals.items()]
+        if self.dialect in ("sqlite", "postgresql"):
+            conn.execute(_TOTALS_UPSERT, rows)
+            return
+        for r in rows:  # another dialect: update what exists, insert the rest
+            key = (TOTALS.c.name == r["name"]) & (TOTALS.c.labels == r["labels"])
+            if not conn.execute(update(TOTALS).where(key).values(value=TOTALS.c.value + r["value"])).rowcount:
+                conn.execute(insert(TOTALS).values(**r))
+
+    def load_totals(self) -> dict[tuple[str, tuple[str, ...]], list[float]]:
+        """Every counter total: (name, label values) -> [value, created]."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(TOTALS.c.name, TOTALS.c.labels, TOTALS.c.value, TOTALS.c.created)).all()
+        return {(r.name, tuple(json.loads(r.labels))): [float(r.value), float(r.created)] for r in rows}
 
     def apply(self, events: Iterable[Event], leases: Iterable[Lease] = ()) -> list[dict[str, Any]]:
         """:meth:`snapshot` then :meth:`write`, on this thread."""

@@ -236,7 +236,19 @@ class GPULeaseBroker(PolicyConfig, Application):
         calls to the hub; JupyterHub's own default is 300. Example: 10.""",
     ).tag(config=True)
 
-    authenticate_metrics = Bool(True, help="Require a hub token to read /metrics (false: anyone who can reach the broker).").tag(config=True)
+    authenticate_metrics = Bool(
+        True,
+        help="""Require a hub token to read /metrics: one whose scopes include
+        ``access:services!service=gpulease``, e.g. the token of a hub service for Prometheus
+        (false: anyone who can reach the broker).""",
+    ).tag(config=True)
+    metrics_per_user = Bool(
+        False,
+        help="""Add per-user series to /metrics (``gpulease_user_leases``,
+        ``gpulease_user_gpus_held``): one series per user who holds or waits for a lease. A
+        cardinality risk on a large hub (every user becomes a time series in Prometheus), and
+        the series name users to whoever may scrape; the per-group series are always there.""",
+    ).tag(config=True)
 
     max_body_bytes = Integer(64 * 1024, help="Largest request body accepted, bytes; larger is answered 413. Example: 65536.").tag(config=True)
     max_meta_bytes = Integer(4096, help="Largest ``meta`` object of a lease request, bytes of JSON. Example: 4096.").tag(config=True)
@@ -332,8 +344,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         self.store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
         self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
-        self.metrics = BrokerMetrics(self.manager)
-        self.manager.listeners.append(self.metrics.observe)
+        self.metrics = BrokerMetrics(self.manager, per_user=self.metrics_per_user)
         self.manager.listeners.append(self._on_events)
 
     @property

@@ -110,6 +110,10 @@ class LeaseManager:
         self.failed: BaseException | None = None
         self.closed = False
         self.commits = 0  # transactions written (for the benchmark and metrics)
+        # durable counters (the metrics'): events -> increments, committed with the events;
+        # ``totals`` holds (name, label values) -> [total, created] as committed
+        self.count_totals: Callable[[list[Event]], dict[tuple[str, tuple[str, ...]], float]] | None = None
+        self.totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self._ids = random.Random(os.urandom(32))
 
     # ------------------------------------------------------------------ plumbing
@@ -234,9 +238,14 @@ class LeaseManager:
             if extra and d["state"] in TERMINAL:
                 d.update({"end_info": {k: v for k, v in extra.items() if k != "keep_server"}, "keep_server": bool(extra.get("keep_server"))})
             batch.leases[lid] = d
+        if self.count_totals is not None and events:
+            batch.totals, batch.at = self.count_totals(events), self.now()
         return batch
 
     def _committed(self, batch: Batch, written: list[dict[str, Any]], events: list[Event]) -> None:
+        for key, n in batch.totals.items():
+            total = self.totals.setdefault(key, [0.0, batch.at])
+            total[0] += n
         for lid, d in batch.leases.items():
             if d["state"] in LIVE:
                 self.committed[lid] = d
@@ -291,6 +300,7 @@ class LeaseManager:
         for lease in past:
             self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
         self.feed.last_id = await self._in_writer(self.store.last_event_id)
+        self.totals = await self._in_writer(self.store.load_totals)
         self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
         self._writer_task = asyncio.ensure_future(self._write_loop())
         done = self._stage([], tick=True)
