@@ -17,6 +17,11 @@ the very connection the writes go through, so a broker that lost its connection 
 the lock) can write nothing more. SQLite: an exclusive ``flock`` on ``<database>.lock``,
 released by the kernel when the process dies.
 
+A broker waiting for the lock says so (:meth:`LeaseStore.successor_waiting` sees it): a shared
+lock that the leader tests without waiting (PostgreSQL: a second, shared advisory lock; SQLite:
+a shared ``flock`` on ``<database>.lock.wait``). A broker whose supervisor died serves on until
+a broker of the new supervisor waits, then hands over (:mod:`jupyter_gpulease.broker.supervisor`).
+
 The store is synchronous. The broker calls writes from one thread (commits stay in the order
 the scheduler decided) and reads from others; it never blocks the event loop on it.
 """
@@ -281,6 +286,8 @@ class LeaseStore:
         self._wconn: Connection | None = None  # the writer's own connection (holds the PostgreSQL lock)
         self._next_event_id: int | None = None  # SQLite: the id of the next event written (the leader's own count)
         self._lock_fd: int | None = None
+        self._wait_fd: int | None = None  # SQLite: the shared lock on <database>.lock.wait while waiting
+        self._waiting = False  # this store says it waits for the lock
         self._leader = False
         self._lease_upsert = self._make_upsert()
         if migrate:
@@ -357,6 +364,60 @@ class LeaseStore:
         # one advisory lock id per database name, stable across processes
         return zlib.crc32(f"jupyter-gpulease:{self.engine.url.database}".encode()) & 0x7FFFFFFF
 
+    def _wait_key(self) -> int:
+        return self._lock_key() ^ 0x5A5A5A5A  # the waiting brokers' shared lock
+
+    def _mark_waiting(self, waiting: bool) -> None:
+        """Hold (or let go of) the shared lock that tells the leader a broker waits to take over."""
+        if waiting == self._waiting:
+            return
+        if self.dialect == "postgresql":
+            conn = self._writer_conn()
+            fn = "pg_try_advisory_lock_shared" if waiting else "pg_advisory_unlock_shared"
+            with conn.begin():
+                done = bool(conn.execute(text(f"SELECT {fn}(:k)"), {"k": self._wait_key()}).scalar())
+            self._waiting = waiting if done else self._waiting
+        elif self.sqlite_path is not None:
+            import fcntl
+
+            if waiting:
+                if self._wait_fd is None:
+                    self._wait_fd = os.open(f"{self.sqlite_path}.lock.wait", os.O_RDWR | os.O_CREAT, 0o600)
+                try:  # fails only while the leader tests it (a moment): the next poll tries again
+                    fcntl.flock(self._wait_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    self._waiting = True
+                except BlockingIOError:
+                    pass
+            elif self._wait_fd is not None:
+                os.close(self._wait_fd)  # closing it lets go of the lock
+                self._wait_fd = None
+                self._waiting = False
+
+    def successor_waiting(self) -> bool:
+        """Does another broker wait for this leader's lock? (Asked by a leader whose supervisor
+        died: it hands over when one does.)"""
+        if not self._leader:
+            return False
+        if self.dialect == "postgresql":
+            conn = self._writer_conn()
+            with conn.begin():
+                free = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self._wait_key()}).scalar())
+                if free:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self._wait_key()})
+            return not free
+        if self.sqlite_path is None:
+            return False
+        import fcntl
+
+        fd = os.open(f"{self.sqlite_path}.lock.wait", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # and with it the test's lock
+        return False
+
     def try_acquire_leadership(self) -> bool:
         """Take the writer's lock if nobody holds it; True when this store now leads."""
         if self._leader:
@@ -379,6 +440,8 @@ class LeaseStore:
             got = True  # an in-memory database belongs to this process alone
         self._leader = got
         self._next_event_id = None  # another leader may have written since: read it again
+        if self.dialect == "postgresql" or self.sqlite_path is not None:
+            self._mark_waiting(not got)
         return got
 
     def acquire_leadership(self, stop: threading.Event | None = None, poll_s: float = 0.2, on_wait=None) -> bool:
@@ -405,6 +468,11 @@ class LeaseStore:
                 conn.execute(text("SELECT 1"))
 
     def release_leadership(self) -> None:
+        if self._waiting:
+            try:
+                self._mark_waiting(False)
+            except Exception:  # the connection is gone, and the lock with it
+                self._waiting = False
         if not self._leader:
             return
         self._leader = False

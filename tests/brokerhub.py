@@ -113,13 +113,13 @@ def active_broker_pid(hub: HubHarness) -> int | None:
 
 def active_broker_pid_postgres(port: int, dbname: str) -> int | None:
     """The broker process that holds the advisory lock of PostgreSQL database ``dbname`` (each
-    broker names its connection ``gpulease-broker pid=N``)."""
+    broker names its connection ``gpulease-broker pid=N``; the brokers that wait hold a shared one)."""
     import psycopg
 
     with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname={dbname}", autocommit=True) as conn:
         rows = conn.execute(
             "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.granted AND a.datname = %s",
+            "WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' AND a.datname = %s",
             (dbname,),
         ).fetchall()
     pids = [int(name.split("pid=")[1]) for (name,) in rows if name and "pid=" in name]

@@ -16,6 +16,11 @@ standby to take over between kills. Then, from the database itself:
 
 Bounded for CI: ``GPULEASE_CHAOS_KILLS`` kills (default 20); about 2-4 minutes per database
 on a 2-core machine.
+
+A killed supervisor (the process the hub runs) costs no more than a killed broker: under 50
+clients, the broker that serves goes on serving (the standby stops), the hub restarts its
+service at its next poll, the broker serving hands over to the new supervisor's, and writes go
+on; the same checks of the database follow.
 """
 
 from __future__ import annotations
@@ -92,11 +97,12 @@ def overcommitted(leases: list[dict]) -> list[str]:
 class Load:
     """CLIENTS clients in one thread's event loop; each answer is kept for the checks."""
 
-    def __init__(self, url: str, tokens: dict[str, str]):
-        self.url, self.tokens = url, tokens
+    def __init__(self, url: str, tokens: dict[str, str], clients: int = CLIENTS):
+        self.url, self.tokens, self.clients = url, tokens, clients
         self.answers: list[dict] = []
         self.errors: list[str] = []
         self.calls = 0
+        self.writes = 0  # answered requests, extensions and releases
         self.stop = threading.Event()
         self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
@@ -108,14 +114,15 @@ class Load:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the clients did not finish"
 
-    def _keep(self, lease: dict) -> dict:
+    def _keep(self, lease: dict, write: bool = False) -> dict:
         self.calls += 1
+        self.writes += write
         self.answers.append({k: lease.get(k) for k in ("id", "user", "state", "granted_at", "placement")})
         return lease
 
     async def _run(self):
-        AsyncHTTPClient.configure(None, max_clients=CLIENTS + 10)
-        await asyncio.gather(*(self._client(i) for i in range(CLIENTS)))
+        AsyncHTTPClient.configure(None, max_clients=self.clients + 10)
+        await asyncio.gather(*(self._client(i) for i in range(self.clients)))
 
     async def _client(self, i: int):
         rnd = random.Random(i)
@@ -123,20 +130,21 @@ class Load:
         c = BrokerClient(self.url, self.tokens[user], timeout=30, retry_for=90)
         while not self.stop.is_set():
             try:
-                lease = self._keep(await c.request_lease({**rnd.choice(SHAPES), "duration_s": 3600}))
+                lease = self._keep(await c.request_lease({**rnd.choice(SHAPES), "duration_s": 3600}), True)
                 for _ in range(rnd.randint(0, 6)):
                     if self.stop.is_set() or rank(lease["state"]) == 2:
                         break
                     await asyncio.sleep(rnd.uniform(0.05, 0.4))
                     if lease["state"] == "active" and rnd.random() < 0.3:
-                        lease = self._keep(await c.extend(lease["id"], by_s=60))
+                        lease = self._keep(await c.extend(lease["id"], by_s=60), True)
                     else:
                         lease = self._keep(await c.get_lease(lease["id"]))
                 if rank(lease["state"]) < 2:
-                    lease = self._keep(await c.release(lease["id"], reason="chaos client done"))
+                    lease = self._keep(await c.release(lease["id"], reason="chaos client done"), True)
             except BrokerError as e:
-                # refusals a client may meet: its lease ended meanwhile (409), an extension refused
-                # while others wait (400); a broker that stays away longer than the retries: status 0
+                # refusals a client may meet: its lease ended meanwhile, or an extension refused
+                # while others wait (409); past the tier's limits (400); a broker that stays away
+                # longer than the retries: status 0
                 if e.status not in (400, 409):
                     self.errors.append(f"{user}: {e.status} {e.message}")
                 await asyncio.sleep(0.2)
@@ -166,8 +174,12 @@ def run_chaos(hub, db_url: str, find_active, kills: int = KILLS) -> None:
     finally:
         load.finish()
     assert len(killed) == kills
+    check_answers_on_disk(hub, db_url, load, tokens, find_active, min_answers=1000)
+
+
+def check_answers_on_disk(hub, db_url: str, load: Load, tokens: dict[str, str], find_active, min_answers: int) -> None:
     assert not load.errors, f"{len(load.errors)} client errors, e.g. {load.errors[:5]}"
-    assert len(load.answers) > 1000, f"only {len(load.answers)} answers"
+    assert len(load.answers) > min_answers, f"only {len(load.answers)} answers"
 
     # the database is the truth: read it directly
     store = LeaseStore(db_url, migrate=False)
@@ -219,6 +231,57 @@ def test_200_clients_see_nothing_lost_while_the_broker_is_killed_again_and_again
     hub.start()
     try:
         run_chaos(hub, db_url, lambda: active_broker_pid(hub))
+    finally:
+        hub.stop()
+
+
+def supervisor_and_workers(hub) -> tuple[int | None, list[int]]:
+    procs = [(pid, cmd) for pid, cmd in hub.descendants() if "jupyter_gpulease.broker" in cmd]
+    sups = [pid for pid, cmd in procs if "worker=True" not in cmd]
+    return (sups[0] if len(sups) == 1 else None), [pid for pid, cmd in procs if "worker=True" in cmd]
+
+
+def test_a_killed_supervisor_stops_no_writes_and_its_broker_hands_over_to_the_restarted_service(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'gpulease.sqlite'}"
+    hub = hub_for_broker(tmp_path, db_url=db_url, pool=POOL, users=(*USERS, "carol"),
+                         extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO")
+    hub.start()
+    try:
+        tokens = {u: hub.create_token(u) for u in USERS}
+        tokens["carol"] = hub.create_token("carol")
+        wait_for_broker(hub, tokens["carol"])
+        load = Load(hub.service_url("gpulease"), tokens, clients=50)
+        load.start()
+        try:
+            wait_for(lambda: load.writes >= 100, 120, "the clients never got going")
+            serving = wait_for(lambda: active_broker_pid(hub), 30, "no broker holds the lock")
+            sup, workers = wait_for(lambda: (got := supervisor_and_workers(hub))[0] and len(got[1]) == 2 and got, 30, "no supervisor with two brokers")
+            standby = next(p for p in workers if p != serving)
+            os.kill(sup, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(sup), 10, "the supervisor survived SIGKILL")
+            # the standby stops; the broker that serves goes on, writes included, without a supervisor
+            wait_for(lambda: not pid_alive(standby), 10, "the standby outlived its supervisor")
+            writes = load.writes
+            wait_for(lambda: load.writes > writes + 100, 15, "writes stopped with the supervisor")
+            assert pid_alive(serving)
+            # the hub restarts its service (its next poll); a broker of the new supervisor waits,
+            # the old one hands over to it and exits
+            new = wait_for(lambda: (p := active_broker_pid(hub)) and p != serving and p, 90, "no broker of the restarted service took the lock")
+            wait_for(lambda: not pid_alive(serving), 15, "the old broker did not stop after handing over")
+            writes = load.writes
+            wait_for(lambda: load.writes > writes + 20, 15, "writes did not resume within 15 s of the hand-over")
+            # the new supervisor keeps a standby again: a broker killed now is taken over as before
+            wait_for(lambda: len(supervisor_and_workers(hub)[1]) == 2, 30, "the new supervisor has no standby")
+            os.kill(new, signal.SIGKILL)
+            wait_for(lambda: (p := active_broker_pid(hub)) and p != new, 30, "the new standby did not take over")
+            writes = load.writes
+            wait_for(lambda: load.writes > writes + 20, 15, "writes did not resume after the broker was killed")
+        finally:
+            load.finish()
+        log = hub.log_file.read_text(errors="replace")
+        assert f"this standby (pid {standby}) stops" in log and f"this broker (pid {serving}) serves on" in log
+        assert f"Let go of the lock of {db_url} (pid {serving})" in log
+        check_answers_on_disk(hub, db_url, load, tokens, lambda: active_broker_pid(hub), min_answers=300)
     finally:
         hub.stop()
 

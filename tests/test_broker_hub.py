@@ -284,6 +284,34 @@ def test_my_leases_page_shows_a_users_leases_and_their_buttons_work(hub):
         run(client(hub, "alice").release(other["id"]))
 
 
+def test_a_10_mb_body_gets_the_brokers_json_413_through_the_proxy_and_directly_and_stalls_nothing(hub):
+    """configurable-http-proxy forwards a 10 MB body; the broker answers 413 in its error format
+    (not a dropped connection, which the proxy turns into its 503 page), and sent directly the
+    same; the calls of other clients meanwhile are answered."""
+    token = hub.tokens["alice"]
+    direct = next(s["url"] for s in hub.services if s["name"] == "gpulease").rstrip("/") + "/services/gpulease/"
+    big = json.dumps({"gpus": 1, "meta": {"blob": "x" * (10 * 1024 * 1024)}}).encode()
+    expected = {"error": "TooLarge", "field": "body", "message": f"the request body is {len(big)} bytes; the broker takes at most {64 * 1024}"}
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def others():
+        while not stop.is_set():
+            answers.append(hub.request("GET", hub.service_url("gpulease") + "api/pool", token=token, timeout=30)[0])
+
+    t = threading.Thread(target=others, daemon=True)
+    t.start()
+    try:
+        for base in [hub.service_url("gpulease")] * 3 + [direct]:
+            status, body = hub.request("POST", base + "api/leases", big, token=token, timeout=60)
+            assert (status, body) == (413, expected), (base, status, str(body)[:300])
+    finally:
+        stop.set()
+        t.join(60)
+    assert answers and set(answers) == {200}, answers
+    assert not [x for x in run(client(hub, "alice").list_leases()) if x.get("meta", {}).get("blob")]
+
+
 def test_a_broker_killed_mid_run_restarts_with_every_lease_and_no_double_grant(hub):
     """SIGKILL the broker while requests are in flight, restart the hub (which restarts its service)."""
     seen: dict[str, dict] = {}

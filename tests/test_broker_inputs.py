@@ -13,7 +13,7 @@ from tornado.httpclient import AsyncHTTPClient
 
 from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.feed import Feed
-from jupyter_gpulease.client import BrokerClient
+from jupyter_gpulease.client import BrokerClient, BrokerError
 from jupyter_gpulease.core.model import BadRequest
 from jupyter_gpulease.core.request import parse_number
 
@@ -209,5 +209,35 @@ def test_the_event_stream_cap_answers_429(tmp_path):
         finally:
             await app.stop_async()
             await asyncio.wait_for(first, 30)
+
+    asyncio.run(main())
+
+
+def test_an_extension_refused_because_someone_waits_is_a_409_conflict_with_its_reason(tmp_path):
+    """Nothing in the request is wrong: the pool's state refuses it now (409, no field), and the
+    client carries the message to the user; once nobody waits, the same call extends."""
+
+    async def main():
+        app = make_broker(tmp_path, ManualClock(), pool=[{"node": "n1", "model": "L4", "count": 1, "memory_mib": 23034}])
+        await app.start_async()
+        try:
+            alice, bob = BrokerClient(broker_url(app), "alice"), BrokerClient(broker_url(app), "bob")
+            lease = await alice.request_lease({"gpus": 1})
+            waiting = await bob.request_lease({"gpus": 1})
+            assert (lease["state"], waiting["state"]) == ("active", "queued")
+            code, answer = await call(app, "POST", f"api/leases/{lease['id']}/extend", {"by_s": 600})
+            assert code == 409 and answer["error"] == "Conflict" and "field" not in answer
+            assert "someone is waiting for this GPU" in answer["message"] and lease["id"] in answer["message"]
+            try:
+                await alice.extend(lease["id"], by_s=600)
+                raise AssertionError("extended while someone waits")
+            except BrokerError as e:
+                assert e.status == 409 and "someone is waiting for this GPU" in e.message
+            assert (await alice.get_lease(lease["id"]))["expires_at"] == lease["expires_at"]
+            await bob.release(waiting["id"])
+            extended = await alice.extend(lease["id"], by_s=600)
+            assert extended["expires_at"] == lease["expires_at"] + 600
+        finally:
+            await app.stop_async()
 
     asyncio.run(main())

@@ -209,3 +209,50 @@ def test_a_handler_cannot_inject_a_header():
         h.set_header("Location", "/x\r\nSet-Cookie: a=b")
     h.set_header("Location", "/services/gpulease/api/leases/abc")
     assert h._headers == {"Location": "/services/gpulease/api/leases/abc"}
+
+
+def test_a_body_over_the_limit_gets_a_json_413_and_the_connection_serves_on(tmp_path, errors):
+    """A 10 MB body (Content-Length, then chunked) is read and dropped, answered 413 in the API's
+    error format before any authentication, and the connection carries the next call; calls on
+    other connections are answered while it comes in. A body too large to be worth reading is
+    answered at once, and that connection closes."""
+    big = b"x" * (10 * 1024 * 1024)
+
+    async def test(app, port):
+        limit = app.max_body_bytes
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        other_r, other_w = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request("POST", "api/leases", user=None, extra=f"Content-Length: {len(big)}\r\n"))
+        answered_meanwhile = 0
+        for i in range(0, len(big), 1024 * 1024):  # the body in 1 MiB pieces; another client meanwhile
+            writer.write(big[i : i + 1024 * 1024])
+            await writer.drain()
+            other_w.write(request("GET", "api/pool"))
+            status, _, _ = await read_response(other_r)
+            answered_meanwhile += status == 200
+        status, headers, body = await read_response(reader)
+        assert status == 413 and headers["content-type"] == "application/json; charset=utf-8"
+        assert json.loads(body) == {"error": "TooLarge", "field": "body", "message": f"the request body is {len(big)} bytes; the broker takes at most {limit}"}
+        assert answered_meanwhile == 10
+        # the same connection goes on: a chunked body over the limit, then a call that fits
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (big[:300_000], big[300_000:1_000_000])) + b"0\r\n\r\n"
+        writer.write(request("POST", "api/leases", extra="Transfer-Encoding: chunked\r\n") + chunked)
+        status, _, body = await read_response(reader)
+        assert status == 413 and json.loads(body)["message"] == f"the request body is 1000000 bytes; the broker takes at most {limit}"
+        writer.write(request("POST", "api/leases", json.dumps({"gpus": 1}).encode()))
+        status, _, body = await read_response(reader)
+        assert status == 201
+        assert [d["id"] for d in app.store.list_lease_dicts()] == [json.loads(body)["id"]]  # the refused ones left nothing
+        writer.close()
+        other_w.close()
+        # declared over the part worth reading: answered without reading, then closed
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request("POST", "api/leases", extra="Content-Length: 1000000000\r\n") + b"x" * 1000)
+        status, headers, body = await read_response(reader)
+        assert status == 413 and headers["connection"] == "close"
+        assert json.loads(body)["message"] == f"the request body is 1000000000 bytes; the broker takes at most {limit}"
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+
+    asyncio.run(with_broker(tmp_path, test))
+    assert not errors

@@ -3,7 +3,7 @@
 import pytest
 
 from jupyter_gpulease.core import events as ev
-from jupyter_gpulease.core.model import GPU, LeaseState, Refused
+from jupyter_gpulease.core.model import GPU, Conflict, LeaseState
 from jupyter_gpulease.core.policy import HOUR, Policy
 from jupyter_gpulease.core.request import Ask, parse_request
 from jupyter_gpulease.core.scheduler import Scheduler
@@ -243,7 +243,7 @@ def test_a_preemptible_lease_starts_on_promised_gpus_until_the_promise_begins():
     assert granted[0].data["short_grant"] is True and "promised to a waiting lease" in granted[0].reason
     assert e.state is LeaseState.QUEUED  # a non-preemptible lease gets no short grant
     assert s.eta(w.id) == T0 + HOUR  # the promise holds
-    with pytest.raises(Refused, match="waiting for this GPU"):
+    with pytest.raises(Conflict, match="waiting for this GPU"):
         s.extend(learner.id, T0 + HOUR - 600, by_s=HOUR)
     s.tick(T0 + HOUR)
     assert learner.state is LeaseState.EXPIRED and h.state is LeaseState.EXPIRED

@@ -308,7 +308,7 @@ def test_extension_refused_when_someone_waits_for_the_gpu_unless_configured():
         if contended_ok:
             s.extend(a.id, T0 + 10, by_s=600)
         else:
-            with pytest.raises(Refused, match="waiting for this GPU"):
+            with pytest.raises(Conflict, match="waiting for this GPU"):
                 s.extend(a.id, T0 + 10, by_s=600)
 
 
@@ -321,7 +321,7 @@ def test_a_lower_tier_waiter_cannot_cut_a_higher_tier_lease_short_until_it_has_a
     assert s.eta(b.id) == a.expires_at  # the GPU is promised to b ...
     s.extend(a.id, T0 + 120, by_s=600)  # ... yet a learning waiter does not stop production work
     s.tick(T0 + 60 + 1800)
-    with pytest.raises(Refused, match="someone is waiting for this GPU"):
+    with pytest.raises(Conflict, match="someone is waiting for this GPU"):
         s.extend(a.id, T0 + 60 + 1800, by_s=600)  # after waiting aging_s it does
     # a waiter of the same tier blocks at once
     s2 = Scheduler(gpus(1), P(aging_s=1800))
@@ -329,7 +329,7 @@ def test_a_lower_tier_waiter_cannot_cut_a_higher_tier_lease_short_until_it_has_a
     s2.tick(T0)
     ask(s2, "d", tier="learning", now=T0 + 60)
     s2.tick(T0 + 60)
-    with pytest.raises(Refused, match="waiting for this GPU"):
+    with pytest.raises(Conflict, match="waiting for this GPU"):
         s2.extend(c.id, T0 + 120, by_s=600)
     # without aging, a lower tier never blocks a higher tier's extension, however long it waits
     s3 = Scheduler(gpus(1), P(aging_s=None))

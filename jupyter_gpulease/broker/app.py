@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from importlib import resources
 from urllib.parse import urlsplit
 
@@ -50,6 +51,7 @@ from .manager import LeaseManager, SystemClock
 SERVICE_NAME = "gpulease"
 EXIT_CONFIG = 2  # the config is wrong: restarting will not help
 EXIT_LOST_DB = 3  # the database failed: a fresh broker (or the standby) carries on
+ORPHAN_STANDBY_GRACE_S = 3.0  # a serving broker whose supervisor died: the old standby has stopped by then
 
 
 def load_openapi() -> dict:
@@ -382,7 +384,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         """What the HTTP server serves: the REST API's routes, then ``web_app`` for the rest."""
         from .handlers import api_handlers
 
-        return APIServer(web_app, api_handlers(self.base_url), self.base_url)
+        return APIServer(web_app, api_handlers(self.base_url), self.base_url, body_limit=self.max_body_bytes)
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()
@@ -553,27 +555,110 @@ class GPULeaseBroker(PolicyConfig, Application):
             self.manager._fail(e, asyncio.get_running_loop().create_future())
 
     async def stop_async(self) -> None:
+        """Stop listening, commit what was decided, let go of the database's lock (the next
+        broker may take over from here on), then end the calls and connections left."""
         self._stop_waiting.set()
         for p in getattr(self, "periodic", ()):
             p.stop()
-        if getattr(self, "http_server", None):
-            self.http_server.stop()
+        if self._successor_check is not None:
+            self._successor_check.stop()
+        server = getattr(self, "http_server", None)
+        if server is not None:
+            server.stop()
         if getattr(self, "manager", None):
-            await self.manager.close()
+            led = self.store.leader
+            await self.manager.close()  # calls that come now are answered 503; the lock is let go
+            if led:
+                self.log.info("Let go of the lock of %s (pid %d)", self.store.describe(), os.getpid())
+        if server is not None:
+            # the answers of calls already committed go out; then the connections close, so that
+            # clients (and the hub's proxy) reconnect to the next broker instead of asking this one
+            calls = set(server.request_callback.calls) if isinstance(server.request_callback, APIServer) else set()
+            if calls:
+                await asyncio.wait(calls, timeout=2)
+            try:
+                await asyncio.wait_for(server.close_all_connections(), 2)
+            except TimeoutError:
+                pass
         if getattr(self, "backend", None):
             self.backend.close()
         self.log.info("GPU lease broker stopped")
+
+    # ------------------------------------------------------------------ the supervisor
+    def _watch_supervisor(self) -> None:
+        """A worker: learn at once when the supervisor dies (the end of file of its pipe)."""
+        from .supervisor import SUPERVISOR_FD
+
+        raw = os.environ.pop(SUPERVISOR_FD, None)
+        if not raw or not self.worker:
+            return
+        fd = int(raw)
+        loop = asyncio.get_running_loop()
+
+        def readable():
+            try:
+                data = os.read(fd, 64)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if data:
+                return  # the supervisor writes nothing; ignore it if it ever does
+            loop.remove_reader(fd)
+            os.close(fd)
+            self._on_supervisor_gone()
+
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable)
+
+    def _on_supervisor_gone(self) -> None:
+        if not self.store.leader:
+            self.log.info("The supervisor is gone: this standby (pid %d) stops", os.getpid())
+            self._stop_waiting.set()
+            self._stopping.set()
+            return
+        self.log.warning("The supervisor is gone: this broker (pid %d) serves on until a broker of the restarted service waits "
+                         "for the database's lock, then hands over", os.getpid())
+        self._orphaned_at = time.monotonic()
+        self._waiter_gone = False
+        self._successor_check = PeriodicCallback(self._check_successor, 250)
+        self._successor_check.start()
+
+    async def _check_successor(self) -> None:
+        """An orphan's hand-over: once a broker of the new supervisor waits for the lock, stop."""
+        if self._stopping.is_set() or self._checking_successor:
+            return
+        self._checking_successor = True
+        try:
+            waiting = await asyncio.get_running_loop().run_in_executor(self.manager._writer, self.store.successor_waiting)
+        except Exception as e:
+            self.log.warning("Cannot tell whether another broker waits for the lock: %s", e)
+            return
+        finally:
+            self._checking_successor = False
+        if not waiting:
+            self._waiter_gone = True  # the supervisor's own standby has stopped
+            return
+        # a waiter seen before the old standby was seen gone may be that standby, stopping
+        if self._waiter_gone or time.monotonic() - self._orphaned_at > ORPHAN_STANDBY_GRACE_S:
+            self.log.info("A broker waits for the lock of %s: handing over to it", self.store.describe())
+            self._successor_check.stop()
+            self._stopping.set()
 
     def _fatal(self, exc: BaseException) -> None:
         """The database failed under the broker: end this process at once (see the manager)."""
         logging.shutdown()
         os._exit(EXIT_LOST_DB)
 
+    _successor_check: PeriodicCallback | None = None
+    _checking_successor = False
+
     async def _run(self) -> None:
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        self._watch_supervisor()
         self.manager.on_fatal = self._fatal
         if await self.start_async():
             tune_gc()

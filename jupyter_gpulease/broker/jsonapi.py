@@ -11,8 +11,17 @@ call, the second ~450 Âµs, and the broker's loop thread went from ~800 to ~700 Â
 
 :class:`APIServer` sits in front of the tornado ``Application``: a request whose path is one of
 the API's routes goes to a :class:`JSONHandler` subclass; any other request (the pages, the OAuth
-callback) goes on to the ``Application`` untouched. HTTP parsing, keep-alive, the body size limit,
-chunked encoding and HTTP/1.0 all stay Tornado's (``HTTP1Connection``).
+callback) goes on to the ``Application`` untouched. HTTP parsing, keep-alive, chunked encoding and
+HTTP/1.0 all stay Tornado's (``HTTP1Connection``).
+
+The API's body limit is :class:`APIServer`'s own (``body_limit``): a call whose body is larger
+(its ``Content-Length``, or what a chunked body has reached) is answered 413 by its handler's
+``_handle_request_exception`` with a ``TooLarge`` error, before authentication. The body is read
+to its end and dropped as it comes (no more than one read's chunk is held), then the answer goes
+out and the connection stays open: a client, or a proxy in front of the broker, that is still
+sending when the answer comes gets it whole, instead of a connection closed under it (which
+configurable-http-proxy turns into its own 503 page). A body declared larger than
+``discard_limit`` is not read: the 413 goes out at once and the connection closes.
 
 :class:`JSONHandler` keeps the part of ``RequestHandler``'s interface that the API's handlers and
 JupyterHub's ``HubAuth.get_user(handler)`` use, with the same meaning: ``settings``, ``request``
@@ -37,6 +46,7 @@ from tornado.escape import url_unescape
 from tornado.log import app_log, gen_log
 
 _MISSING: Any = object()
+DISCARD_LIMIT = 64 * 1024 * 1024  # the largest too-large body read to its end (and dropped) before the 413
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1f]")  # what tornado turns into spaces in arguments
 _HEADER_VALUE = re.compile(r"[\x09\x20-\x7e\x80-\xff]*")  # what tornado lets into a header's value
 _date = [0, ""]
@@ -256,7 +266,7 @@ def _path_arg(raw: str | None) -> str | None:
 class _Call(httputil.HTTPMessageDelegate):
     """One request on a connection: the API's when its path is one of the routes, else the app's."""
 
-    __slots__ = ("chunks", "conn", "headers", "inner", "route", "server", "server_conn", "start_line")
+    __slots__ = ("answered", "chunks", "conn", "headers", "inner", "received", "route", "server", "server_conn", "start_line", "too_large")
 
     def __init__(self, server: APIServer, server_conn: object, conn: httputil.HTTPConnection):
         self.server = server
@@ -264,6 +274,9 @@ class _Call(httputil.HTTPMessageDelegate):
         self.conn = conn
         self.chunks: list[bytes] | None = []
         self.inner: httputil.HTTPMessageDelegate | None = None
+        self.received = 0
+        self.too_large: int | None = None  # the body's size (declared, or read so far) when over the limit
+        self.answered = False
 
     def headers_received(self, start_line, headers):
         path = start_line.path.partition("?")[0]
@@ -272,23 +285,63 @@ class _Call(httputil.HTTPMessageDelegate):
                 m = pattern.fullmatch(path)
                 if m is not None:
                     self.start_line, self.headers, self.route = start_line, headers, (cls, m.groups())
+                    self._check_length(headers)
                     return None
         self.inner = self.server.app.start_request(self.server_conn, self.conn)
         return self.inner.headers_received(start_line, headers)
 
+    def _check_length(self, headers) -> None:
+        """A body over the API's limit: drop it as it comes and answer 413 (see the module doc)."""
+        limit = self.server.body_limit
+        if limit is None:
+            return
+        length = headers.get("Content-Length")
+        if length is None:
+            if "chunked" in headers.get("Transfer-Encoding", "").lower():
+                self.conn.set_max_body_size(self.server.discard_limit)  # counted as it comes
+            return
+        if not length.isdigit() or (declared := int(length)) <= limit:
+            return  # what fits, or a malformed length (tornado's 400)
+        self.too_large, self.chunks = declared, None
+        # never tornado's own "Content-Length too long" (a 400 and a dropped connection)
+        self.conn.set_max_body_size(declared)
+        if declared > self.server.discard_limit:
+            self._answer_too_large(close=True)  # not worth reading: answer now, the connection closes
+
+    def _answer_too_large(self, *, close: bool = False) -> None:
+        from .inputs import TooLarge
+
+        self.answered = True
+        request = httputil.HTTPServerRequest(connection=self.conn, server_connection=self.server_conn, start_line=self.start_line, headers=self.headers)
+        request.body = b""
+        handler = self.route[0](self.server.app, request)
+        if close:
+            handler.set_header("Connection", "close")
+        error = TooLarge(f"the request body is {self.too_large} bytes; the broker takes at most {self.server.body_limit}", field="body")
+        handler._handle_request_exception(error)
+
     def data_received(self, chunk):
         if self.inner is not None:
             return self.inner.data_received(chunk)
+        self.received += len(chunk)
         if self.chunks is not None:
             self.chunks.append(chunk)
+            if self.server.body_limit is not None and self.received > self.server.body_limit:
+                self.chunks = None  # a chunked body over the limit: drop it from here on
         return None
 
     def finish(self) -> None:
         if self.inner is not None:
             self.inner.finish()
             return
+        if self.answered:
+            return
+        if self.chunks is None:  # over the limit: the body is read (and dropped), answer now
+            self.too_large = max(self.too_large or 0, self.received)
+            self._answer_too_large()
+            return
         request = httputil.HTTPServerRequest(connection=self.conn, server_connection=self.server_conn, start_line=self.start_line, headers=self.headers)
-        request.body = b"".join(self.chunks or ())
+        request.body = b"".join(self.chunks)
         cls, groups = self.route
         handler = cls(self.server.app, request)
         try:
@@ -310,12 +363,17 @@ class APIServer(httputil.HTTPServerConnectionDelegate):
     """What ``tornado.httpserver.HTTPServer`` serves: the API's routes, then ``app`` for the rest.
 
     ``routes``: ``(regex, JSONHandler subclass)`` pairs tried in order, each matching the whole
-    path (its groups are the handler's arguments); ``prefix``: what every route's path starts with.
+    path (its groups are the handler's arguments); ``prefix``: what every route's path starts with;
+    ``body_limit``: the largest body a call may send, bytes (None: the server's ``max_body_size``
+    alone); ``discard_limit``: the largest too-large body read and dropped before the 413.
     """
 
-    def __init__(self, app: web.Application, routes: list[tuple[str, type[JSONHandler]]], prefix: str):
+    def __init__(self, app: web.Application, routes: list[tuple[str, type[JSONHandler]]], prefix: str, *,
+                 body_limit: int | None = None, discard_limit: int = DISCARD_LIMIT):
         self.app = app
         self.prefix = prefix
+        self.body_limit = body_limit
+        self.discard_limit = max(discard_limit, body_limit or 0)
         self.routes = [(re.compile(pattern), cls) for pattern, cls in routes]
         self.calls: set[asyncio.Future] = set()  # running calls (the loop keeps weak references only)
 

@@ -180,6 +180,8 @@ class LeaseManager:
     async def _write_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self.closed and self._pending_done is None and not self._pending_tick:
+                return  # closing, everything staged is written
             await self._wake.wait()
             self._wake.clear()
             if self._pending_done is None and not self._pending_tick:
@@ -316,12 +318,16 @@ class LeaseManager:
         """Finish pending writes, close the store."""
         if self.closed:
             return
+        # closed first: a call that comes during the flush is answered 503 (the next broker
+        # answers it), and the writer ends once what was staged is written (were ``closed`` set
+        # after the flush, a batch staged meanwhile could leave the writer waiting for a wake-up
+        # that never comes, holding the database's lock until the timeout below)
+        self.closed = True
         try:
             if self.failed is None and self._writer_task is not None:
                 await self.flush()
         except LeaseError:
             pass
-        self.closed = True
         self.feed.close()
         if self._wake is not None:
             self._wake.set()

@@ -10,10 +10,20 @@ lost), the kernel or PostgreSQL releases its lock, a standby takes over within a
 and the supervisor starts a new standby. Clients carry on through the hand-over by retrying
 (:mod:`jupyter_gpulease.client`).
 
-Workers die with the supervisor (Linux ``PR_SET_PDEATHSIG``). A worker that exits with the
-config-error status stops the supervisor with that status; workers that keep failing by
-themselves (5 non-zero exits within a minute: a database that stays away) stop it too, with
-the hub's own restart as the next resort. A worker killed by a signal is replaced every time.
+A supervisor that dies (killed, out of memory) costs no more than a broker that dies. Every
+worker holds the read end of a pipe whose write end only the supervisor holds; its end of
+file tells the worker at once that the supervisor is gone (``SUPERVISOR_FD``). A standby then
+stops. The broker that serves serves on, alone, until the hub starts the service again (its
+next poll, 10-30 s later): once a broker of the new supervisor waits for the database's lock
+(:meth:`jupyter_gpulease.store.LeaseStore.successor_waiting`), it hands over as on a stop:
+it stops listening, commits what it decided, lets go of the lock, closes its connections and
+exits, and the waiting broker takes over within about a second. A stop (SIGTERM, SIGINT) lets
+go of the lock as soon as the last decision is committed.
+
+A worker that exits with the config-error status stops the supervisor with that status;
+workers that keep failing by themselves (5 non-zero exits within a minute: a database that
+stays away) stop it too, with the hub's own restart as the next resort. A worker killed by a
+signal is replaced every time.
 """
 
 from __future__ import annotations
@@ -28,18 +38,7 @@ from collections import deque
 
 EXIT_CONFIG = 2
 CRASH_LOOP = (5, 60.0)  # this many workers failing by themselves within this many seconds: give up
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: receive SIGTERM when the supervisor dies (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # not Linux: the hub's own stop still reaches the workers
-        pass
+SUPERVISOR_FD = "GPULEASE_SUPERVISOR_FD"  # a worker's environment: its end of the supervisor's pipe
 
 
 class Supervisor:
@@ -50,16 +49,13 @@ class Supervisor:
         self.children: dict[int, subprocess.Popen] = {}
         self.deaths: deque[float] = deque()
         self.stopping = False
+        # the workers read this pipe; only the supervisor holds its write end (never written):
+        # when the supervisor dies, however, the workers read its end of file
+        self._alive_r, self._alive_w = os.pipe()
 
     def _start_one(self) -> None:
-        parent = os.getpid()
-
-        def preexec():
-            _die_with_parent()
-            if os.getppid() != parent:  # the supervisor died before the line above
-                os._exit(0)
-
-        p = subprocess.Popen(self.cmd, preexec_fn=preexec)  # noqa: PLW1509 - the supervisor runs no threads
+        env = {**os.environ, SUPERVISOR_FD: str(self._alive_r)}
+        p = subprocess.Popen(self.cmd, env=env, pass_fds=(self._alive_r,))
         self.children[p.pid] = p
 
     def _on_signal(self, sig, _frame) -> None:

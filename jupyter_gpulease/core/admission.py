@@ -2,7 +2,8 @@
 
 Checked once, before anything is queued or moved, each failure with a message a person can act
 on and the field at fault: BadRequest (out of range), Forbidden (a tier the user may not use),
-Refused (can never be granted here, over a hard quota, or past a tier's limits), Conflict.
+Refused (can never be granted here, over a hard quota, or past a tier's limits), Conflict (the
+lease's state, or a lease waiting for its GPU, forbids it now; no field is at fault).
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ def check_extension(lease: Lease, new: float, now: float, fld: str, *, policy: P
     if not policy.extend_when_contended:
         for waiter in waiters:
             if outranks(waiter, t, policy, aged_cutoff):
-                raise Refused(
-                    f"cannot extend: {'someone' if waiter.user != lease.user else 'your other lease'} is waiting for this GPU "
-                    f"(queued {format_duration(now - waiter.created_at)} ago, tier {waiter.tier}); release it when you are done",
-                    field=fld,
+                # the request is fine; the pool's state refuses it now (409, no field at fault)
+                raise Conflict(
+                    f"lease {lease.id} cannot be extended now: {'someone' if waiter.user != lease.user else 'your other lease'} is waiting for this GPU "
+                    f"(queued {format_duration(now - waiter.created_at)} ago, tier {waiter.tier}); it ends as planned, release it when you are done"
                 )
     quotas.check_extension(lease, new, now, fld)
 
