@@ -3,7 +3,8 @@
 Everything is read at scrape time by one collector, from what the broker already holds in
 memory: the manager's committed leases (gauges by state, tier, group and model; the queue; the
 pool's devices and what the holders' heartbeats said about them) and the manager's counter
-totals. Nothing is updated per call and nothing blocks: a scrape walks the live leases once.
+totals. Nothing is updated per call: a scrape walks the live leases once on
+the event loop (:meth:`BrokerMetrics.render`) and writes the text in a thread.
 
 Counters (requests, grants, ends by reason, the queue-wait histogram) are *durable*: the
 manager counts each committed batch of events with :func:`count_events` and writes the
@@ -19,12 +20,13 @@ on (``GPULeaseBroker.metrics_per_user``): one series per user who holds or waits
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter as _Tally
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 
@@ -331,3 +333,20 @@ class BrokerMetrics:
         manager.count_totals = count_events
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_BrokerCollector(manager, per_user=per_user))
+
+    async def render(self) -> bytes:
+        """The exposition text: the figures are gathered on the event loop (they read the
+        manager's state, which only the loop changes), the text is written in a thread (the
+        larger part of a scrape's work on a big pool)."""
+        families = list(self.registry.collect())
+        return await asyncio.get_running_loop().run_in_executor(None, generate_latest, _Gathered(families))
+
+
+class _Gathered:
+    """Metric families already collected, in the shape ``generate_latest`` reads."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
