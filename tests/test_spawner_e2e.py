@@ -80,15 +80,23 @@ def forget_lease_in_hub_state(hub, user: str) -> None:
         db.close()
 
 
+BROKER_HOLD = "broker-held"  # while this file exists in the hub's folder, a (re)started broker waits before it starts
+
+
 def make_hub(tmp_path: Path, *, config_lines=(), users=("alice", "bob", "carol"), broker_lines=()) -> tuple[RestartableHub, str, str]:
-    """A hub whose spawner is gpulease-simple; returns (hub, broker URL as the hub reaches it, spawner token)."""
+    """A hub whose spawner is gpulease-simple; returns (hub, broker URL as the hub reaches it, spawner token).
+
+    The broker is a managed service; a test keeps it down by creating ``BROKER_HOLD`` in the
+    hub's folder and killing it: the hub's restart of the service then waits for the file to go."""
     bport = free_port()
     token = secrets.token_hex(16)
     conf = broker_config(tmp_path / "gpulease_config.py", extra=tuple(broker_lines))
+    hold = tmp_path / BROKER_HOLD
     broker = {
         "name": "gpulease",
         "url": f"http://127.0.0.1:{bport}",
-        "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={conf}",
+        "command": ["/bin/sh", "-c", 'while [ -e "$0" ]; do sleep 0.2; done; exec "$@"', str(hold),
+                    sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={conf}",
                     f"--db-url=sqlite:///{tmp_path / 'gpulease.sqlite'}"],
         "cwd": str(tmp_path),
     }

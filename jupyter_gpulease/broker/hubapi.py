@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from ..client import BrokerError, HubClient
 from ..core.model import LeaseError, LeaseState
+from ..core.request import SPAWNER_META
 
 RECONCILE_REASON = "its server is not running (found by the broker's check with the hub)"
-SPAWNER_META = "jupyter-gpulease"  # meta["spawner"] of leases a GPULeaseSpawner holds
 
 
 async def user_groups(hub: HubClient, user: str, log: logging.Logger) -> tuple[str, ...]:

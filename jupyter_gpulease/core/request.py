@@ -23,6 +23,9 @@ MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit
 MAX_DEVICES = 64  # GPU UUIDs in prefer_gpus / require_gpus
 
 REQUEST_FIELDS = frozenset(("kind", "gpus", "share", "memory_mib", "mig_profile", "mig", "model", "models", "min_memory_mib"))
+# meta["spawner"] of a lease bound to a hub server: the lease spawner's own and those its server takes
+# itself; the hub ends them with the server, the broker's check with the hub ends them when it is gone
+SPAWNER_META = "jupyter-gpulease"
 ASK_FIELDS = REQUEST_FIELDS | {"tier", "duration_s", "duration_h", "max_wait_s", "max_wait_min", "server", "meta", "prefer_gpus", "require_gpus"}
 
 _NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # ASCII digits only: no '²', no '--5', no '+1'

@@ -11,11 +11,16 @@ module is loaded into a running hub, :func:`attach` adds two steps:
   drain mode by an interrupted shutdown grants again;
 * **at shutdown**, before the hub's own clean-up stops the broker: the broker stops granting
   (drain mode), spawns waiting in the queue give up with a message saying so, and, when
-  ``c.JupyterHub.cleanup_servers`` is true (the default), the servers that hold leases are
-  stopped and their leases released while the broker still runs; then the broker grants again
-  (drain mode lasts for the shutdown only). With ``cleanup_servers =
-  False`` the servers go on running and keep their leases; the restarted hub follows them
-  again from the saved spawner state.
+  ``c.JupyterHub.cleanup_servers`` is true (the default), every server of the lease spawner is
+  stopped and its leases (its own, and those it took itself: ``%gpu request``, a resumed
+  kernel) released while the broker still runs; then the broker grants again (drain mode
+  lasts for the shutdown only). With ``cleanup_servers = False`` the servers go on running and
+  keep their leases; the restarted hub follows them again from the saved spawner state.
+
+A server's stop never waits on the broker: a broker that is down (killed, restarting) costs
+the shutdown a few seconds, not the servers' stop. What the broker could not take is written
+to the hub's outbox file (:mod:`.outbox`) and sent by the next hub process as soon as its
+broker answers; the start-up step above sends it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from .link import BrokerLink
 
 log = logging.getLogger("jupyter_gpulease.hub")
 
-SHUTDOWN_LIMIT_S = 40.0  # the whole lease part of a hub shutdown, at most
+BROKER_WAIT_S = 3.0  # one call to the broker at shutdown: drain mode, at most
+FLUSH_S = 10.0  # the releases of the stopped servers, at most, when the broker answers
 WITHDRAWN_AT_SHUTDOWN = (
     "The hub is shutting down (a restart or maintenance), so this spawn gave up its place in the GPU queue. "
     "Start your server again once the hub is back."
@@ -44,10 +50,7 @@ def attach(app) -> None:
 
     async def cleanup():
         try:
-            async with asyncio.timeout(SHUTDOWN_LIMIT_S):
-                await end_leases_at_shutdown(app)
-        except TimeoutError:
-            app.log.error("GPU leases at shutdown: not done within %g s; leaving the rest to the broker's check", SHUTDOWN_LIMIT_S)
+            await end_leases_at_shutdown(app)
         except Exception:
             app.log.exception("GPU leases at shutdown failed")
         for link in _links():
@@ -89,7 +92,9 @@ async def check_at_start(app) -> str | None:
         line = "GPU leases: c.GPULeaseSpawner.broker_url is not set, so every GPU spawn fails; set it to the broker's URL"
         app.log.error("%s", line)
         return line
-    return await probe.link.check()
+    link = probe.link
+    link.kick_outbox()  # ends an earlier hub process could not send: as soon as the broker answers
+    return await link.check()
 
 
 def _links() -> list[BrokerLink]:
@@ -100,48 +105,83 @@ def _links() -> list[BrokerLink]:
     return [link for link in BrokerLink._links.get(loop, {}).values() if not link._closed]
 
 
+def _lease_servers(app) -> list:
+    """The hub's running (or starting) servers of a lease spawner."""
+    from .spawner import GPULeaseSpawner
+
+    found = []
+    for user in list(getattr(app, "users", {}).values()):
+        for spawner in list((getattr(user, "spawners", None) or {}).values()):
+            if isinstance(spawner, GPULeaseSpawner) and getattr(spawner, "active", False):
+                found.append(spawner)
+    return found
+
+
 async def end_leases_at_shutdown(app) -> dict:
-    """Stop granting, withdraw waiting spawns, then (``cleanup_servers``) stop the servers that
-    hold leases and wait until the broker has every release. Returns what was done."""
-    done = {"drained": False, "withdrawn": 0, "stopped": 0, "unreleased": []}
+    """Stop granting, withdraw waiting spawns, then (``cleanup_servers``) stop every server of
+    the lease spawner and give its leases back, waiting a moment for the broker. Nothing here
+    waits on a broker that does not answer: the servers stop all the same, and the ends it did
+    not take stay in the outbox for the next hub. Returns what was done."""
+    done = {"drained": False, "withdrawn": 0, "stopped": 0, "unreleased": [], "kept": 0}
     links = _links()
     if not links:
         return done
     started = time.monotonic()
     cleanup_servers = bool(getattr(app, "cleanup_servers", True))
     for link in links:
-        spawners = list(link.spawners)
-        done["drained"] = await link.drain(True, "the hub is shutting down") or done["drained"]
-        waiting = [s for s in spawners if s.withdraw_for_shutdown(WITHDRAWN_AT_SHUTDOWN)]
-        done["withdrawn"] += len(waiting)
-        futures = [s._spawn_future for s in waiting if getattr(s, "_spawn_future", None) is not None]
-        if futures:
-            await asyncio.wait(futures, timeout=10)
-        if cleanup_servers:
-            # a spawn past the queue (its engine starting) finishes first, then stops like the rest
-            starting = [s._spawn_future for s in spawners if s not in waiting and s._lease_pending
-                        and getattr(s, "_spawn_future", None) is not None and not s._spawn_future.done()]
-            if starting:
-                await asyncio.wait(starting, timeout=15)
-            holding = [s for s in spawners if s not in waiting and s.lease_id and not s._stop_pending
-                       and getattr(s, "user", None) is not None and hasattr(s.user, "stop")]
-            results = await asyncio.gather(*(s.user.stop(s.name) for s in holding), return_exceptions=True)
-            for s, r in zip(holding, results):
-                if isinstance(r, Exception):
-                    app.log.error("Could not stop %s at shutdown: %s", s._log_name, r)
-            done["stopped"] += len(holding)
-        done["unreleased"] += await link.flush(10)
-        if done["drained"]:
+        link.shutting_down = True
+    reachable = {}
+    for link in links:
+        try:
+            reachable[link] = await asyncio.wait_for(link.drain(True, "the hub is shutting down"), timeout=BROKER_WAIT_S)
+        except TimeoutError:
+            reachable[link] = False
+        if not reachable[link]:
+            app.log.warning("GPU leases at shutdown: the broker at %s does not answer; servers stop all the same, "
+                            "and their lease ends are sent when it is back", link.url)
+    done["drained"] = any(reachable.values())
+    spawners = [s for link in links for s in list(link.spawners)]
+    waiting = [s for s in spawners if s.withdraw_for_shutdown(WITHDRAWN_AT_SHUTDOWN)]
+    done["withdrawn"] = len(waiting)
+    futures = [s._spawn_future for s in waiting if getattr(s, "_spawn_future", None) is not None]
+    if futures:
+        await asyncio.wait(futures, timeout=10)
+    if cleanup_servers:
+        # a spawn past the queue (its engine starting) finishes first, then stops like the rest
+        starting = [s._spawn_future for s in spawners if s not in waiting and s._lease_pending
+                    and getattr(s, "_spawn_future", None) is not None and not s._spawn_future.done()]
+        if starting:
+            await asyncio.wait(starting, timeout=15)
+        running = [s for s in _lease_servers(app) if not s._stop_pending and s not in waiting
+                   and getattr(s, "user", None) is not None and hasattr(s.user, "stop")]
+        results = await asyncio.gather(*(s.user.stop(s.name) for s in running), return_exceptions=True)
+        for s, r in zip(running, results):
+            if isinstance(r, Exception):
+                app.log.error("Could not stop %s at shutdown: %s", s._log_name, r)
+        done["stopped"] = len(running)
+    for link in links:
+        done["unreleased"] += await link.flush(FLUSH_S if reachable[link] else 0.5)
+        done["kept"] += link.persist_pending() + len(link.outbox.servers if link.outbox is not None else ())
+        if reachable[link]:
             # drain mode is for the shutdown only: a broker that runs on without this hub (its own
             # service, other hubs, servers kept with cleanup_servers = False resuming kernels)
             # grants again; a hub-managed broker is stopped next anyway
-            await link.drain(False)
+            try:
+                await asyncio.wait_for(link.drain(False), timeout=BROKER_WAIT_S)
+            except TimeoutError:
+                pass
     parts = ["no grants while the servers stopped (drain mode, lifted after)" if done["drained"] else "the broker could not be put in drain mode",
              f"{done['withdrawn']} waiting spawn(s) withdrawn"]
     if cleanup_servers:
-        parts.append(f"{done['stopped']} server(s) with GPU leases stopped")
+        parts.append(f"{done['stopped']} server(s) of the lease spawner stopped")
     else:
         parts.append("servers keep running with their leases (c.JupyterHub.cleanup_servers = False)")
-    parts.append("every lease given back" if not done["unreleased"] else f"{len(done['unreleased'])} release(s) not confirmed by the broker")
+    if not done["unreleased"] and not done["kept"]:
+        parts.append("every lease given back")
+    else:
+        where = next((str(link.outbox.path) for link in links if link.outbox is not None), "")
+        parts.append(f"{len(done['unreleased'])} release(s) not confirmed by the broker"
+                     + (f"; {done['kept']} lease end(s) kept in {where}, sent when the hub starts again and its broker answers" if where
+                        else "; left to the broker's check with the hub (c.GPULeaseSpawner.pending_ends_file is empty)"))
     app.log.info("GPU leases at shutdown (%.1f s): %s", time.monotonic() - started, "; ".join(parts))
     return done

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..client import BrokerClient, BrokerError
+from ..core.request import SPAWNER_META
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,10 @@ class LeaseKeeper:
         async with self._lock:
             if self.lease is not None:
                 raise BrokerError(409, f"this server already holds lease {self.lease['id']} ({self.lease['state']}): release it first", "lease")
-            body = {**body, "server": self.server_name}
+            # marked as a lease spawner's: the hub ends it with the server, and the broker's check
+            # with the hub ends it if the server is gone (a lease the server took for itself)
+            meta = {**(body.get("meta") or {}), "spawner": SPAWNER_META, "taken_by": "server"}
+            body = {**body, "server": self.server_name, "meta": meta}
             try:
                 lease = await self.client.request_lease(body)
             except BrokerError as e:

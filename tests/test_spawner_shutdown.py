@@ -1,0 +1,123 @@
+"""A hub that stops while its broker is down: every server stops, every lease ends once a broker answers.
+
+A real JupyterHub with configurable-http-proxy, the broker as its managed service, real
+single-user servers with the server extension and a real kernel. The broker is killed and kept
+down (its restart by the hub waits on a file), then the hub gets SIGTERM, as at a restart or
+maintenance. Before, the hub waited on the broker inside each server's stop, gave up after
+40 s, and exited leaving the servers and their kernels running under PID 1 with their leases
+active; here the servers stop without the broker, the lease ends wait in the hub's outbox
+file, and the next hub sends them as soon as its broker answers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.request
+
+import pytest
+from test_spawner_e2e import BROKER_HOLD, leases_of, make_hub, server_model, server_pid, spawn, wait_for, wait_ready
+
+from hubharness import pid_alive
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = open(f"/proc/{p}/task/{p}/children").read().split()
+        except OSError:
+            continue
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def _user_call(hub, user: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
+    import json
+
+    req = urllib.request.Request(f"{hub.url}/user/{user}/{path}", method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def _kill_brokers(hub) -> None:
+    pids = [pid for pid, cmd in hub.descendants() if "jupyter_gpulease" in cmd and "broker" in cmd]
+    assert pids, "no broker process below the hub"
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "the broker did not die")
+
+
+def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lease_ends_when_a_broker_answers(tmp_path):
+    hub, url, token = make_hub(
+        tmp_path, users=("alice", "bob"),
+        # the broker's own check with the hub would end the leases too, but only after its grace:
+        # long here, so that what ends them is the hub's outbox
+        broker_lines=("c.GPULeaseBroker.reconcile_grace = 3600",),
+    )
+    procs: list[int] = []
+    try:
+        # bob holds the spawner's lease; alice runs CPU-only and asks for a GPU from inside her
+        # server, as %gpu request does (the server extension's API, her own token)
+        for user, options in (("bob", {"share": 0.5}), ("alice", {"kind": "cpu"})):
+            status, body = spawn(hub, user, options)
+            assert status in (201, 202), body
+            wait_ready(hub, user)
+        alice_token = hub.create_token("alice")
+        _user_call(hub, "alice", alice_token, "POST", "gpulease/api/lease", {"share": 0.5})
+        (own,) = leases_of(url, token, "alice", "active")
+        assert own["server"] == "" and own["meta"]["taken_by"] == "server", own
+        _user_call(hub, "alice", alice_token, "POST", "api/kernels", {"name": "python3"})
+        (bobs,) = leases_of(url, token, "bob", "active")
+        servers = [server_pid(hub, "alice"), server_pid(hub, "bob")]
+        procs = servers + [p for s in servers for p in _descendants(s)]
+        assert len(procs) >= 3, "alice's kernel is not running below her server"
+
+        (tmp_path / BROKER_HOLD).touch()
+        _kill_brokers(hub)
+        proc = hub.proc
+        hub.keep_servers = True  # the harness must not clean up after the hub: the hub must have
+        hub.stop(timeout=120)
+        hub.keep_servers = False
+        assert proc.returncode != -signal.SIGKILL, "the hub did not exit by itself"
+        left = [p for p in procs if pid_alive(p)]
+        assert not left, f"processes left running after the hub exited: {left}\n{hub.log_tail(40)}"
+        log = hub.log_file.read_text()
+        assert "server(s) of the lease spawner stopped" in log and "kept in" in log, hub.log_tail(40)
+        assert (tmp_path / "jupyterhub-gpulease-pending.json").exists()
+
+        # the next hub (the broker no longer held): both leases end, by the hub's word, at once
+        (tmp_path / BROKER_HOLD).unlink()
+        hub.start()
+
+        def ended(lease_id):
+            from test_spawner_e2e import broker_call
+            try:
+                lease = broker_call(url, token, "get_lease", lease_id)
+            except Exception:
+                return None
+            return lease if lease["state"] != "active" else None
+        for lease in (bobs, own):
+            done = wait_for(lambda lid=lease["id"]: ended(lid), 90, f"lease {lease['id']} still active after the restart")
+            assert done["state"] == "released", done
+            assert done["end_reason"] in ("server stopped", "its server stopped"), done
+        wait_for(lambda: not (tmp_path / "jupyterhub-gpulease-pending.json").exists(), 30, "the outbox was not emptied")
+        assert server_model(hub, "alice") is None and server_model(hub, "bob") is None
+        assert "Every GPU lease end the hub kept has reached the broker" in hub.log_file.read_text()
+    finally:
+        try:
+            (tmp_path / BROKER_HOLD).unlink(missing_ok=True)
+            hub.stop()
+        finally:
+            for p in procs:
+                if pid_alive(p):
+                    os.kill(p, signal.SIGKILL)
