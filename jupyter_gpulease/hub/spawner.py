@@ -37,6 +37,7 @@ from traitlets import Any as AnyTrait
 from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, default, validate
 
 from ..client import BrokerError
+from ..core.request import SPAWNER_META
 from ..core.text import format_duration
 from . import form as spawn_form
 from . import pages
@@ -238,6 +239,16 @@ class GPULeaseSpawner(Spawner):
 
     lease_meta = Dict(help="Extra labels stored with every lease this spawner requests. Example: ``{'hub': 'teaching'}``.").tag(config=True)
 
+    pending_ends_file = Unicode(
+        "jupyterhub-gpulease-pending.json",
+        help="""File where the hub keeps the lease ends the broker has not confirmed yet (a server
+        stopped while the broker was down or restarting), until the broker has them; a hub that
+        starts again sends what it finds there as soon as its broker answers. A relative path is
+        taken from the hub's working directory, like ``jupyterhub.sqlite``. Empty: keep them in
+        memory only (a hub that exits before the broker is back then leaves those leases to the
+        broker's own check with the hub). Example: ``/srv/jupyterhub/gpulease-pending.json``.""",
+    ).tag(config=True)
+
     # ------------------------------------------------------------------ state
     lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
     lease = AnyTrait(None, allow_none=True, help="The lease JSON last seen (not persisted).")
@@ -282,6 +293,7 @@ class GPULeaseSpawner(Spawner):
                 max_connections=self.broker_max_connections,
                 queue_refresh_interval=self.queue_refresh_interval,
                 logger=self.log,
+                outbox_path=os.path.abspath(self.pending_ends_file) if self.pending_ends_file else "",
             )
         if self.user is not None:
             self._link.spawners.add(self)
@@ -507,7 +519,8 @@ class GPULeaseSpawner(Spawner):
             user=self.user.name,
             server=self.name or "",
             groups=self._user_groups(),
-            meta={"spawner": "jupyter-gpulease", "preset": choice.preset, **self.lease_meta},
+            # on_end: what this hub does to the server when the lease ends (the admin page says it)
+            meta={"spawner": SPAWNER_META, "preset": choice.preset, "on_end": self.on_lease_end, **self.lease_meta},
             max_wait_s=self.lease_wait_timeout,
         )
         wait_limit = body.get("max_wait_s", self.lease_wait_timeout)
@@ -643,19 +656,13 @@ class GPULeaseSpawner(Spawner):
 
     async def _withdraw_orphans(self, reason: str = "left behind by an earlier spawn", *, keep: str = "") -> None:
         """End the live leases bound to this server (``meta.spawner`` is jupyter-gpulease: the
-        spawner's own and those the server's extension took, e.g. to resume a kernel) except
-        ``keep``: at a start, what a hub that died mid-spawn left; at a stop, what the server
-        itself held."""
-        try:
-            leases = await self.broker.list_leases(state=None, user=self.user.name)
-        except BrokerError as e:
-            self.log.debug("Could not list leases of %s: %s", self.user.name, e)
-            return
-        for lease in leases:
-            if (lease.get("state") in ACTIVE_STATES and lease.get("server", "") == (self.name or "")
-                    and (lease.get("meta") or {}).get("spawner") == "jupyter-gpulease" and lease.get("id") not in (self.lease_id, keep)):
-                self.log.warning("Ending lease %s of %s: %s", lease["id"], self._log_name, reason)
-                self._end_lease(lease["id"], reason)
+        spawner's own and those the server took itself, e.g. ``%gpu request`` or a resumed
+        kernel) except ``keep``: at a start, what a hub that died mid-spawn left; at a stop,
+        what the server itself held. When the broker cannot list them now, the hub's outbox
+        keeps the order until it can (see :mod:`.outbox`)."""
+        await self.link.end_server_leases(self.user.name, self.name or "", reason,
+                                          keep=tuple(k for k in (self.lease_id, keep) if k),
+                                          wait=min(3.0, self.broker_timeout))
 
     def withdraw_for_shutdown(self, message: str) -> bool:
         """The hub is shutting down: a spawn waiting in the queue gives up at once, telling the
@@ -703,13 +710,17 @@ class GPULeaseSpawner(Spawner):
         finally:
             self._stopping = False
             self._close_progress()
-            if early is not None:
-                await asyncio.wait([early], timeout=min(5.0, self.broker_timeout))
-            elif lease_id:
-                await self._end_lease_briefly(lease_id, "server stopped")
+            ends = [early] if early is not None else []
+            if early is None and lease_id:
+                ends.append(self._end_lease(lease_id, "server stopped"))
             if self.broker_url and not self._lease_pending:
-                # leases the server took itself (a kernel resumed after a reclaim) end with it
-                self._background(self._withdraw_orphans("its server stopped", keep=lease_id))
+                # leases the server took itself (%gpu request, a kernel resumed after a reclaim) end
+                # with it; a broker that cannot list them now gets the order from the outbox later
+                ends.append(asyncio.ensure_future(self._withdraw_orphans("its server stopped", keep=lease_id)))
+            ends = [t for t in ends if t is not None]
+            if ends:
+                # a moment for the broker's answer, never longer: the ends go on in the background
+                await asyncio.wait(ends, timeout=min(5.0, self.broker_timeout))
 
     async def poll(self):
         if self._stopping:
@@ -726,9 +737,11 @@ class GPULeaseSpawner(Spawner):
             return status
         if not lease_id:
             return None
+        if self.link.shutting_down:
+            return None  # the hub is stopping its servers: the process answers, the broker is not asked
         fresh = self._watch is None or self._watch.lease_id != lease_id
         watch = self._follow(lease_id)  # a restarted hub: follow the lease again (the link retries until the broker answers)
-        if (fresh or not self.link.connected) and await self.link.get_lease(lease_id) is None:
+        if (fresh or not self.link.connected) and await self._read_lease_briefly(lease_id) is None:
             return None  # broker unreachable: assume nothing changed; the link tells us once it answers
         lease = watch.lease
         if watch.live:
@@ -740,6 +753,14 @@ class GPULeaseSpawner(Spawner):
                 self._confirm_task = self._background(self._confirm(lease_id))
             return None
         return await self._lease_ended(lease)
+
+    async def _read_lease_briefly(self, lease_id: str) -> dict | None:
+        """The lease from the broker, or None when it does not answer within a few seconds: a
+        poll (the hub's start, a stop, the periodic check) never waits out the broker's retries."""
+        try:
+            return await asyncio.wait_for(self.link.get_lease(lease_id), timeout=min(5.0, self.broker_timeout))
+        except TimeoutError:
+            return None
 
     async def _lease_ended(self, lease: dict):
         """The lease of the running server ended: stop the server, or keep it running without it."""
