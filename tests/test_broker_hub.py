@@ -221,7 +221,7 @@ def test_the_admin_page_shows_lease_admins_the_holders_and_refuses_others(hub):
             browser.open(revoke, data=urllib.parse.urlencode({"_xsrf": xsrf, "reason": " "}).encode(), timeout=60)
         assert info.value.code == 400 and "say why the lease is revoked" in info.value.read().decode()
         done = browser.open(revoke, data=urllib.parse.urlencode({"_xsrf": xsrf, "reason": "node maintenance"}).encode(), timeout=60).read().decode()
-        assert "revoked; its server will be stopped" in done and lease["id"] not in done.split('id="queue"')[0].split('id="active"')[1]
+        assert "revoked; its holder is told" in done and lease["id"] not in done.split('id="queue"')[0].split('id="active"')[1]
         ended = run(client(hub, "alice").get_lease(lease["id"]))
         assert ended["state"] == "revoked" and ended["ended_by"] == {"kind": "admin", "user": "carol"}
         assert ended["end_message"].startswith("Revoked by carol (admin)") and "node maintenance" in ended["end_message"]
@@ -401,3 +401,41 @@ def test_a_broker_killed_mid_run_restarts_with_every_lease_and_no_double_grant(h
     log = hub.log_file.read_text(errors="replace")
     assert log.count("Restored") >= 2, "the restarted broker did not log its restore"
     json.dumps(acknowledged)  # everything the API returned is plain JSON
+
+
+def test_an_admin_revokes_with_a_grace_the_holder_is_warned_and_the_page_says_what_follows(hub):
+    """The admin page's grace: the lease runs on, its holder sees the admin's words as a warning
+    (heartbeat answers, the lease's warnings) and the page says when it ends and what then
+    happens; the REST API takes the same grace and refuses a bad one."""
+    lease = run(client(hub, "alice").request_lease({"gpus": 1, "model": "L4"}))
+    try:
+        browser = hub.login("carol")
+        page = browser.open(hub.service_url("gpulease") + "admin", timeout=60).read().decode()
+        assert 'name="grace_s"' in page and ">in 15 min<" in page
+        revoke = f"{hub.service_url('gpulease')}admin/leases/{lease['id']}/revoke"
+        form = {"_xsrf": _form_xsrf(page), "reason": "node maintenance at noon"}
+        with pytest.raises(urllib.error.HTTPError) as info:
+            browser.open(revoke, data=urllib.parse.urlencode({**form, "grace_s": "77"}).encode(), timeout=60)
+        assert info.value.code == 400 and "the grace must be one of now, in 5 min, in 15 min, in 1 h" in info.value.read().decode()
+        done = browser.open(revoke, data=urllib.parse.urlencode({**form, "grace_s": "900"}).encode(), timeout=60).read().decode()
+        assert "ends in 15 min; alice is warned now. Then its holder is told." in done
+        now = run(client(hub, "alice").heartbeat(lease["id"], {}))
+        assert now["state"] == "active"
+        (warning,) = [w for w in now["warnings"] if w["kind"] == "preemption"]
+        assert warning["message"].startswith("an admin ends this lease in 1") and "node maintenance at noon" in warning["message"]
+        # the holder cannot extend past it; a second, longer grace is refused; a revoke now ends it
+        run(expect(client(hub, "alice").extend(lease["id"], by_s=600), 409))
+        body = {"state": "revoked", "reason": "later", "grace_s": 3600}
+        status, answer = hub.request("POST", f"{hub.service_url('gpulease')}api/leases/{lease['id']}/release", body, token=hub.tokens["carol"])
+        assert status == 409 and "before this grace is over" in answer["message"], answer
+        for bad, who in (({"state": "revoked", "grace_s": -1}, "carol"), ({"state": "revoked", "grace_s": "soon"}, "carol"),
+                         ({"state": "released", "grace_s": 60}, "carol"), ({"state": "revoked", "grace_s": 60}, "bob")):
+            status, answer = hub.request("POST", f"{hub.service_url('gpulease')}api/leases/{lease['id']}/release", bad, token=hub.tokens[who])
+            assert (status, answer.get("field")) in ((400, "grace_s"), (403, "state"), (404, "id")) if who == "carol" else status in (403, 404), (bad, who, status, answer)
+        assert run(client(hub, "alice").get_lease(lease["id"]))["state"] == "active"  # nothing of that changed it
+        status, answer = hub.request("POST", f"{hub.service_url('gpulease')}api/leases/{lease['id']}/release",
+                                     {"state": "revoked", "reason": "now after all", "grace_s": 0}, token=hub.tokens["carol"])
+        assert status == 200 and answer["state"] == "revoked" and answer["end_reason"] == "now after all", answer
+    finally:
+        if run(client(hub, "alice").get_lease(lease["id"]))["state"] == "active":
+            run(client(hub, "alice").release(lease["id"]))

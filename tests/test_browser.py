@@ -137,7 +137,7 @@ def test_log_in_pick_a_gpu_run_a_cell_see_the_lease_on_the_home_page_while_a_sec
                 row.locator("input[name=reason]").fill("GPU maintenance on sim-node-1 at noon")
                 admin.screenshot(path=str(ARTIFACTS / "05-admin-revokes-a-lease.png"), full_page=True)
                 row.locator("button", has_text="Revoke").click()
-                assert "revoked; its server will be stopped" in admin.locator("p.msg").inner_text()
+                assert "revoked; its server is stopped, and its user is told why" in admin.locator("p.msg").inner_text()
 
                 # alice's home page then says why her lease ended and what to do
                 def ended_panel():  # the end is known at once; the server's stop follows

@@ -528,3 +528,45 @@ def test_a_mig_lease_already_being_preempted_is_not_taken_again_for_another_wait
     # the lease in its grace stays preempted for the first waiter: not restarted, not taken over
     assert newer.preempt_at == T0 + 20 + 600 and newer.preempted_for == first.id
     assert s.preempting_for(second.id) is None
+
+
+# ------------------------------------------------------------------ an admin's revoke with a grace
+def test_a_revoke_with_a_grace_warns_the_holder_then_ends_the_lease_as_revoked_with_the_admins_words():
+    s = Scheduler(gpus(1), P())
+    a = ask(s, "alice")
+    s.tick(T0)
+    events = s.revoke(a.id, T0 + 10, grace_s=600, reason="node maintenance at noon", actor="admin:carol")
+    (warned,) = kinds(events, ev.PREEMPT_WARNED)
+    assert warned.actor == "admin:carol" and warned.data == {"preempt_at": T0 + 610, "revoke": True}
+    assert "an admin ends this lease in 10 min: node maintenance at noon" in warned.reason
+    assert a.state is LeaseState.ACTIVE and a.preempt_at == T0 + 610
+    with pytest.raises(Conflict):  # a longer grace than what is already decided
+        s.revoke(a.id, T0 + 20, grace_s=3000, reason="again", actor="admin:carol")
+    b = ask(s, "bob", now=T0 + 20)
+    assert not kinds(s.tick(T0 + 609), ev.ENDED) and a.state is LeaseState.ACTIVE
+    ended = kinds(s.tick(T0 + 611), ev.ENDED)
+    assert [(e.lease_id, e.to_state, e.reason, e.actor) for e in ended] == [(a.id, "revoked", "node maintenance at noon", "admin:carol")]
+    assert a.ended_at == T0 + 610 and b.state is LeaseState.ACTIVE  # the GPU goes to the next in the queue
+
+
+def test_a_revoke_of_a_queued_request_or_without_a_grace_ends_it_at_once():
+    s = Scheduler(gpus(1), P())
+    a = ask(s, "alice")
+    s.tick(T0)
+    b = ask(s, "bob")
+    s.revoke(b.id, T0 + 1, grace_s=600, reason="not today", actor="admin:carol")
+    assert b.state is LeaseState.WITHDRAWN
+    s.revoke(a.id, T0 + 2, grace_s=0, reason="now", actor="admin:carol")
+    assert a.state is LeaseState.REVOKED and a.end_reason == "now"
+
+
+def test_a_revoke_is_kept_across_a_restore():
+    s = Scheduler(gpus(1), P())
+    a = ask(s, "alice")
+    s.tick(T0)
+    s.revoke(a.id, T0, grace_s=60, reason="maintenance", actor="admin:carol")
+    from jupyter_gpulease.core.model import Lease
+    s2 = Scheduler(gpus(1), P())
+    s2.restore([Lease.from_dict(a.to_dict())])
+    (e,) = kinds(s2.tick(T0 + 61), ev.ENDED)
+    assert (e.to_state, e.reason, e.actor) == ("revoked", "maintenance", "admin:carol")

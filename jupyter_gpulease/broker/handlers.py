@@ -23,7 +23,8 @@ from .feed import TooManyStreams
 from .jsonapi import JSONHandler
 from .manager import STOPPING, Unavailable
 
-RELEASE_FIELDS = {"reason", "state", "keep_server"}
+RELEASE_FIELDS = {"reason", "state", "keep_server", "grace_s"}
+MAX_REVOKE_GRACE_S = 7 * 86400  # an admin's revoke may wait a week at most
 STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in LeaseState}
 MAX_POLL_S = 300.0
 MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit, and the store's column width
@@ -344,6 +345,16 @@ async def release(handler: APIHandler, lease_id: str, body: dict) -> None:
             raise Forbidden("only admins may revoke a lease", field="state")
         state = LeaseState(body["state"])
     actor = handler.actor if owner or service else f"admin:{handler.caller_name}"
+    if "grace_s" in body:
+        grace = body["grace_s"]
+        if state is not LeaseState.REVOKED:
+            raise BadRequest("a grace goes with an admin's revoke only (\"state\": \"revoked\")", field="grace_s")
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= MAX_REVOKE_GRACE_S:
+            raise BadRequest(f"'grace_s' must be a number of seconds from 0 to {MAX_REVOKE_GRACE_S}, got {grace!r}", field="grace_s")
+        d = await handler.manager.revoke(lease_id, grace_s=float(grace), reason=reason or f"revoked by {handler.caller_name}",
+                                         actor=actor, key=handler.request_key)
+        handler.write_json(handler.lease_json(d))
+        return
     d = await handler.manager.release(
         lease_id, state=state, reason=reason or f"released by {handler.caller_name}", actor=actor, keep_server=keep_server, key=handler.request_key
     )

@@ -33,6 +33,7 @@ from typing import Any
 from ..core.events import ENDED, GRANTED, Event
 from ..core.model import Conflict, LeaseError, LeaseState, NotFound
 from ..core.request import Ask
+from ..core.scheduler import REVOKE_META
 from ..core.text import format_duration
 from ..store import Batch, LeaseStore
 from .feed import Feed
@@ -428,6 +429,10 @@ class LeaseManager:
             self._end_extra.setdefault(lease_id, {})["keep_server"] = True
         return await self._change(lease_id, lambda now: self.scheduler.release(lease_id, now, state=state, reason=reason, actor=actor), key=key)
 
+    async def revoke(self, lease_id: str, *, grace_s: float, reason: str, actor: str, key: str | None = None) -> dict[str, Any]:
+        """An admin ends a lease after ``grace_s`` s (0: now), its holder warned meanwhile."""
+        return await self._change(lease_id, lambda now: self.scheduler.revoke(lease_id, now, grace_s=grace_s, reason=reason, actor=actor), key=key)
+
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None, actor: str = "", key: str | None = None) -> dict[str, Any]:
         return await self._change(lease_id, lambda now: self.scheduler.extend(lease_id, now, by_s=by_s, until=until, actor=actor), key=key)
 
@@ -588,7 +593,11 @@ class LeaseManager:
             return out
         if d["state"] != LeaseState.ACTIVE.value:
             return out
-        if d.get("preempt_at"):
+        revoke = (d.get("meta") or {}).get(REVOKE_META) if not d.get("preempted_for") else None
+        if d.get("preempt_at") and isinstance(revoke, dict):
+            out.append({"kind": "preemption", "at": d["preempt_at"],
+                        "message": f"an admin ends this lease in {format_duration(d['preempt_at'] - now)}: {revoke.get('reason') or 'no reason given'}"})
+        elif d.get("preempt_at"):
             out.append({"kind": "preemption", "at": d["preempt_at"], "message": f"this lease will be preempted in {format_duration(d['preempt_at'] - now)} for a waiting higher-tier request"})
         exp = d.get("expires_at")
         warn = self.policy.warn_before_s or 0

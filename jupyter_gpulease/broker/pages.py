@@ -20,6 +20,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
 from ..core.model import BadRequest, LeaseError, LeaseState
+from ..core.request import SPAWNER_META
 from .handlers import LEASE_ID_ROUTE, BaseHandler
 from .inputs import parse_number, short_text
 from .present import describe_placement, describe_request, format_duration, local_time
@@ -168,12 +169,26 @@ class AdminPage(PageHandler):
 
     def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
-        self.page("admin.html", status, message=message, error=error, xsrf=xsrf, **admin_context(self.manager, self.caller_name))
+        self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, **admin_context(self.manager, self.caller_name))
+
+
+REVOKE_GRACES = ((0, "now"), (300, "in 5 min"), (900, "in 15 min"), (3600, "in 1 h"))  # the admin page's choices
+
+
+def after_revoke(d: dict) -> str:
+    """What happens to the holder's server when its lease ends, as its spawner said it would
+    (``meta.on_end``, set by the lease spawner from its ``on_lease_end``)."""
+    meta = d.get("meta") or {}
+    if meta.get("spawner") != SPAWNER_META:
+        return "its holder is told"
+    if meta.get("on_end") == "keep" or meta.get("taken_by") == "server":
+        return "its server keeps running without the GPU, and its user is told why"
+    return "its server is stopped, and its user is told why on the hub's home page"
 
 
 class AdminRevokeHandler(AdminPage):
-    """The admin page's Revoke button: end another user's lease (or withdraw a request) with a
-    reason that its user reads on the hub's home page."""
+    """The admin page's Revoke button: end another user's lease (or withdraw a request) now or
+    after a grace that warns its user, with a reason that its user reads (home page, notebook)."""
 
     @web.authenticated
     async def post(self, lease_id: str):
@@ -184,17 +199,27 @@ class AdminRevokeHandler(AdminPage):
             if not reason:
                 raise BadRequest("say why the lease is revoked: its user reads the reason", field="reason")
             reason = short_text({"reason": reason}, "reason", self.limits.reason_chars)
+            grace_text = self.get_body_argument("grace_s", "0").strip() or "0"
+            if grace_text not in {str(g) for g, _ in REVOKE_GRACES}:
+                raise BadRequest(f"the grace must be one of {', '.join(w for _, w in REVOKE_GRACES)}", field="grace_s")
+            grace = int(grace_text)
             d = await m.get(lease_id)
             actor = self.actor if d["user"] == self.caller_name else f"admin:{self.caller_name}"
-            d = await m.release(lease_id, state=LeaseState.REVOKED, reason=reason, actor=actor)
+            if grace:
+                d = await m.revoke(lease_id, grace_s=grace, reason=reason, actor=actor)
+            else:
+                d = await m.release(lease_id, state=LeaseState.REVOKED, reason=reason, actor=actor)
         except LeaseError as e:
             self.show(message=e.message, error=True, status=e.status)
             return
         short = lease_id[:12]
         if d["state"] == LeaseState.WITHDRAWN.value:
             self.show(message=f"Request {short} of {d['user']} withdrawn.")
+        elif d["state"] == LeaseState.ACTIVE.value:
+            self.show(message=f"Lease {short} of {d['user']} ends in {format_duration(grace)}; {d['user']} is warned now. "
+                              f"Then {after_revoke(d)}.")
         else:
-            self.show(message=f"Lease {short} of {d['user']} revoked; its server will be stopped.")
+            self.show(message=f"Lease {short} of {d['user']} revoked; {after_revoke(d)}.")
 
 
 class OAuthCallbackHandler(HubOAuthCallbackHandler):

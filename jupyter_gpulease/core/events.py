@@ -65,6 +65,12 @@ def preempt_warned(lease, now: float, reason: str, *, for_tier: str) -> Event:
     return Event(lease.id, PREEMPT_WARNED, now, "active", "active", reason, "broker", {"preempt_at": lease.preempt_at, "for_tier": for_tier}, lease=lease)
 
 
+def revoke_warned(lease, now: float, reason: str, actor: str) -> Event:
+    """An admin's revoke with a grace: the same warning as a preemption's (the holder saves its
+    work, the server suspends its kernels first), with the admin's words and the end's time."""
+    return Event(lease.id, PREEMPT_WARNED, now, "active", "active", reason, actor, {"preempt_at": lease.preempt_at, "revoke": True}, lease=lease)
+
+
 def preempt_cancelled(lease, now: float, reason: str) -> Event:
     return Event(lease.id, PREEMPT_CANCELLED, now, "active", "active", reason, "broker", lease=lease)
 

@@ -103,6 +103,13 @@ class LeaseBook:
             self.touch(v.placement)
         return out
 
+    def revoke_at(self, lease: Lease, at: float) -> None:
+        """End ``lease`` as revoked at ``at`` (an admin's revoke with a grace; see Scheduler.revoke)."""
+        lease.preempt_at = at
+        lease.preempted_for = ""
+        self._deadlines.add(at, Deadline.PREEMPT, lease.id)
+        self.touch(lease.placement)
+
     def cancel_preemption(self, waiter_id: str, now: float, why: str) -> list[Event]:
         out, kept = self._preemption.cancel(waiter_id, self.leases, now, why)
         for v in kept:

@@ -47,6 +47,7 @@ from .text import format_duration
 from .views import LastPass
 
 INF = math.inf
+REVOKE_META = "revoke"  # lease.meta of an admin's revoke with a grace: its reason and actor, until it ends
 
 
 class Scheduler:
@@ -167,6 +168,23 @@ class Scheduler:
             raise BadRequest(f"cannot end an active lease as {state.value!r}", field="state")
         return self._book.end(lease, state, now, reason or "released by its holder", actor)
 
+    def revoke(self, lease_id: str, now: float, *, grace_s: float, reason: str, actor: str = "") -> list[Event]:
+        """An admin ends a lease after ``grace_s`` seconds, warning its holder now (a queued one is
+        withdrawn at once). The lease ends as revoked with ``reason`` when the grace is over."""
+        lease = self.get(lease_id)
+        if lease.state is LeaseState.QUEUED or grace_s <= 0:
+            return self.release(lease_id, now, state=LeaseState.REVOKED, reason=reason, actor=actor)
+        at = now + grace_s
+        if lease.preempt_at is not None and lease.preempt_at <= at:
+            raise Conflict(f"lease {lease.id} already ends in {format_duration(lease.preempt_at - now)}, before this grace is over")
+        if lease.expires_at is not None and lease.expires_at <= at:
+            raise Conflict(f"lease {lease.id} expires in {format_duration(lease.expires_at - now)}, before this grace is over: revoke it now or let it run out")
+        if lease.preempted_for:
+            self._preemption.victim_ended(lease)  # a revoke replaces the preemption it was warned of
+        lease.meta = {**lease.meta, REVOKE_META: {"reason": reason, "actor": actor}}
+        self._book.revoke_at(lease, at)
+        return [ev.revoke_warned(lease, now, f"an admin ends this lease in {format_duration(grace_s)}: {reason}; save your work", actor)]
+
     def extend(self, lease_id: str, now: float, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> list[Event]:
         """Move ``expires_at`` later, within the tier's limits."""
         lease = self.leases.get(lease_id)
@@ -259,6 +277,10 @@ class Scheduler:
 
     def _preempt_ends(self, lease: Lease, now: float) -> list[Event]:
         if lease.state is LeaseState.ACTIVE and lease.preempt_at is not None and lease.preempt_at <= now:
+            revoke = lease.meta.get(REVOKE_META) if not lease.preempted_for else None
+            if isinstance(revoke, dict):  # an admin's revoke whose grace is over
+                return self._book.end(lease, LeaseState.REVOKED, lease.preempt_at, str(revoke.get("reason") or "revoked by an admin"),
+                                      str(revoke.get("actor") or "admin"))
             w = self.leases.get(lease.preempted_for)
             for_what = f"a waiting {w.tier} lease" if w else "a higher-tier lease"
             return self._book.end(lease, LeaseState.PREEMPTED, lease.preempt_at, f"preempted for {for_what}", "broker")
