@@ -296,3 +296,26 @@ def test_the_standby_on_postgresql_takes_over_from_a_killed_active_broker_with_n
         run_chaos(hub, db_url, lambda: active_broker_pid_postgres(postgres.port, "chaos"), kills=max(5, KILLS // 2))
     finally:
         hub.stop()
+
+
+def test_the_leader_sees_a_broker_that_waits_for_its_lock_on_either_database(db_url):
+    """What a broker whose supervisor died asks before it hands over (SQLite, then PostgreSQL)."""
+    leader = LeaseStore(db_url)
+    waiter = second = None
+    try:
+        assert leader.try_acquire_leadership() and not leader.successor_waiting()
+        waiter = LeaseStore(db_url, migrate=False)
+        assert not waiter.try_acquire_leadership()
+        assert leader.successor_waiting() and leader.successor_waiting()  # asking takes nothing from the waiter
+        assert not waiter.try_acquire_leadership()
+        leader.close()
+        assert waiter.try_acquire_leadership()
+        assert not waiter.successor_waiting()  # the new leader no longer says it waits
+        second = LeaseStore(db_url, migrate=False)
+        assert not second.try_acquire_leadership() and waiter.successor_waiting()
+        second.close()  # a waiter that stops stops saying so
+        assert not waiter.successor_waiting()
+    finally:
+        for s in (leader, waiter, second):
+            if s is not None:
+                s.close()
