@@ -11,8 +11,10 @@
 #   3. the spawner: c.JupyterHub.spawner_class = "gpulease-local" (system users) or
 #      "gpulease-simple" (no system users; demos and tests only);
 #   4. roles: users may reach the broker (their servers' extension and the %gpu magics do),
-#      the spawner's service holds the admin scope, the broker may stop servers.
+#      the spawner's service holds the admin scope, the broker may stop servers;
+#   5. jupyterhub-idle-culler, when installed, with the GPU lease hook (idle_culler_config.py).
 
+import importlib.util
 import json
 import os
 import secrets
@@ -109,6 +111,27 @@ c.JupyterHub.load_roles = [
 ]
 if env("GPULEASE_DEMO_ADMIN_TOKEN"):
     c.JupyterHub.load_roles.append({"name": "gpulease-demo", "scopes": ["list:users", "read:users", "read:servers"], "services": ["gpulease-demo"]})
+
+# ------------------------------------------------------------------ the idle culler
+# jupyterhub-idle-culler 2 (pip install jupyterhub-idle-culler), with the hook that keeps servers
+# whose GPUs work and culls servers whose GPU lease sits idle sooner (idle_culler_config.py):
+# README, "The idle culler".
+if importlib.util.find_spec("jupyterhub_idle_culler") is not None:
+    c.JupyterHub.services.append({
+        "name": "idle-culler",
+        "command": [sys.executable, "-m", "jupyterhub_idle_culler", "--timeout=3600",
+                    f"--config={here / 'idle_culler_config.py'}"],
+    })
+    c.JupyterHub.load_roles.append({
+        "name": "idle-culler",
+        "scopes": [
+            # the culler's own: who has servers, their last activity, stopping them
+            "list:users", "read:users:activity", "read:servers", "delete:servers",
+            # the hook's: where the broker is, reaching it, every user's leases (and releasing them)
+            "read:services!service=gpulease", "access:services!service=gpulease", "custom:gpulease:admin",
+        ],
+        "services": ["idle-culler"],
+    })
 
 # ------------------------------------------------------------------ the hub's pages
 # The home page shows each server's GPU lease (what it holds, time left, place in the queue,

@@ -72,3 +72,28 @@ def test_without_the_broker_the_culler_decides_by_activity_alone():
         return [await arbiter(inactive=minutes(m), inactive_limit=3600, server=server("alice")) for m in (30, 90)]
 
     assert asyncio.run(decide()) == [False, True]
+
+
+def test_readme_and_the_example_config_run_the_culler_alike():
+    """README's culler blocks, config/jupyterhub_config.py's culler entry and config/idle_culler_config.py agree,
+    and the role holds every scope the culler and the hook need."""
+    import re
+    from pathlib import Path
+
+    from jupyter_gpulease.server.culler import CULLER_ROLE_SCOPES
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    blocks = {b.splitlines()[0]: b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)}
+    hub = blocks["# jupyterhub_config.py: the idle culler (after the services and roles above)"]
+    hook = blocks["# idle_culler_config.py"]
+    example = (root / "config" / "jupyterhub_config.py").read_text()
+
+    def scopes(code):
+        block = re.search(r'"scopes": \[(.*?)\]', code[code.index('"name": "idle-culler"'):], re.S)
+        return set(re.findall(r'"([^"]+)"', block.group(1)))
+
+    assert scopes(hub) == scopes(example) == set(CULLER_ROLE_SCOPES)
+    assert '"jupyterhub_idle_culler", "--timeout=3600"' in hub and '"jupyterhub_idle_culler", "--timeout=3600"' in example
+    (line,) = [x for x in hook.splitlines() if "cull_arbiter_hook" in x]
+    assert line in (root / "config" / "idle_culler_config.py").read_text()
