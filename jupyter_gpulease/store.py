@@ -122,6 +122,8 @@ _TOTALS_UPSERT = text(
     "INSERT INTO metric_totals (name, labels, value, created) VALUES (:name, :labels, :value, :created) "
     "ON CONFLICT (name, labels) DO UPDATE SET value = metric_totals.value + excluded.value"
 )
+_TOTALS_SQLITE = ("INSERT INTO metric_totals (name, labels, value, created) VALUES {values} "
+                  "ON CONFLICT (name, labels) DO UPDATE SET value = metric_totals.value + excluded.value")
 EVENT_COLUMNS = (EVENTS.c.id, EVENTS.c.lease_id, EVENTS.c.time, EVENTS.c.kind, EVENTS.c.from_state, EVENTS.c.to_state, EVENTS.c.actor, EVENTS.c.reason, EVENTS.c.data)
 
 
@@ -607,7 +609,12 @@ class LeaseStore:
 
     def _add_totals(self, conn: Connection, batch: Batch) -> None:
         rows = [{"name": name, "labels": json.dumps(list(labels)), "value": float(v), "created": batch.at} for (name, labels), v in batch.totals.items()]
-        if self.dialect in ("sqlite", "postgresql"):
+        if self.dialect == "sqlite":  # one multi-row statement (see _write_sqlite)
+            for chunk in _chunks(rows, _SQLITE_MAX_PARAMS // 4):
+                conn.exec_driver_sql(_TOTALS_SQLITE.format(values=_values_sql(4, len(chunk))),
+                                     tuple(v for r in chunk for v in (r["name"], r["labels"], r["value"], r["created"])))
+            return
+        if self.dialect == "postgresql":
             conn.execute(_TOTALS_UPSERT, rows)
             return
         for r in rows:  # another dialect: update what exists, insert the rest
