@@ -154,6 +154,7 @@ def test_end_reasons_map_every_way_a_lease_ends_to_a_small_fixed_set():
         ("reclaimed", "alice", "idle"): "reclaimed",
         ("preempted", "broker", ""): "preempted",
         ("revoked", "admin:carol", "maintenance"): "revoked",
+        ("revoked", "broker", "something the broker says one day"): "revoked",
         ("revoked", "broker", "its holder stopped sending heartbeats (5 min without one)"): "heartbeat_lost",
         ("revoked", "broker", "never confirmed by its holder within 10 min of the grant"): "unconfirmed",
         ("revoked", "broker:reconcile", "its server is not running"): "server_gone",

@@ -63,8 +63,10 @@ def end_reason(state: str, actor: str = "", reason: str = "") -> str:
     if state == LeaseState.RELEASED.value:
         return "server_stopped" if actor.startswith("service:") else "released"
     if state == LeaseState.REVOKED.value:
-        if actor == "broker":
-            return "unconfirmed" if reason.startswith("never confirmed") else "heartbeat_lost"
+        if actor == "broker" and reason.startswith("never confirmed"):
+            return "unconfirmed"
+        if actor == "broker" and reason.startswith("its holder stopped sending heartbeats"):
+            return "heartbeat_lost"
         if actor == "broker:reconcile":
             return "server_gone"
         return "revoked"
