@@ -207,9 +207,13 @@ def test_a_broker_that_takes_over_the_store_continues_every_counter(tmp_path, mo
 
 
 # --------------------------------------------------------------------------- end to end
-def test_readme_shows_the_shipped_scrape_config_verbatim():
+def test_the_shipped_scrape_config_is_valid_and_readme_shows_it_verbatim():
     readme = (ROOT / "README.md").read_text()
     assert SCRAPE_CONFIG.read_text().strip() in readme
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        check = subprocess.run([promtool, "check", "config", str(SCRAPE_CONFIG)], check=False, capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
 
 
 class Prometheus:
