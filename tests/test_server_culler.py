@@ -65,6 +65,42 @@ def test_gpu_work_keeps_a_server_and_an_idle_lease_lets_it_go_sooner(tmp_path, m
         assert alive["state"] == "active"
 
 
+def test_decisions_are_logged_once_and_a_culled_servers_lease_says_so(tmp_path, monkeypatch):
+    import logging
+
+    patch_auth(monkeypatch)
+    with broker_in_thread(tmp_path, pool=POOL, clock=SystemClock()) as app:
+        url = broker_url(app)
+        _, busy = broker_call(url, "POST", "api/leases", {"gpus": 1}, token="alice")
+        broker_call(url, "POST", f"api/leases/{busy['id']}/heartbeat", {"usage": {"gpu_busy": True, "last_gpu_activity": time.time()}}, token="alice")
+        _, silent = broker_call(url, "POST", "api/leases", {"gpus": 1}, token="dave")  # its server sent no usage yet
+        lines = []
+
+        class Lines(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+
+        logger = logging.getLogger("test-culler-decisions")
+        logger.setLevel(logging.INFO)  # the culler's default level
+        logger.addHandler(Lines())
+        logger.propagate = False
+        arbiter = GPUCullArbiter(gpu_idle_limit=1800, cache_s=0, logger=logger, client=BrokerClient(url, "admin-culler"))
+
+        async def passes():
+            kept = [await arbiter(inactive=minutes(m), inactive_limit=3600, server=server("alice")) for m in (70, 75, 80)]
+            early = await arbiter(inactive=minutes(40), inactive_limit=3600, server=server("dave"))  # no usage: not early
+            late = await arbiter(inactive=minutes(61), inactive_limit=3600, server=server("dave"))
+            return kept, early, late
+
+        assert asyncio.run(passes()) == ([False, False, False], False, True)
+        assert lines[0] == f"GPU cull arbiter: deciding with the GPU leases of the broker at {url}"
+        assert lines[1].startswith("GPU cull arbiter: keeping alice/: its GPU is working now") and "the culler's limit: 60 min" in lines[1]
+        assert lines[2] == f"GPU cull arbiter: released lease {silent['id']} of dave/ (culled by the idle culler: no activity for 61 min)"
+        assert len(lines) == 3  # three passes over alice, one line
+        _, ended = broker_call(url, "GET", f"api/leases/{silent['id']}", token="dave")
+        assert ended["state"] == "released" and ended["end_reason"] == "culled by the idle culler: no activity for 61 min"
+
+
 def test_without_the_broker_the_culler_decides_by_activity_alone():
     arbiter = GPUCullArbiter(client=BrokerClient("http://127.0.0.1:9/services/gpulease/", "t", retry_for=0))
 

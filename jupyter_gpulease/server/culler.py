@@ -224,6 +224,8 @@ class GPUCullArbiter:
                 return self._leases
             self._leases = await self._list()
             self._fetched_at = self.clock()  # a failure too: the pass's other servers do not try again
+            if self._leases is not None:  # forget what was said of servers whose leases ended
+                self._said = {who: d for who, d in self._said.items() if tuple(who.partition("/")[::2]) in self._leases}
             return self._leases
 
     async def _list(self) -> dict[tuple[str, str], dict[str, Any]] | None:
@@ -283,17 +285,16 @@ class GPUCullArbiter:
                 self._said.pop(who, None)
             return False
         self._said.pop(who, None)
-        if not usage:
-            return default  # no heartbeat yet: nothing says that its GPU is idle
-        limit = inactive_limit if self.gpu_idle_limit is None else min(self.gpu_idle_limit, inactive_limit)
-        cull = inactive is not None and idle_s >= limit
+        if usage:
+            limit = inactive_limit if self.gpu_idle_limit is None else min(self.gpu_idle_limit, inactive_limit)
+            cull = inactive is not None and idle_s >= limit
+            gpu = (f"its GPU idle (last GPU work {human(now - last)} ago)" if isinstance(last, (int, float))
+                   else "its GPU idle (no GPU work since the lease began)")
+        else:  # no heartbeat yet: nothing says that its GPU is idle
+            cull, gpu = default, ""
         if not cull or not self._will_act(name):
             return cull
-        if isinstance(last, (int, float)):
-            gpu = f"its GPU idle (last GPU work {human(now - last)} ago)"
-        else:
-            gpu = "its GPU idle (no GPU work since the lease began)"
-        reason = f"culled by the idle culler: no activity for {human(idle_s)} and {gpu}"
+        reason = f"culled by the idle culler: no activity for {human(idle_s)}" + (f" and {gpu}" if gpu else "")
         released = await self._release(who, (user, name), lease, reason) if self.release_on_cull else False
         done = f"; released its lease {lease.get('id')}" if released else ""
         if not default:
