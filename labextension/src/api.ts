@@ -1,6 +1,7 @@
 /**
  * The gpulease server extension's REST API and live feed, as JupyterLab reaches them
- * (the server's own cookie and XSRF token through ServerConnection).
+ * (the server's own cookie and XSRF token: through ServerConnection for the REST calls, in the
+ * event stream's query for the feed).
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
@@ -117,10 +118,58 @@ export function act(action: string, body: Record<string, unknown> = {}): Promise
 }
 
 /**
+ * The `_xsrf` cookie, as ServerConnection reads it (the last one when several paths set it):
+ * the token a cookie-authenticated request that is not a page load must carry. JupyterHub's
+ * single-user servers check it on every such request, GETs included.
+ */
+export function xsrfToken(): string | undefined {
+  let cookie = '';
+  try {
+    cookie = document.cookie;
+  } catch {
+    return undefined;
+  }
+  let value: string | undefined;
+  for (const part of cookie.split(';')) {
+    const trimmed = part.trim();
+    if (trimmed.startsWith('_xsrf=')) {
+      value = trimmed.substring('_xsrf='.length);
+    }
+  }
+  return value;
+}
+
+/**
+ * The feed's URL: EventSource cannot send headers, so the XSRF token ServerConnection sends in
+ * `X-XSRFToken` goes in the `_xsrf` query argument instead (the login cookie goes along as
+ * for every request); `since` asks for the kept events after that id.
+ */
+export function feedUrl(since?: number): string {
+  const query: Record<string, string> = {};
+  const xsrf = xsrfToken();
+  if (xsrf) {
+    query._xsrf = xsrf;
+  }
+  if (since !== undefined && since > 0) {
+    query.since = String(since);
+  }
+  return url('feed') + URLExt.objectToQueryString(query);
+}
+
+/** Seconds before the n-th attempt to open the feed again (n = 1, 2, …): 2, 4, 8, … up to 60. */
+export function reconnectDelay(attempt: number): number {
+  return Math.min(60, 2 ** Math.max(1, attempt));
+}
+
+/**
  * The live feed: the server's server-sent events (docs/server-api.md). The first event is the
  * whole status; `sample` events refresh the devices' and kernels' figures; any other event
- * (lease, warning, reclaim, resume, notice) is passed on and the status read again. When the
- * event stream cannot be opened, the feed asks for the status every few seconds instead.
+ * (lease, warning, reclaim, resume, notice) is passed on and the status read again.
+ *
+ * EventSource reconnects by itself (with `Last-Event-ID`) after a dropped connection. When it
+ * gives up (the server refused the stream, or is down), the feed asks for the status every few
+ * seconds and opens the stream again after 2, 4, 8, … up to 60 s, with `since` set to the last
+ * event it saw so that nothing in between is lost; once the stream is open, polling stops.
  */
 export class LeaseFeed {
   private _changed = new Signal<this, IStatus>(this);
@@ -128,8 +177,12 @@ export class LeaseFeed {
   private _status: IStatus | null = null;
   private _source: EventSource | null = null;
   private _timer: number | null = null;
+  private _poller: number | null = null;
   private _disposed = false;
   private _offset = 0; // server clock minus browser clock, in seconds
+  private _lastId = 0; // the newest event id seen on the stream
+  private _failures = 0; // attempts to open the stream since it was last open
+  private _open = false;
 
   get changed(): ISignal<this, IStatus> {
     return this._changed;
@@ -142,6 +195,11 @@ export class LeaseFeed {
 
   get status(): IStatus | null {
     return this._status;
+  }
+
+  /** Whether the event stream is open now (false while the feed polls instead). */
+  get live(): boolean {
+    return this._open;
   }
 
   /** Now on the server's clock (POSIX seconds). */
@@ -165,8 +223,11 @@ export class LeaseFeed {
   dispose(): void {
     this._disposed = true;
     this._source?.close();
+    this._source = null;
+    this._stopPolling();
     if (this._timer !== null) {
       window.clearTimeout(this._timer);
+      this._timer = null;
     }
   }
 
@@ -198,23 +259,34 @@ export class LeaseFeed {
     this._update(merged);
   }
 
+  /** Remember the newest event id (for `since` when the stream is opened again). */
+  private _seen(ev: MessageEvent): void {
+    const id = Number(ev.lastEventId);
+    if (Number.isFinite(id) && id > this._lastId) {
+      this._lastId = id;
+    }
+  }
+
   private _connect(): void {
+    this._timer = null;
     if (this._disposed) {
       return;
     }
     let source: EventSource;
     try {
-      source = new EventSource(url('feed'), { withCredentials: true });
+      source = new EventSource(feedUrl(this._lastId), { withCredentials: true });
     } catch {
-      this._poll();
+      this._down();
       return;
     }
     this._source = source;
-    let opened = false;
     source.onopen = () => {
-      opened = true;
+      this._open = true;
+      this._failures = 0;
+      this._stopPolling();
     };
     const parse = (ev: MessageEvent): any => {
+      this._seen(ev);
       try {
         return JSON.parse(ev.data);
       } catch {
@@ -243,28 +315,46 @@ export class LeaseFeed {
       });
     }
     source.onerror = () => {
-      // EventSource reconnects by itself (with Last-Event-ID) while it can; when it gives up,
-      // or could never connect, keep the figures coming by asking and try the stream again later
-      if (source.readyState === EventSource.CLOSED) {
+      // a dropped connection: EventSource tries again by itself (with Last-Event-ID) while it
+      // is CONNECTING; CLOSED means it gave up (a refusal such as 403, or the server is gone)
+      this._open = false;
+      if (source.readyState === EventSource.CLOSED && this._source === source) {
         this._source = null;
-        this._poll(opened ? 3 : 15);
+        this._down();
       }
     };
   }
 
-  private _poll(rounds = 15): void {
-    const tick = async () => {
-      if (this._disposed) {
+  /** The stream is down: keep the figures coming by asking, and open it again after a while. */
+  private _down(): void {
+    if (this._disposed) {
+      return;
+    }
+    this._failures += 1;
+    this._startPolling();
+    if (this._timer === null) {
+      this._timer = window.setTimeout(() => this._connect(), reconnectDelay(this._failures) * 1000);
+    }
+  }
+
+  private _startPolling(): void {
+    if (this._poller !== null) {
+      return;
+    }
+    void this.refresh();
+    this._poller = window.setInterval(() => {
+      if (this._disposed || this._open) {
+        this._stopPolling();
         return;
       }
-      await this.refresh();
-      rounds -= 1;
-      if (rounds <= 0) {
-        this._connect();
-      } else {
-        this._timer = window.setTimeout(tick, 2000);
-      }
-    };
-    void tick();
+      void this.refresh();
+    }, 2000);
+  }
+
+  private _stopPolling(): void {
+    if (this._poller !== null) {
+      window.clearInterval(this._poller);
+      this._poller = null;
+    }
   }
 }

@@ -42,7 +42,7 @@ export class WarningNotifier {
     feed.events.connect((_, e) => this._event(e), this);
   }
 
-  /** Lease ends and reclaims are news of their own (they are not warnings that stand). */
+  /** Grants, lease ends, reclaims and resumes are news of their own (they are not warnings that stand). */
   private _event(e: IFeedEvent): void {
     if (e.kind === 'warning') {
       this._update({ ...(this.feed.status ?? { lease: null }), warnings: [...(this.feed.status?.warnings ?? []), e as unknown as IWarning] });
@@ -62,6 +62,10 @@ export class WarningNotifier {
              callback: () => void runAction(this.feed, 'resume', e.kernel_id ? { kernel_id: e.kernel_id } : {}) }]
         : [];
       Notification.warning(message, { autoClose: false, actions });
+    } else if (e.kind === 'resume' && e.stage === 'done') {
+      Notification.success(message, { autoClose: 6000 });
+    } else if (e.kind === 'resume' && e.stage === 'failed') {
+      Notification.error(message, { autoClose: false });
     }
   }
 

@@ -49,6 +49,7 @@ export class LeaseStatusItem extends Widget {
     this.node.textContent = statusLine(s, this.feed.now());
     const state = !s ? 'unknown' : suspended(s) ? 'suspended' : s.lease?.state ?? 'none';
     this.node.dataset.state = state;
+    this.node.dataset.feed = this.feed.live ? 'live' : 'polling'; // the event stream is open, or the status is asked for
     this.node.classList.toggle('jp-gpulease-warn', currentWarnings(s, this.feed.now()).length > 0);
   }
 
