@@ -7,6 +7,13 @@ whose server runs without a GPU, asks for one with `%gpu request` and sees his p
 queue in the status bar. Screenshots go to test-artifacts/browser-lease/ (the README's
 walkthrough shows them).
 
+A second test follows bob's JupyterLab through the live feed, with the hub and servers checking
+XSRF as a default deployment does: a grant, an idle reclaim (suspend), a resume from the
+notification and an admin's revoke each arrive as a notification carrying the message of an event
+that the event stream delivered (read from Chromium's DevTools protocol), the stream is answered
+200 and the server's log has no 403 for the gpulease API. Its screenshots go to
+test-artifacts/browser/feed-*.png.
+
 The demo runs from a copy of the example configs that warns of expiry 12 h ahead (so a fresh
 lease is warned at once) and has servers send heartbeats every 2 s; the test drives the
 simulated GPUs through the demo's own state file (``<state>/sim-gpus.json``).
@@ -21,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import standin_cuda_checkpoint as standin
 from hubharness import wait_for
 from jupyter_gpulease.devices.simulated import SimulatedBackend
 from test_browser import CHROMIUM_ARGS, login, start_from_form
@@ -148,6 +156,195 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
                 for ctx in browser.contexts:  # what each user saw when it failed
                     for i, pg in enumerate(ctx.pages):
                         pg.screenshot(path=str(ARTIFACTS / f"failed-{browser.contexts.index(ctx)}-{i}.png"))
+                raise
+            finally:
+                browser.close()
+    finally:
+        demo.stop()
+
+
+# ---------------------------------------------------------------------- the live feed, with XSRF checks on
+def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
+    """The demo's configs as above, plus a fast idle reclaim by suspend (cuda-checkpoint is the
+    tests' stand-in) and servers that keep running when their lease ends. Nothing about XSRF:
+    the hub and the single-user servers check it as a default deployment does."""
+    conf = demo_config(tmp_path)
+    with open(conf / "jupyterhub_config.py", "a") as f:
+        f.write(f"""
+# --- test: idle kernels are warned after 3 s and suspended after 6 s; a revoked lease leaves the server running
+c.Spawner.args.extend(["--GPULeaseExtension.gpu_idle_timeout=6", "--GPULeaseExtension.warn_before=3",
+                       "--GPULeaseExtension.reclaim_action=suspend",
+                       "--GPULeaseExtension.cuda_checkpoint={standin_dir / 'cuda-checkpoint'}"])
+c.Spawner.environment.update({{"STANDIN_CUDA_CHECKPOINT_DIR": {str(standin_dir)!r}, "STANDIN_CUDA_CHECKPOINT_SIM_STATE": {str(sim_state)!r},
+                              "STANDIN_CUDA_CHECKPOINT_REMAP": "1"}})
+c.GPULeaseSpawner.on_lease_end = "keep"
+""")
+    return conf
+
+
+class FeedWatch:
+    """What the page's event streams carried (Chromium's DevTools protocol reports each
+    server-sent event), every answer to the feed's URL, and the answers to the actions (POSTs)."""
+
+    def __init__(self, page):
+        self.page = page
+        self.events: list[dict] = []
+        self.answers: list[tuple[str, int]] = []
+        self.actions: list[tuple[str, int]] = []
+        cdp = page.context.new_cdp_session(page)
+        cdp.on("Network.eventSourceMessageReceived", self._message)
+        cdp.send("Network.enable")
+        page.on("response", self._response)
+
+    def _response(self, r) -> None:
+        if "/gpulease/api/feed" in r.url:
+            self.answers.append((r.url, r.status))
+        elif "/gpulease/api/" in r.url and r.request.method == "POST":
+            self.actions.append((r.url.split("/gpulease/api/")[1].split("?")[0], r.status))
+
+    def _message(self, params: dict) -> None:
+        try:
+            data = json.loads(params.get("data") or "null")
+        except ValueError:
+            data = None
+        self.events.append({"event": params.get("eventName"), "id": params.get("eventId"), "data": data})
+
+    def find(self, name: str, **match) -> list[dict]:
+        """The data of the streamed events called ``name`` whose fields equal ``match``."""
+        self.page.wait_for_timeout(20)  # playwright delivers what came meanwhile only while it runs
+        out = []
+        for e in self.events:
+            d = e["data"]
+            if e["event"] == name and isinstance(d, dict) and all(d.get(k) == v for k, v in match.items()):
+                out.append(d)
+        return out
+
+
+def shown(message: str, toast_text: str) -> bool:
+    """Whether a notification shows ``message`` (JupyterLab cuts long ones short with "…")."""
+    return message[:60] in toast_text
+
+
+def toast(page, text: str):
+    return page.locator(".Toastify__toast:not([class*='exit'])", has_text=text).first
+
+
+def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_path, playwright_sync_api, chromium):
+    """The hub and servers as a default deployment runs them (XSRF checks on): bob's JupyterLab
+    opens the event stream (200, never 403) and shows the grant, the idle reclaim (whose Resume
+    button resumes the kernel), the resume and an admin's revoke as notifications, each the
+    message of an event that the stream carried. Only the stream brings lease, reclaim and
+    resume events (polling brings standing warnings only)."""
+    shots = ARTIFACTS.parent / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    state = tmp_path / "state"
+    state.mkdir()
+    standin_dir = tmp_path / "standin"
+    standin_dir.mkdir()
+    standin.install(str(standin_dir))
+    sim_state = state / "sim-gpus.json"
+    demo = Demo(state, config_dir=feed_config(tmp_path, standin_dir, sim_state)).start()
+    sim = SimulatedBackend({"state_file": str(sim_state)})
+    try:
+        with playwright_sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+            try:
+                bob = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
+                feed = FeedWatch(bob)
+                login(bob, demo.url, "bob", demo.password)
+                start_from_form(bob, "cpu")
+                bob.wait_for_url("**/user/bob/**", timeout=120_000)
+                item = bob.locator(".jp-gpulease-status")
+                item.wait_for(timeout=120_000)
+                # the stream is open: the status bar is fed by it, not by asking
+                wait_for(lambda: item.get_attribute("data-feed") == "live", 60, "bob's JupyterLab never opened the live feed", interval=0.5)
+
+                # grant: bob asks for both L4s in a notebook; the kernel says its process id, so that the
+                # simulated GPUs can show it holding memory on them from the grant on, as a CUDA program would
+                open_notebook_and_run(bob, "import os; print(os.getpid())\n%gpu request --gpus 2 --model L4")
+                grants = wait_for(lambda: feed.find("lease", event="granted"), 60, "no grant came on the stream", interval=0.2)
+                output = bob.locator(".jp-NotebookPanel .jp-OutputArea-output").first
+                wait_for(lambda: output.count() and output.inner_text().strip().split("\n")[0].isdigit(), 60,
+                         "the cell did not print the kernel's process id", interval=0.2)
+                pid = int(output.inner_text().strip().split("\n")[0])
+                sim.add_process(grants[0]["lease"]["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=0.0)  # idle
+                granted = toast(bob, "is active:")
+                granted.wait_for(timeout=60_000)
+                bob.screenshot(path=str(shots / "feed-01-grant-notification.png"))
+                text = granted.inner_text()
+                assert shown(grants[0]["message"], text), (text, grants)
+                lease_id = grants[0]["lease"]["id"]
+
+                # idle reclaim: warned, then suspended; the notification offers Resume
+                suspended = bob.locator(".Toastify__toast:not([class*='exit'])", has=bob.get_by_role("button", name="Resume")).first
+                suspended.wait_for(timeout=60_000)
+                wait_for(lambda: feed.find("lease", event="reclaimed"), 30, "the lease did not go back as reclaimed", interval=0.5)
+                toast(bob, "GPU lease reclaimed").wait_for(timeout=30_000)
+                bob.screenshot(path=str(shots / "feed-02-idle-reclaim-notifications.png"))
+                suspends = feed.find("reclaim", action="suspend", outcome="done")
+                assert suspends and shown(suspends[0]["message"], suspended.inner_text()), (suspended.inner_text(), suspends)
+                assert feed.find("warning", kind="reclaim"), "no reclaim warning came first"
+                reclaimed = feed.find("lease", event="reclaimed")[0]
+                assert reclaimed["lease"]["id"] == lease_id and shown(reclaimed["message"], toast(bob, "GPU lease reclaimed").inner_text())
+
+                # resume: the notification's button (a POST with the XSRF header) gets the kernel a GPU back
+                suspended.get_by_role("button", name="Resume").click()
+                resumed = toast(bob, "has its GPU back")
+                resumed.wait_for(timeout=90_000)
+                bob.screenshot(path=str(shots / "feed-03-resume-notification.png"))
+                done = feed.find("resume", stage="done")
+                assert done and shown(done[0]["message"], resumed.inner_text()), (resumed.inner_text(), done)
+                assert next(d["stage"] for d in feed.find("resume")) == "waiting"
+                regrants = [g for g in feed.find("lease", event="granted") if g["lease"]["id"] != lease_id]
+                assert regrants, "the resume's lease was not announced"
+                new_lease = regrants[-1]["lease"]
+                # the kernel computes again (the idle rule leaves it alone now)
+                sim.remove_process(pid)
+                sim.add_process(new_lease["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=80.0)
+
+                # the panel's Keep (a POST with the XSRF header, as ServerConnection sends it)
+                item.click()
+                bob.locator("#jp-gpulease-panel button[data-action='keep']").click()
+                toast(bob, "Idle reclaim postponed").wait_for(timeout=30_000)
+                item.click()
+                assert [a for a in feed.actions if a[0] in ("resume", "keep")] == [("resume", 202), ("keep", 200)], feed.actions
+
+                # revoke: the hub's admin ends bob's lease on the broker's admin page
+                admin = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+                login(admin, demo.url, "admin", demo.password)
+                admin.goto(f"{demo.url}/services/gpulease/admin")
+                row = admin.locator("#active tr", has_text="bob")
+                row.locator("input[name=reason]").fill("GPU maintenance on sim-node-1 at noon")
+                row.locator("button", has_text="Revoke").click()
+                assert "revoked" in admin.locator("p.msg").inner_text()
+                ended = toast(bob, "GPU lease revoked")
+                ended.wait_for(timeout=60_000)
+                bob.screenshot(path=str(shots / "feed-04-revoke-notification.png"))
+                ends = feed.find("lease", event="ended")
+                assert ends and ends[-1]["lease"]["id"] == new_lease["id"] and shown(ends[-1]["message"], ended.inner_text()), (ended.inner_text(), ends)
+                assert "GPU maintenance on sim-node-1 at noon" in ended.inner_text()
+                wait_for(lambda: not item.inner_text().startswith("GPU L4"), 30, "the status bar still shows the revoked lease", interval=0.5)
+
+                # the events came in order on the stream, each once
+                ids = [int(e["id"]) for e in feed.events if e["event"] != "sample" and e["id"]]
+                assert ids == sorted(ids)
+                kinds = [e["event"] for e in feed.events]
+                assert {"status", "lease", "warning", "reclaim", "resume"} <= set(kinds)
+
+                # the feed was answered 200 every time it was opened, and the server never refused it; a
+                # request without the XSRF token is refused (so the log would show a client that forgot it)
+                refused = bob.evaluate("async () => (await fetch('/user/bob/gpulease/api/feed?probe=no-xsrf')).status")
+                assert refused == 403
+                streams = [status for url, status in feed.answers if "probe=no-xsrf" not in url]
+                assert streams and set(streams) == {200}, feed.answers
+                log = (state / "jupyterhub.log").read_text(errors="replace")
+                assert re.search(r"403 GET /user/bob/gpulease/api/feed\?probe=no-xsrf", log), "the server's log does not show refusals"
+                refusals = [line for line in log.splitlines() if re.search(r"\b403 \w+ /user/\w+/gpulease/api/", line) and "probe=no-xsrf" not in line]
+                assert not refusals, refusals
+            except BaseException:
+                for ctx in browser.contexts:
+                    for i, pg in enumerate(ctx.pages):
+                        pg.screenshot(path=str(shots / f"feed-failed-{browser.contexts.index(ctx)}-{i}.png"))
                 raise
             finally:
                 browser.close()
