@@ -155,13 +155,29 @@ def test_demo_starts_serves_a_leased_server_and_ctrl_c_leaves_nothing(tmp_path):
             return status == 200 and (model["servers"].get("") or {}).get("ready")
         wait_for(ready, 90, "alice's server did not become ready")
         assert demo.leases() == [("alice", "active")]
+
+        # bob starts without a GPU and asks for one from inside his server, as %gpu request does
+        bob = Browserless(demo, "bob")
+        bob.submit({"choice": "cpu"})
+
+        def bob_ready():
+            status, model = demo.hub_api("GET", "users/bob")
+            return status == 200 and (model["servers"].get("") or {}).get("ready")
+        wait_for(bob_ready, 90, "bob's server did not become ready")
+        bob.opener.open(f"{demo.url}/user/bob/lab").read()  # the server's login (OAuth) and its page set its cookies (_xsrf)
+        xsrf = [c.value for c in bob.jar if c.name == "_xsrf" and c.path.startswith("/user/bob")][-1]
+        req = urllib.request.Request(f"{demo.url}/user/bob/gpulease/api/lease", data=json.dumps({"gpus": 1}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "X-XSRFToken": xsrf})
+        bob.opener.open(req).read()
+        wait_for(lambda: ("bob", "active") in demo.leases(), 30, "bob's own request was not granted")
         server_pids = processes_in(tmp_path / "state" / "home")
         assert server_pids
     finally:
         rc = demo.interrupt() if demo.proc.poll() is None else demo.proc.returncode
     assert rc == 0, demo.output()
     assert "Stopped; nothing is left running." in demo.output()
-    assert demo.leases() == [("alice", "released")]
+    # the spawner's lease and the one bob's server took itself: both given back at Ctrl-C
+    assert sorted(demo.leases()) == [("alice", "released"), ("bob", "released")], demo.leases()
     wait_for(lambda: not processes_in(tmp_path / "state"), 10, "processes of the demo are still running")
     assert not pid_alive(demo.proc.pid)
 

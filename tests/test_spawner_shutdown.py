@@ -121,3 +121,68 @@ def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lea
             for p in procs:
                 if pid_alive(p):
                     os.kill(p, signal.SIGKILL)
+
+
+def test_a_hub_killed_while_its_broker_is_down_follows_its_servers_again_and_no_lease_outlives_its_server(tmp_path):
+    """SIGKILL: the hub has no clean-up at all. Its servers run on; alice's dies while the hub
+    is away. The next hub follows bob's server again and finds alice's gone before its broker
+    answers (JupyterHub checks its servers before it starts its services): the end of her lease
+    waits in the outbox and reaches the broker as soon as it answers (not after the broker's own
+    check, whose grace is an hour here). Then that hub stops normally (cleanup_servers): bob's
+    server stops and both his leases end."""
+    hub, url, token = make_hub(tmp_path, users=("alice", "bob"), broker_lines=("c.GPULeaseBroker.reconcile_grace = 3600",))
+    procs: list[int] = []
+    try:
+        for user, options in (("alice", {"share": 0.5}), ("bob", {"kind": "cpu"})):
+            status, body = spawn(hub, user, options)
+            assert status in (201, 202), body
+            wait_ready(hub, user)
+        _user_call(hub, "bob", hub.create_token("bob"), "POST", "gpulease/api/lease", {"share": 0.5})
+        (alices,) = leases_of(url, token, "alice", "active")
+        (bobs,) = leases_of(url, token, "bob", "active")
+        alice_pid, bob_pid = server_pid(hub, "alice"), server_pid(hub, "bob")
+        procs = [alice_pid, bob_pid, *_descendants(alice_pid), *_descendants(bob_pid)]
+
+        (tmp_path / BROKER_HOLD).touch()
+        _kill_brokers(hub)
+        services = [pid for pid, cmd in hub.descendants() if BROKER_HOLD in cmd]  # the held restart of the service
+        os.kill(hub.pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(hub.pid), 30, "the hub did not die")
+        hub.proc = None
+        for pid in services:  # what a service manager does with a dead hub's services
+            os.kill(pid, signal.SIGKILL)
+        os.kill(alice_pid, signal.SIGKILL)  # her server dies while no hub watches
+        assert pid_alive(bob_pid)
+
+        # a hub waits for its managed services at start: it starts with the broker, as a service
+        # manager would restart both; it checks its servers before the broker answers
+        (tmp_path / BROKER_HOLD).unlink()
+        hub.start()
+        wait_for(lambda: server_model(hub, "alice") is None, 60, "the new hub did not notice alice's server is gone")
+        wait_ready(hub, "bob")
+
+        def state(lease_id):
+            from test_spawner_e2e import broker_call
+            try:
+                return broker_call(url, token, "get_lease", lease_id)["state"]
+            except Exception:
+                return None
+        wait_for(lambda: state(alices["id"]) == "released", 90, "alice's lease did not end once the broker answered")
+        assert state(bobs["id"]) == "active" and pid_alive(bob_pid)  # his server runs: its lease stays
+
+        proc = hub.proc
+        hub.keep_servers = True
+        hub.stop(timeout=120)
+        hub.keep_servers = False
+        assert proc.returncode != -signal.SIGKILL
+        assert not [p for p in procs if pid_alive(p)], hub.log_tail(40)
+        hub.start()  # only to ask the broker: both of bob's leases ended with his server
+        wait_for(lambda: state(bobs["id"]) == "released", 60, "bob's own lease is still active")
+    finally:
+        try:
+            (tmp_path / BROKER_HOLD).unlink(missing_ok=True)
+            hub.stop()
+        finally:
+            for p in procs:
+                if pid_alive(p):
+                    os.kill(p, signal.SIGKILL)

@@ -721,6 +721,13 @@ class GPULeaseSpawner(Spawner):
             if ends:
                 # a moment for the broker's answer, never longer: the ends go on in the background
                 await asyncio.wait(ends, timeout=min(5.0, self.broker_timeout))
+            first = ends[0] if ends else None
+            if lease_id and first is not None and first.done() and not first.cancelled() and first.exception() is None and first.result() is None:
+                # the lease had already ended (the idle culler released it saying why, an admin
+                # revoked it): the home page says how, not "server stopped"
+                ended = await self._read_lease_briefly(lease_id)
+                if ended and ended.get("state") not in ACTIVE_STATES and ended.get("state") != "unknown":
+                    self._remember_end(ended)
 
     async def poll(self):
         if self._stopping:
