@@ -11,7 +11,8 @@ A second test follows bob's JupyterLab through the live feed, with the hub and s
 XSRF as a default deployment does: a grant, an idle reclaim (suspend), a resume from the
 notification and an admin's revoke each arrive as a notification carrying the message of an event
 that the event stream delivered (read from Chromium's DevTools protocol), the stream is answered
-200 and the server's log has no 403 for the gpulease API. Its screenshots go to
+200 and the server's log has no 403 for the gpulease API; when the stream cannot be opened the
+status bar polls, and goes back to the stream when it can. Its screenshots go to
 test-artifacts/browser/feed-*.png.
 
 The demo runs from a copy of the example configs that warns of expiry 12 h ahead (so a fresh
@@ -341,6 +342,19 @@ def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_p
                 assert re.search(r"403 GET /user/bob/gpulease/api/feed\?probe=no-xsrf", log), "the server's log does not show refusals"
                 refusals = [line for line in log.splitlines() if re.search(r"\b403 \w+ /user/\w+/gpulease/api/", line) and "probe=no-xsrf" not in line]
                 assert not refusals, refusals
+
+                # when the stream cannot be opened (here a proxy answers 503 for it), the status bar asks for
+                # the status instead, and opens the stream again once it can
+                bob.context.route("**/gpulease/api/feed*", lambda route: route.fulfill(status=503, body="no streams today"))
+                other = bob.context.new_page()
+                other.goto(f"{demo.url}/user/bob/lab/workspaces/feed-down?reset")
+                other_item = other.locator(".jp-gpulease-status")
+                other_item.wait_for(timeout=120_000)
+                wait_for(lambda: other_item.get_attribute("data-feed") == "polling" and other_item.inner_text().strip() == "GPU none", 60,
+                         "without the stream, the status bar did not show the status by asking", interval=0.5)
+                other.screenshot(path=str(shots / "feed-05-stream-down-status-by-polling.png"))
+                bob.context.unroute("**/gpulease/api/feed*")
+                wait_for(lambda: other_item.get_attribute("data-feed") == "live", 90, "the stream was not opened again", interval=0.5)
             except BaseException:
                 for ctx in browser.contexts:
                     for i, pg in enumerate(ctx.pages):
