@@ -11,6 +11,7 @@ file, and the next hub sends them as soon as its broker answers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import urllib.request
@@ -37,8 +38,6 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _user_call(hub, user: str, token: str, method: str, path: str, body: dict | None = None) -> dict:
-    import json
-
     req = urllib.request.Request(f"{hub.url}/user/{user}/{path}", method=method,
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
@@ -186,3 +185,54 @@ def test_a_hub_killed_while_its_broker_is_down_follows_its_servers_again_and_no_
             for p in procs:
                 if pid_alive(p):
                     os.kill(p, signal.SIGKILL)
+
+
+def test_an_admins_revoke_with_a_grace_warns_the_holder_then_says_why_on_the_home_page_and_in_the_notebook(tmp_path):
+    """On a hub whose servers keep running when their lease ends (on_lease_end = "keep"), an
+    admin revokes bob's lease with a grace: the admin's answer says his server keeps running;
+    bob's home page and his server's status (what the notebook shows) carry the admin's words
+    as a warning while the grace runs, and the end with its reason after it; the server runs on."""
+    from jupyter_gpulease.hub.pages import TEMPLATE_PATH
+    from test_spawner_e2e import broker_call
+
+    hub, url, token = make_hub(tmp_path, users=("bob",), config_lines=[
+        "c.GPULeaseSpawner.on_lease_end = 'keep'", f"c.JupyterHub.template_paths = [{TEMPLATE_PATH!r}]",
+        # the server hears the broker's warnings in its heartbeats' answers: every 2 s here
+        "c.Spawner.args = ['--allow-root', '--GPULeaseExtension.heartbeat_interval=2']"])
+    pid = None
+    try:
+        status, body = spawn(hub, "bob", {"share": 0.5})
+        assert status in (201, 202), body
+        wait_ready(hub, "bob")
+        pid = server_pid(hub, "bob")
+        (lease,) = leases_of(url, token, "bob", "active")
+        assert lease["meta"]["on_end"] == "keep"
+        bob_token = hub.create_token("bob")
+        browser = hub.login("bob")
+
+        def home() -> str:
+            return browser.open(f"{hub.url}/hub/home", timeout=30).read().decode()
+
+        status, answer = hub.request("POST", f"{url}api/leases/{lease['id']}/release",
+                                     {"state": "revoked", "reason": "node maintenance at noon", "grace_s": 20}, token=token)
+        assert status == 200 and answer["state"] == "active" and answer["preempt_at"], answer
+        words = "an admin ends this lease in"
+        wait_for(lambda: words in home() and "node maintenance at noon" in home(), 15, "bob's home page shows no warning")
+        wait_for(lambda: any(words in w.get("message", "").lower() and "node maintenance at noon" in w["message"] for w in
+                             _user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0")["warnings"]),
+                 45, "bob's server does not show the warning: "
+                 + json.dumps(_user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0").get("warnings")))
+
+        wait_for(lambda: broker_call(url, token, "get_lease", lease["id"])["state"] == "revoked", 60, "the grace did not end the lease")
+
+        def ended_on_home():
+            page = home()
+            return 'data-kind="ended"' in page and "node maintenance at noon" in page and "Your server keeps running without a GPU." in page
+        wait_for(ended_on_home, 30, "bob's home page does not say why his lease ended")
+        wait_for(lambda: (_user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0").get("last_lease") or {}).get("state") == "revoked",
+                 60, "bob's server does not know its lease was revoked")
+        last = _user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0")["last_lease"]
+        assert "node maintenance at noon" in last["end_reason"], last
+        assert pid_alive(pid) and server_model(hub, "bob")["ready"]
+    finally:
+        hub.stop()
