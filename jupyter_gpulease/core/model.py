@@ -76,9 +76,13 @@ class MigInstance:
     profile: str  # e.g. "1g.10gb", "3g.40gb"
     memory_mib: int
     index: int = 0
+    device: str = ""  # its nvidia-capN node, where known (device enforcement)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uuid": self.uuid, "profile": self.profile, "memory_mib": self.memory_mib, "index": self.index}
+        d = {"uuid": self.uuid, "profile": self.profile, "memory_mib": self.memory_mib, "index": self.index}
+        if self.device:
+            d["device"] = self.device
+        return d
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,14 @@ class GPU:
     memory_mib: int
     mig: tuple[MigInstance, ...] = ()
     healthy: bool = True
+    device: str = ""  # path of its character device (/dev/nvidiaN), where the backend knows it
 
     @property
     def mig_enabled(self) -> bool:
         return bool(self.mig)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "uuid": self.uuid,
             "node": self.node,
             "index": self.index,
@@ -111,6 +116,9 @@ class GPU:
             "mig": [m.to_dict() for m in self.mig],
             "healthy": self.healthy,
         }
+        if self.device:
+            d["device"] = self.device
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPU:
@@ -122,6 +130,7 @@ class GPU:
             memory_mib=int(d["memory_mib"]),
             mig=tuple(MigInstance(**m) for m in d.get("mig", ())),
             healthy=bool(d.get("healthy", True)),
+            device=str(d.get("device") or ""),
         )
 
 

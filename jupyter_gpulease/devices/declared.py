@@ -11,6 +11,10 @@ One entry describes ``count`` identical GPUs on one node::
 with those instances; the memory of an instance comes from its profile name ("3g.40gb" →
 40 GiB). GPUs are numbered per node in declaration order. UUIDs are derived from node and
 index, so they stay the same across restarts; ``uuids`` (one per GPU) sets them explicitly.
+``devices`` (one per GPU) names each GPU's character device, for device enforcement: a path
+(``"/dev/nvidia0"``), or ``{"device": "/dev/nvidia0", "mig": ["/dev/nvidia-caps/nvidia-cap21", ...]}``
+to name its MIG instances' nodes too (one per instance); without it a GPU's node is
+``/dev/nvidia{index}``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ..core.model import GPU, MigInstance
 MAX_MIG_SLICES = 7
 
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb(\+\w+)?$", re.IGNORECASE)
-_ENTRY_KEYS = {"node", "model", "count", "memory_mib", "mig", "uuids", "healthy"}
+_ENTRY_KEYS = {"node", "model", "count", "memory_mib", "mig", "uuids", "devices", "healthy"}
 _NAMESPACE = uuidlib.UUID("6f1c1a52-6a0e-4f1e-9a58-6770756c6561")  # fixed: UUIDs must not change between runs
 
 
@@ -98,20 +102,48 @@ def parse_inventory(entries: Any, *, default_node: str = "localhost", uuid_prefi
         if uuids is not None and (not isinstance(uuids, list) or len(uuids) != count
                                   or not all(isinstance(u, str) and u.strip() for u in uuids)):
             raise ValueError(f"{where}: 'uuids' must list one UUID string per GPU ({count}), got {uuids!r}")
+        nodes = _parse_devices(entry.get("devices"), where, count, len(profiles))
         for k in range(count):
             index = next_index.get(node, 0)
             next_index[node] = index + 1
             gpu_uuid = uuids[k].strip() if uuids else simulated_gpu_uuid(node, index, uuid_prefix)
             mig = tuple(
-                MigInstance(uuid=simulated_mig_uuid(node, index, i, uuid_prefix), profile=p, memory_mib=mem, index=i)
+                MigInstance(uuid=simulated_mig_uuid(node, index, i, uuid_prefix), profile=p, memory_mib=mem, index=i,
+                            device=nodes[k][1][i] if nodes and nodes[k][1] else "")
                 for i, (p, mem) in enumerate(profiles)
             )
             for u in (gpu_uuid, *(m.uuid for m in mig)):
                 if u in seen_uuids:
                     raise ValueError(f"{where}: UUID {u!r} is declared twice")
                 seen_uuids.add(u)
-            gpus.append(GPU(uuid=gpu_uuid, node=node, index=index, model=model, memory_mib=memory, mig=mig, healthy=healthy))
+            gpus.append(GPU(uuid=gpu_uuid, node=node, index=index, model=model, memory_mib=memory, mig=mig, healthy=healthy,
+                            device=nodes[k][0] if nodes else ""))
     return gpus
+
+
+def _parse_devices(raw: Any, where: str, count: int, n_mig: int) -> list[tuple[str, list[str]]] | None:
+    """``devices`` of an entry: one per GPU, a path or ``{"device": path, "mig": [paths]}``."""
+    if raw is None:
+        return None
+    shape = (f"{where}: 'devices' must list one device node per GPU ({count}), each a path such as "
+             f"'/dev/nvidia0' or {{'device': '/dev/nvidia0', 'mig': ['/dev/nvidia-caps/nvidia-cap21', ...]}}")
+    if not isinstance(raw, list) or len(raw) != count:
+        raise ValueError(f"{shape}, got {raw!r}")
+    out: list[tuple[str, list[str]]] = []
+    for d in raw:
+        if isinstance(d, dict):
+            if set(d) - {"device", "mig"}:
+                raise ValueError(f"{shape}; unknown key(s) in {d!r}")
+            path, mig = d.get("device"), d.get("mig", [])
+        else:
+            path, mig = d, []
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(f"{shape}; {path!r} is not an absolute path")
+        if not isinstance(mig, list) or not all(isinstance(m, str) and m.startswith("/") for m in mig) \
+                or (mig and len(mig) != n_mig):
+            raise ValueError(f"{where}: 'mig' of device {path!r} must list one absolute path per MIG instance ({n_mig}), got {mig!r}")
+        out.append((path, list(mig)))
+    return out
 
 
 def _parse_mig_list(raw: Any, where: str, memory_mib: int) -> list[tuple[str, int]]:

@@ -193,8 +193,10 @@ class NvmlBackend(DeviceBackend):
             total = int(mem.total // MIB) if mem is not None else 0
             mig = self._discover_mig(h, uuid, handles, gi_ids)
             handles[uuid] = h
+            minor = self._query("nvmlDeviceGetMinorNumber", h)  # its /dev/nvidiaN (device enforcement)
             gpus.append(GPU(uuid=uuid, node=self.node, index=int(index if index is not None else i), model=name,
-                            memory_mib=total, mig=tuple(mig), healthy=healthy))
+                            memory_mib=total, mig=tuple(mig), healthy=healthy,
+                            device=f"/dev/nvidia{int(minor)}" if isinstance(minor, int) else ""))
         self._gpus, self._handles, self._gi_ids = gpus, handles, gi_ids
 
     def _discover_mig(self, h: Any, gpu_uuid: str, handles: dict[str, Any], gi_ids: dict[str, int]) -> list[MigInstance]:
