@@ -196,6 +196,7 @@ class BrokerLink:
         self.feed_timeout = feed_timeout
         self.watches: dict[str, set[LeaseWatch]] = {}
         self.spawners: weakref.WeakSet = weakref.WeakSet()
+        self.event_listeners: list[Callable[[dict], None]] = []  # see add_event_listener
         self.connected = False  # the feed is caught up: watches hear of every change at once
         self.problem = ""  # why the broker cannot be used, for the admin ("" when fine)
         self.problem_kind = ""  # "unreachable", "url", "token", "scope"
@@ -246,6 +247,19 @@ class BrokerLink:
         if lease is None:
             self.refresh(lease_id)
         return w
+
+    def add_event_listener(self, listener: Callable[[dict], None]) -> Callable[[], None]:
+        """Call ``listener(event)`` with every event of the feed, of any lease of any user (the
+        event names the lease, not its user: read the lease to know whose it is). Returns a
+        function that removes it. Listeners run on the event loop and must not block."""
+        self.event_listeners.append(listener)
+        self._ensure_feed()
+
+        def remove() -> None:
+            if listener in self.event_listeners:
+                self.event_listeners.remove(listener)
+
+        return remove
 
     def _forget(self, w: LeaseWatch) -> None:
         ws = self.watches.get(w.lease_id)
@@ -402,6 +416,11 @@ class BrokerLink:
             kind = ev.get("kind")
             if kind in ("requested", "granted", "ended"):
                 queue_changed = True
+            for listener in list(self.event_listeners):
+                try:
+                    listener(ev)
+                except Exception:
+                    self.log.exception("A lease event listener failed on %s", kind)
             lid = ev.get("lease_id")
             if lid not in self.watches:
                 continue

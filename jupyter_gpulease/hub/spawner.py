@@ -34,7 +34,7 @@ from typing import Any
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner, Spawner
 from tornado import web
 from traitlets import Any as AnyTrait
-from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
 
 from ..client import BrokerError
 from ..core.request import SPAWNER_META
@@ -248,6 +248,31 @@ class GPULeaseSpawner(Spawner):
         memory only (a hub that exits before the broker is back then leaves those leases to the
         broker's own check with the hub). Example: ``/srv/jupyterhub/gpulease-pending.json``.""",
     ).tag(config=True)
+
+    enforce_devices = Enum(
+        ["required", "best-effort", "off"],
+        "best-effort",
+        help="""Whether each single-user server may open only the GPUs it leases (local-process
+        spawners: a device cgroup per server that allows the device nodes of its leases and
+        denies the pool's other GPUs, changed with every grant and end; kernels and terminals
+        inherit it). Needs root for the hub and either cgroup v1's ``devices`` controller or
+        systemd on cgroup v2; the hub logs one line at start saying which is in force.
+
+        ``"required"``: where neither works, GPU servers do not start (the spawn fails saying
+        why). ``"best-effort"`` (default): enforce where the host allows it, else run servers as
+        before (every GPU of the host can be opened) and say so in that line; the default because
+        it never stops a hub that ran before (hub not root, a container without the cgroup
+        mount). ``"off"``: never enforce.""",
+    ).tag(config=True)
+
+    device_cgroup_parent = Unicode(
+        "jupyter-gpulease",
+        help="""Name of the parent cgroup (cgroup v1) or unit-name prefix (systemd scopes) of the
+        per-server device cgroups: ``<devices mount>/<this>/<user>`` (``<user>:<server>`` for named
+        servers). Two hubs on one host need different names. Example: ``jupyter-gpulease``.""",
+    ).tag(config=True)
+
+    enforces_devices = False  # the engines whose servers are local processes set it
 
     # ------------------------------------------------------------------ state
     lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
@@ -494,6 +519,7 @@ class GPULeaseSpawner(Spawner):
         server_broker_url = self.server_broker_url or self.broker_url
         # cheap local checks first: a bad option fails at once, without the broker
         choice = self.lease_choice(self.user_options)
+        self._device_guard()  # enforcement required but impossible: fail before asking for anything
         if choice.cpu_only:
             self._lease_env = cpu_only_environment(broker_url=server_broker_url)
             if self.broker_url:
@@ -503,7 +529,7 @@ class GPULeaseSpawner(Spawner):
             self.emit_progress("No GPU for this server (CPU only)", 40)
             self._finish_lease_progress(engine_starts=True)
             self._restore_start_timeout()
-            return await super().start()
+            return await self._start_engine()
 
         client = self.broker
         pool, self._checked_pool = self._checked_pool, None  # fetched by the options check just before
@@ -547,7 +573,7 @@ class GPULeaseSpawner(Spawner):
                                expires_at=lease.get("expires_at"))
             self._finish_lease_progress(engine_starts=True)
             self._restore_start_timeout()
-            url = await super().start()
+            url = await self._start_engine()
         except BaseException as e:  # cancelled (the user pressed cancel), failed, timed out, withdrawn
             ended = self._watch.lease if self._watch is not None and not self._watch.live else None
             self._unfollow()
@@ -710,6 +736,7 @@ class GPULeaseSpawner(Spawner):
         finally:
             self._stopping = False
             self._close_progress()
+            self._devices_stopped()
             ends = [early] if early is not None else []
             if early is None and lease_id:
                 ends.append(self._end_lease(lease_id, "server stopped"))
@@ -742,6 +769,7 @@ class GPULeaseSpawner(Spawner):
                 self._remember_end({"id": lease_id, "state": "released", "end_reason": "its server was gone"})
                 self._end_lease(lease_id, "server is gone")
             return status
+        self._devices_adopt()
         if not lease_id:
             return None
         if self.link.shutting_down:
@@ -893,6 +921,7 @@ class GPULeaseSpawner(Spawner):
             w.close()
 
     def _on_lease_change(self, w: LeaseWatch) -> None:
+        self._devices_follow(w)
         if w.warning is not None and w.warning is not self.last_warning:
             self.last_warning = w.warning
             self.log.warning("Lease %s of %s: %s %s", w.lease_id, self._log_name, w.warning.get("kind"), w.warning.get("reason", ""))
@@ -901,6 +930,83 @@ class GPULeaseSpawner(Spawner):
             return
         # ended while the server runs: the hub's own path (poll() decides, callbacks clean up)
         self._end_task = self._background(self.poll_and_notify())
+
+
+    # ------------------------------------------------------------------ device access (local processes)
+    def _device_guard(self, *, check: bool = True):
+        """The hub's :class:`~.cgroups.DeviceGuard` when this spawner enforces device access
+        (None: not this engine, off, or not possible and not required). ``check``: raise the
+        spawn error where enforcement is required and impossible."""
+        if not self.enforces_devices or self.enforce_devices == "off" or not self.broker_url:
+            return None
+        from .cgroups import DeviceGuard
+
+        guard = DeviceGuard.for_spawner(self)
+        message = guard.required_failure()
+        if message and check:
+            raise spawn_error(message, reason="gpulease_devices", status_code=500)
+        return guard if guard.active else None
+
+    def _device_problem(self, e: BaseException, doing: str) -> None:
+        message = f"Could not {doing} the device cgroup of this server: {e}"
+        if self.enforce_devices == "required":
+            raise spawn_error(message + " (GPU device enforcement is required on this hub)", reason="gpulease_devices",
+                              status_code=500) from None
+        self.log.warning("%s (%s); it runs without device enforcement (best-effort)", message, self._log_name)
+
+    async def _start_engine(self):
+        """The engine's start, inside the server's device cgroup where this spawner enforces
+        device access: the cgroup is made with the rules of the lease (none: every GPU denied)
+        before, the server's process moved into it right after."""
+        guard = self._device_guard()
+        if guard is None:
+            return await super().start()
+        user, server = self.user.name, self.name or ""
+        lease = self.lease if self.lease_id and isinstance(self.lease, dict) else None
+        prefix: list[str] = []
+        try:
+            prefix = await guard.server_starting(user, server, lease)
+        except Exception as e:
+            self._device_problem(e, "make")
+        saved = self.cmd
+        if prefix:  # systemd: the server runs in a transient scope
+            self.cmd = [*prefix, *saved]
+        try:
+            url = await super().start()
+        finally:
+            if prefix:
+                self.cmd = saved
+        try:
+            await guard.server_started(user, server, getattr(self, "pid", 0))
+        except Exception as e:
+            if self.enforce_devices == "required":
+                await super().stop(now=True)
+            self._device_problem(e, "move the server into")
+        return url
+
+    def _existing_guard(self):
+        from .cgroups import DeviceGuard
+
+        guard = DeviceGuard._guards.get(self._link) if self._link is not None and self.enforces_devices else None
+        return guard if guard is not None and guard.active else None
+
+    def _devices_stopped(self) -> None:
+        guard = self._existing_guard()
+        if guard is not None and self.user is not None:
+            guard.server_stopped(self.user.name, self.name or "")
+
+    def _devices_adopt(self) -> None:
+        """A running server this hub process did not start (the hub restarted): its cgroup again."""
+        if not self.enforces_devices or self._lease_pending or self._stopping or self.user is None:
+            return
+        guard = self._device_guard(check=False)
+        if guard is not None and not guard.known(self.user.name, self.name or ""):
+            self._background(guard.adopt(self.user.name, self.name or "", getattr(self, "pid", 0), self.lease_id))
+
+    def _devices_follow(self, w: LeaseWatch) -> None:
+        guard = self._existing_guard()
+        if guard is not None and self.user is not None and isinstance(w.lease, dict):
+            guard.lease_changed(self.user.name, self.name or "", {"id": w.lease_id, **w.lease})
 
 
 def _queue_progress(q: dict) -> int:
@@ -929,12 +1035,16 @@ async def _render_options_form(spawner: GPULeaseSpawner) -> str:
 class GPULeaseLocalProcessSpawner(GPULeaseSpawner, LocalProcessSpawner):
     """Local processes as system users, with GPU leases (entry point ``gpulease-local``)."""
 
+    enforces_devices = True
+
 
 class GPULeaseSimpleLocalProcessSpawner(GPULeaseSpawner, SimpleLocalProcessSpawner):
     """Local processes without system users, for demos and tests (entry point ``gpulease-simple``).
 
     Like JupyterHub's SimpleLocalProcessSpawner: no isolation between users; never in production.
     """
+
+    enforces_devices = True
 
 
 def _attach_to_running_hub() -> None:
@@ -958,6 +1068,9 @@ def _attach_to_running_hub() -> None:
 
         if lifecycle.uses_lease_spawner(self):
             lifecycle.attach(self)
+            from .cgroups import log_at_hub_start
+
+            log_at_hub_start(self)
         return await init_spawners(self, *args, **kwargs)
 
     hub_class.init_spawners = init_spawners_with_leases

@@ -1,0 +1,560 @@
+"""Device access follows the lease, for single-user servers that run as local processes.
+
+Each server of a local-process lease spawner runs in a device cgroup of its own that allows the
+device nodes of the leases bound to it (the spawner's own lease and those the server took
+itself, ``%gpu request`` or a resume) and denies every other GPU of the pool; a server without
+a lease is denied every GPU (and the driver's control nodes). Kernels and terminals the server
+starts inherit its cgroup. Every change of those leases (a grant, a resume, an end, a revoke,
+a reclaim, a preemption) changes the rules, as the hub's shared event feed reports it.
+
+Two mechanisms, behind one interface (:class:`V1Devices`, :class:`SystemdScopes`):
+
+* **cgroup v1** ``devices`` controller (found in ``/proc/self/mountinfo``): a cgroup
+  ``<mount>/<device_cgroup_name>/<user>[:<server>]`` made at spawn, the server's process moved
+  into it (``cgroup.procs``) right after the engine started it, ``devices.deny`` for the GPUs it
+  may not use and ``devices.allow`` for those it leases; removed when the server stops (left in
+  place, still denying, while a process of it lives on).
+* **cgroup v2 through systemd** (systemd is PID 1, ``systemd-run`` and ``systemctl`` exist):
+  the server's command runs under ``systemd-run --scope -p DevicePolicy=closed -p
+  DeviceAllow=...`` and a change is ``systemctl set-property --runtime <scope>
+  DeviceAllow= DeviceAllow=...`` (the empty value resets the list). ``closed`` keeps the
+  standard pseudo devices (``/dev/null``, ``/dev/tty``, ``/dev/ptmx``, ...); pseudo terminals
+  (``char-pts``) are allowed explicitly for terminals.
+
+A device cgroup checks ``open()``: a process that already holds a GPU keeps its file
+descriptors after a deny. Every write happens off the hub's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..core.request import SPAWNER_META
+from . import devaccess
+from .devaccess import DeviceNode
+
+log = logging.getLogger("jupyter_gpulease.hub.cgroups")
+
+MODES = ("required", "best-effort", "off")
+MOUNTINFO = "/proc/self/mountinfo"
+SYSTEMD_RUN_DIR = "/run/systemd/system"
+
+
+# --------------------------------------------------------------------------- finding a mechanism
+def _mounts(mountinfo: str) -> list[tuple[str, str, set[str]]]:
+    """``(mount point, fs type, super options)`` of each line of a mountinfo file."""
+    out = []
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        out.append((point, tail[0], set(tail[2].split(","))))
+    return out
+
+
+def v1_devices_mount(mountinfo: str = MOUNTINFO) -> str | None:
+    """Where the cgroup v1 ``devices`` controller is mounted; None without it."""
+    for point, fstype, opts in _mounts(mountinfo):
+        if fstype == "cgroup" and "devices" in opts:
+            return point
+    return None
+
+
+def cgroup2_mount(mountinfo: str = MOUNTINFO) -> str | None:
+    for point, fstype, _ in _mounts(mountinfo):
+        if fstype == "cgroup2":
+            return point
+    return None
+
+
+def cgroup_name(user: str, server: str = "") -> str:
+    """The per-server cgroup's name: ``alice`` (default server) or ``alice:gpu2``."""
+    name = f"{user}:{server}" if server else user
+    return re.sub(r"[/\s]", "_", name) or "_"
+
+
+def systemd_escape(name: str) -> str:
+    """Like ``systemd-escape``: a string that can stand in a unit name."""
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isascii() and (ch.isalnum() or ch in ":_" or (ch == "." and i > 0)):
+            out.append(ch)
+        elif ch == "/":
+            out.append("-")
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+class Mechanism:
+    """What enforces device access on this host: ``kind`` "v1", "systemd" or "none", and why."""
+
+    def __init__(self, kind: str, why: str, backend: Any = None):
+        self.kind = kind
+        self.why = why
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"Mechanism({self.kind!r}, {self.why!r})"
+
+
+def detect(parent: str = "jupyter-gpulease", *, mountinfo: str = MOUNTINFO, systemd_dir: str = SYSTEMD_RUN_DIR,
+           which: Callable[[str], str | None] = shutil.which, euid: int | None = None, probe: bool = True) -> Mechanism:
+    """The mechanism this host offers: v1's devices controller where it is mounted and writable
+    (``probe``: make the parent cgroup to be sure), else systemd scopes where systemd runs on a
+    cgroup v2 host, else none (with the reason)."""
+    euid = os.geteuid() if euid is None else euid
+    why_not = []
+    mount = v1_devices_mount(mountinfo)
+    if mount is None:
+        why_not.append("no cgroup v1 devices controller is mounted")
+    elif euid != 0:
+        why_not.append(f"the cgroup v1 devices controller at {mount} needs root (the hub runs as uid {euid})")
+    else:
+        root = os.path.join(mount, parent)
+        try:
+            if probe:
+                os.makedirs(root, exist_ok=True)
+            return Mechanism("v1", f"cgroup v1 devices controller, one cgroup per server under {root}", V1Devices(mount, parent))
+        except OSError as e:
+            why_not.append(f"cannot make {root}: {e.strerror}")
+    v2 = cgroup2_mount(mountinfo)
+    if v2 is None:
+        why_not.append("no cgroup v2 hierarchy is mounted")
+    elif not os.path.isdir(systemd_dir):
+        why_not.append("systemd is not the init system (no systemd scopes)")
+    elif not (which("systemd-run") and which("systemctl")):
+        why_not.append("systemd-run/systemctl are not installed")
+    elif euid != 0:
+        why_not.append(f"systemd scopes with device rules need root (the hub runs as uid {euid})")
+    else:
+        return Mechanism("systemd", f"systemd scopes (cgroup v2 at {v2}) with DevicePolicy=closed and DeviceAllow=",
+                         SystemdScopes(parent))
+    return Mechanism("none", "; ".join(why_not))
+
+
+# --------------------------------------------------------------------------- the two backends
+class V1Devices:
+    """cgroup v1 ``devices`` controller: one cgroup per server under ``<mount>/<parent>``."""
+
+    kind = "v1"
+
+    def __init__(self, mount: str, parent: str = "jupyter-gpulease"):
+        self.root = os.path.join(mount, parent)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def command_prefix(self, name: str, allowed: list[DeviceNode]) -> list[str]:
+        return []
+
+    def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        os.makedirs(self.path(name), exist_ok=True)
+        self.apply(name, allowed, denied)
+
+    def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        allow, deny = devaccess.v1_rules(allowed, denied)
+        path = self.path(name)
+        # one rule per write (the kernel reads one per call); denies first: never both at once
+        for file, rules in (("devices.deny", deny), ("devices.allow", allow)):
+            for rule in rules:
+                with open(os.path.join(path, file), "w") as f:
+                    f.write(rule)
+
+    def attach(self, name: str, pid: int) -> None:
+        with open(os.path.join(self.path(name), "cgroup.procs"), "w") as f:
+            f.write(str(int(pid)))
+
+    def pids(self, name: str) -> list[int]:
+        try:
+            with open(os.path.join(self.path(name), "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except OSError:
+            return []
+
+    def holds(self, name: str, pid: int) -> bool:
+        return int(pid) in self.pids(name)
+
+    def remove(self, name: str) -> bool:
+        """rmdir the server's cgroup; False while a process of it lives on (it stays, denying)."""
+        try:
+            os.rmdir(self.path(name))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
+
+class SystemdScopes:
+    """cgroup v2 through systemd: a transient scope per server, its ``DeviceAllow=`` the lease.
+
+    ``run`` runs a command (``subprocess.run``'s signature); tests pass one that records it.
+    """
+
+    kind = "systemd"
+    EXTRA_ALLOW = ("char-pts rw",)  # terminals; DevicePolicy=closed keeps /dev/null, /dev/ptmx, ...
+
+    def __init__(self, parent: str = "jupyter-gpulease", run: Callable[..., Any] = subprocess.run):
+        self.parent = parent
+        self.run = run
+        self._started: set[str] = set()
+
+    def unit(self, name: str) -> str:
+        return f"{systemd_escape(self.parent)}-{systemd_escape(name)}.scope"
+
+    def properties(self, allowed: Iterable[DeviceNode]) -> list[str]:
+        """The scope's device properties: ``DevicePolicy=closed`` and one ``DeviceAllow=`` each."""
+        return ["DevicePolicy=closed", *(f"DeviceAllow={v}" for v in (*self.EXTRA_ALLOW, *devaccess.systemd_device_allow(allowed)))]
+
+    def scope_command(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
+        """What the server's command runs under: ``systemd-run --scope`` (it execs the command, so
+        the engine's pid is the server's)."""
+        cmd = ["systemd-run", "--scope", "--quiet", "--collect", f"--unit={self.unit(name)}"]
+        for p in self.properties(allowed):
+            cmd += ["-p", p]
+        return [*cmd, "--"]
+
+    def set_property_command(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
+        """A change at run time; ``DeviceAllow=`` alone first resets the list."""
+        props = self.properties(allowed)
+        return ["systemctl", "set-property", "--runtime", self.unit(name), props[0], "DeviceAllow=", *props[1:]]
+
+    def command_prefix(self, name: str, allowed: list[DeviceNode]) -> list[str]:
+        self._started.add(name)
+        return self.scope_command(name, allowed)
+
+    def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        pass  # the scope is made by systemd-run with the server's command
+
+    def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        if name not in self._started:
+            return
+        r = self.run(self.set_property_command(name, allowed), capture_output=True, text=True, timeout=30)
+        if getattr(r, "returncode", 0) != 0:
+            raise OSError(f"systemctl set-property failed: {(getattr(r, 'stderr', '') or '').strip()}")
+
+    def attach(self, name: str, pid: int) -> None:
+        pass  # systemd-run put the process in the scope before it exec'd the server
+
+    def holds(self, name: str, pid: int) -> bool:
+        return True
+
+    def remove(self, name: str) -> bool:
+        self._started.discard(name)  # --collect: systemd drops the scope once its processes are gone
+        return True
+
+
+# --------------------------------------------------------------------------- the hub's guard
+def bound_to(lease: dict, user: str, server: str) -> bool:
+    """A lease a server took itself (``%gpu request``, a resume): it follows that server."""
+    meta = lease.get("meta") or {}
+    return (lease.get("user") == user and (lease.get("server") or "") == (server or "")
+            and meta.get("spawner") == SPAWNER_META and meta.get("taken_by") == "server")
+
+
+class DeviceError(Exception):
+    """Device access could not be set up as required."""
+
+
+class _Server:
+    def __init__(self, user: str, server: str):
+        self.user = user
+        self.server = server
+        self.name = cgroup_name(user, server)
+        self.leases: dict[str, dict] = {}  # lease id -> its JSON as last heard
+        self.own = ""  # the spawner's lease
+        self.lock = asyncio.Lock()
+        self.applied: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self.applied_at = 0.0  # time.monotonic() of the last rules written
+        self.attached = False
+
+
+class DeviceGuard:
+    """One per hub process and broker link: the device cgroups of the servers of this hub."""
+
+    _guards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # link -> guard
+
+    def __init__(self, link: Any, mode: str, mechanism: Mechanism, *, logger: logging.Logger | None = None,
+                 proc_devices: str = devaccess.PROC_DEVICES, stat: Callable[[str], Any] = os.stat):
+        self.link = link
+        self.mode = mode
+        self.mechanism = mechanism
+        self.backend = mechanism.backend if mode != "off" else None
+        self.log = logger or log
+        self.proc_devices = proc_devices
+        self.stat = stat
+        self.servers: dict[tuple[str, str], _Server] = {}
+        self.by_lease: dict[str, _Server] = {}
+        self.pool_nodes: dict[str, DeviceNode] = {}
+        self.uvm: int | None = None
+        self._pool_read = False
+        self._foreign: deque[str] = deque(maxlen=10000)
+        self._foreign_set: set[str] = set()
+        self._ended: deque[str] = deque(maxlen=10000)
+        self._learning: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        if self.backend is not None and hasattr(link, "add_event_listener"):
+            link.add_event_listener(self._on_event)
+
+    @classmethod
+    def for_spawner(cls, spawner: Any) -> DeviceGuard:
+        link = spawner.link
+        guard = cls._guards.get(link)
+        if guard is None:
+            mode = spawner.enforce_devices
+            mech = Mechanism("none", "off (c.GPULeaseSpawner.enforce_devices = 'off')") if mode == "off" else \
+                detect(spawner.device_cgroup_parent)
+            guard = cls._guards[link] = cls(link, mode, mech, logger=spawner.log)
+        return guard
+
+    @property
+    def active(self) -> bool:
+        return self.backend is not None
+
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def required_failure(self) -> str:
+        """The message a spawn fails with where enforcement is required and impossible; "" otherwise."""
+        if self.mode == "required" and self.backend is None:
+            return ("This hub requires GPU device enforcement (c.GPULeaseSpawner.enforce_devices = 'required'), "
+                    f"but this host offers no way to enforce it: {self.mechanism.why}. Ask the administrator.")
+        return ""
+
+    # ------------------------------------------------------------------ the pool
+    async def _read_pool(self, force: bool = False) -> None:
+        if self._pool_read and not force:
+            return
+        pool = await self.link.client.pool()
+        self.pool_nodes, self.uvm = await self._off_loop(self._resolve_pool, pool)
+        self._pool_read = True
+
+    def _resolve_pool(self, pool: dict) -> tuple[dict[str, DeviceNode], int | None]:
+        return devaccess.pool_gpu_nodes(pool, stat=self.stat), devaccess.uvm_major(self.proc_devices)
+
+    def rules(self, srv: _Server) -> tuple[list[DeviceNode], list[DeviceNode]]:
+        allowed = devaccess.leases_nodes(srv.leases.values(), self.pool_nodes, uvm=self.uvm)
+        return allowed, devaccess.denied_nodes(allowed, self.pool_nodes, uvm=self.uvm)
+
+    def _unknown_gpus(self, srv: _Server) -> bool:
+        for lease in srv.leases.values():
+            if devaccess.lease_holds(lease):
+                for s in lease["placement"]["slices"]:
+                    if s.get("gpu_uuid") and s["gpu_uuid"] not in self.pool_nodes:
+                        return True
+        return False
+
+    # ------------------------------------------------------------------ a server's life
+    def _track(self, srv: _Server, lease: dict | None) -> None:
+        if lease and lease.get("id"):
+            srv.leases[lease["id"]] = lease
+            self.by_lease[lease["id"]] = srv
+
+    async def server_starting(self, user: str, server: str, lease: dict | None) -> list[str]:
+        """Make the server's cgroup with the rules of ``lease`` (None: no GPU); the command prefix
+        the engine's command gets (systemd), or []."""
+        if self.backend is None:
+            return []
+        srv = self.servers.get((user, server))
+        if srv is None:
+            srv = self.servers[(user, server)] = _Server(user, server)
+        for lid in list(srv.leases):
+            self.by_lease.pop(lid, None)
+        srv.leases.clear()
+        srv.attached = False
+        srv.own = (lease or {}).get("id", "")
+        self._track(srv, lease)
+        async with srv.lock:
+            await self._read_pool(force=self._unknown_gpus(srv))
+            allowed, denied = self.rules(srv)
+            await self._off_loop(self.backend.prepare, srv.name, allowed, denied)
+            srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
+            srv.applied_at = time.monotonic()
+            return self.backend.command_prefix(srv.name, allowed)
+
+    async def server_started(self, user: str, server: str, pid: int) -> None:
+        """Move the server's process into its cgroup (right after the engine started it)."""
+        srv = self.servers.get((user, server))
+        if self.backend is None or srv is None or not pid:
+            return
+        await self._off_loop(self.backend.attach, srv.name, pid)
+        srv.attached = True
+
+    async def adopt(self, user: str, server: str, pid: int, own_lease_id: str) -> None:
+        """A server this hub process did not start (the hub restarted): its cgroup again, its
+        bound leases read from the broker, its process (still) in the cgroup."""
+        if self.backend is None or (user, server) in self.servers:
+            return
+        srv = self.servers[(user, server)] = _Server(user, server)
+        try:
+            leases = await self.link.client.list_leases(state="live", user=user)
+        except Exception as e:
+            self.servers.pop((user, server), None)
+            self.log.debug("Device access of %s/%s: could not list leases yet: %s", user, server, e)
+            return
+        srv.own = own_lease_id
+        for lease in leases:
+            if lease.get("id") == own_lease_id or bound_to(lease, user, server):
+                self._track(srv, lease)
+        async with srv.lock:
+            await self._read_pool()
+            allowed, denied = self.rules(srv)
+            await self._off_loop(self.backend.prepare, srv.name, allowed, denied)
+            srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
+            srv.applied_at = time.monotonic()
+        if pid and not await self._off_loop(self.backend.holds, srv.name, pid):
+            await self.server_started(user, server, pid)
+
+    def known(self, user: str, server: str) -> bool:
+        return (user, server) in self.servers
+
+    def server_stopped(self, user: str, server: str) -> asyncio.Task | None:
+        srv = self.servers.pop((user, server), None)
+        if srv is None or self.backend is None:
+            return None
+        for lid in list(srv.leases):
+            self.by_lease.pop(lid, None)
+        return self._background(self._remove(srv))
+
+    async def _remove(self, srv: _Server) -> None:
+        for delay in (0, 0.5, 2, 5):
+            await asyncio.sleep(delay)
+            if (srv.user, srv.server) in self.servers:
+                return  # started again meanwhile: the new server uses it
+            if await self._off_loop(self.backend.remove, srv.name):
+                return
+        self.log.info("Device cgroup of %s still holds processes of the stopped server; it stays, denying the GPUs", srv.name)
+
+    def lease_changed(self, user: str, server: str, lease: dict) -> None:
+        """The spawner heard of its own lease (the feed, a poll): follow it."""
+        srv = self.servers.get((user, server))
+        if srv is None or not lease.get("id") or lease["id"] not in srv.leases:
+            return
+        old = srv.leases[lease["id"]]
+        if old.get("state") == lease.get("state") and old.get("placement") == lease.get("placement"):
+            return
+        srv.leases[lease["id"]] = {**old, **lease}
+        self._background(self._apply(srv))
+
+    async def _apply(self, srv: _Server) -> None:
+        async with srv.lock:
+            if self.servers.get((srv.user, srv.server)) is not srv:
+                return
+            try:
+                if self._unknown_gpus(srv):
+                    await self._read_pool(force=True)
+                allowed, denied = self.rules(srv)
+                key = (tuple(map(str, allowed)), tuple(map(str, denied)))
+                if key == srv.applied:
+                    return
+                await self._off_loop(self.backend.apply, srv.name, allowed, denied)
+                srv.applied = key
+                srv.applied_at = time.monotonic()
+                gpus = set(self.pool_nodes.values())
+                self.log.info("Device access of server %s now: %s", srv.name,
+                              ", ".join(n.path for n in allowed if n in gpus) or "no GPU")
+            except Exception as e:
+                self.log.error("Could not change the device access of %s: %s", srv.name, e)
+
+    # ------------------------------------------------------------------ the feed
+    def _on_event(self, ev: dict) -> None:
+        kind, lid = ev.get("kind"), ev.get("lease_id")
+        if kind not in ("granted", "ended") or not lid:
+            return
+        srv = self.by_lease.get(lid)
+        if kind == "ended":
+            self._ended.append(lid)
+        if srv is not None:
+            old = srv.leases.get(lid) or {"id": lid}
+            if kind == "granted":
+                data = ev.get("data") or {}
+                new = {**old, "state": "active", "placement": data.get("placement") or old.get("placement")}
+            else:
+                new = {**old, "state": ev.get("to_state") or "ended"}
+            srv.leases[lid] = new
+            self._background(self._apply(srv))
+        elif kind == "granted" and self.servers and lid not in self._foreign_set and lid not in self._learning:
+            self._learning.add(lid)
+            self._background(self._learn(lid))
+
+    async def _learn(self, lid: str) -> None:
+        """A lease granted that no server of ours is known to hold: read whose it is."""
+        try:
+            lease = await self.link.client.get_lease(lid)
+        except Exception as e:
+            self.log.debug("Device access: could not read lease %s: %s", lid, e)
+            return
+        finally:
+            self._learning.discard(lid)
+        srv = next((s for (u, sv), s in self.servers.items() if bound_to(lease, u, sv)), None)
+        if srv is None:
+            if len(self._foreign) == self._foreign.maxlen:
+                self._foreign_set.discard(self._foreign[0])
+            self._foreign.append(lid)
+            self._foreign_set.add(lid)
+            return
+        if lid in self._ended and lease.get("state") == "active":
+            lease = {**lease, "state": "ended"}  # its end came while we read it
+        self._track(srv, lease)
+        await self._apply(srv)
+
+
+def hub_start_line(mode: str, mechanism: Mechanism) -> str:
+    """The one line the hub logs at start about device enforcement."""
+    if mode == "off":
+        return "GPU device access: not enforced (enforce_devices = 'off'); servers can open every GPU of the host"
+    if mechanism.kind != "none":
+        return f"GPU device access follows the lease ({mode}): {mechanism.why}"
+    if mode == "required":
+        return f"GPU device access: required but not possible on this host ({mechanism.why}); GPU servers will not start"
+    return f"GPU device access: not enforced on this host ({mechanism.why}); servers can open every GPU (best-effort)"
+
+
+def _config_value(cls: type, config: Any, name: str) -> Any:
+    """A trait's configured value for ``cls`` (its bases' sections first), without an instance."""
+    value = cls.class_traits()[name].default_value
+    for klass in reversed(cls.__mro__):
+        section = config.get(klass.__name__)
+        if section is not None and name in section:
+            value = section[name]
+    return value
+
+
+def log_at_hub_start(hub: Any) -> Mechanism | None:
+    """Log the one line about device enforcement when the hub starts (its spawner is a lease
+    spawner for local processes); returns the mechanism found (None: not such a spawner)."""
+    cls = getattr(hub, "spawner_class", None)
+    if not getattr(cls, "enforces_devices", False):
+        return None
+    mode = _config_value(cls, hub.config, "enforce_devices")
+    parent = _config_value(cls, hub.config, "device_cgroup_parent")
+    mech = Mechanism("none", "off") if mode == "off" else detect(parent)
+    line = hub_start_line(mode, mech)
+    (hub.log.warning if mech.kind == "none" and mode != "off" else hub.log.info)(line)
+    return mech
