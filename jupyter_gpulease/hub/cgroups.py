@@ -220,7 +220,7 @@ class SystemdScopes:
         self._started: set[str] = set()
 
     def unit(self, name: str) -> str:
-        return f"{systemd_escape(self.parent)}-{systemd_escape(name)}.scope"
+        return f"{self.parent}-{systemd_escape(name)}.scope"
 
     def properties(self, allowed: Iterable[DeviceNode]) -> list[str]:
         """The scope's device properties: ``DevicePolicy=closed`` and one ``DeviceAllow=`` each."""
@@ -270,10 +270,6 @@ def bound_to(lease: dict, user: str, server: str) -> bool:
     meta = lease.get("meta") or {}
     return (lease.get("user") == user and (lease.get("server") or "") == (server or "")
             and meta.get("spawner") == SPAWNER_META and meta.get("taken_by") == "server")
-
-
-class DeviceError(Exception):
-    """Device access could not be set up as required."""
 
 
 class _Server:
