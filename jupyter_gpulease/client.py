@@ -315,6 +315,10 @@ class BrokerClient:
         the broker now drains."""
         return (await self._call("POST", "api/drain", {"drain": drain}))["draining"]
 
+    async def unleased(self) -> dict:
+        """The caller's unleased GPU use: ``findings`` and the ``warnings`` its server shows."""
+        return await self._call("GET", "api/unleased", retry_for=0)
+
     async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
         """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one.
         ``since="latest"``: none, at once, with ``last_id`` the newest id (where to follow from)."""

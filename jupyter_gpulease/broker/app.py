@@ -47,6 +47,7 @@ from .checks import ConfigError
 from .inputs import Limits
 from .jsonapi import APIServer
 from .manager import LeaseManager, SystemClock
+from .unleased import BACKENDS_WITH_PROCESSES
 
 SERVICE_NAME = "gpulease"
 EXIT_CONFIG = 2  # the config is wrong: restarting will not help
@@ -174,6 +175,33 @@ class GPULeaseBroker(PolicyConfig, Application):
         0: the backend's own period (15 s for 'kubernetes' and 'slurm'; 'static', 'simulated'
         and 'nvml' are read once at start). Example: 30.
         """,
+    ).tag(config=True)
+
+    # ------------------------------------------------------------------ unleased GPU use
+    unleased_check_interval = Float(
+        30.0,
+        help="""Seconds between checks for unleased GPU use: every compute process on every GPU
+        (and MIG instance) the device backend sees ('nvml' on the broker's machine, 'simulated'),
+        mapped to its owner (Unix user, cgroup, the single-user server whose environment it
+        inherited) and compared with the live leases. A process on a GPU its owner does not
+        lease, or of someone who is no hub user, is *unleased use*: an ``unleased-use`` event,
+        metrics, a section of the admin page, and what ``unleased_use`` says. Reading other
+        users' processes needs root. 0: never check. Example: 15.""",
+    ).tag(config=True)
+    unleased_use = CaselessStrEnum(
+        ["report", "warn", "kill"],
+        "warn",
+        help="""What the broker does about unleased GPU use. 'report': the admin sees it (event,
+        metrics, admin page). 'warn' (default): the process's owner is told too, in their
+        notebook (a warning in the status bar). 'kill': told, and after ``unleased_grace_s`` the
+        process is stopped (SIGTERM, SIGKILL 5 s later) — that process only; root's processes
+        are never stopped. Stopping needs the broker to run as root on the GPUs' machine.
+        Example: "kill".""",
+    ).tag(config=True)
+    unleased_grace_s = Float(
+        300.0,
+        help="""Seconds unleased GPU use may last before the broker stops the process, when
+        ``unleased_use`` is 'kill'. Example: 120.""",
     ).tag(config=True)
 
     # ------------------------------------------------------------------ policy
@@ -348,6 +376,12 @@ class GPULeaseBroker(PolicyConfig, Application):
         self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
         self.metrics = BrokerMetrics(self.manager, per_user=self.metrics_per_user)
         self.manager.listeners.append(self._on_events)
+        self.unleased = None
+        if self.unleased_check_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
+            from .unleased import UnleasedDetector
+
+            self.unleased = UnleasedDetector(self.manager, self.backend, action=self.unleased_use.lower(), grace_s=self.unleased_grace_s,
+                                             hub_user_exists=self._hub_user_exists, logger=self.log)
 
     @property
     def limits(self) -> Limits:
@@ -382,9 +416,12 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     def make_http_delegate(self, web_app: WebApplication) -> APIServer:
         """What the HTTP server serves: the REST API's routes, then ``web_app`` for the rest."""
+        from . import unleased
         from .handlers import api_handlers
 
-        return APIServer(web_app, api_handlers(self.base_url), self.base_url, body_limit=self.max_body_bytes)
+        routes = api_handlers(self.base_url)
+        routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
+        return APIServer(web_app, routes, self.base_url, body_limit=self.max_body_bytes)
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()
@@ -417,6 +454,21 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     async def stop_server(self, user: str, server: str, why: str) -> None:
         await hubapi.stop_server(self.hub, user, server, why, self.log)
+
+    async def _hub_user_exists(self, name: str) -> bool | None:
+        """Whether the hub has a user called ``name`` (None: the hub did not answer)."""
+        from ..client import BrokerError
+
+        try:
+            return await self.hub.user(name) is not None
+        except BrokerError:
+            return None
+
+    async def _check_unleased(self) -> None:
+        try:
+            await self.unleased.check()
+        except Exception:
+            self.log.exception("the check for unleased GPU use failed")
 
     def _on_events(self, written, events) -> None:
         if not self.stop_servers_on_end:
@@ -496,6 +548,9 @@ class GPULeaseBroker(PolicyConfig, Application):
             self._background(self._prune())
         if self.store.dialect == "postgresql":
             self.periodic.append(PeriodicCallback(self._check_lock, 1000))
+        if self.unleased is not None:
+            self.periodic.append(PeriodicCallback(self._check_unleased, self.unleased_check_interval * 1000))
+            self.log.info("Checking for unleased GPU use every %g s (%s; grace %g s)", self.unleased_check_interval, self.unleased.action, self.unleased_grace_s)
         every = self.inventory_interval or float(getattr(self.backend, "inventory_refresh_s", 0) or 0)
         if every > 0:
             self.periodic.append(PeriodicCallback(self._refresh_inventory, every * 1000))
@@ -565,6 +620,8 @@ class GPULeaseBroker(PolicyConfig, Application):
         server = getattr(self, "http_server", None)
         if server is not None:
             server.stop()
+        if getattr(self, "unleased", None) is not None:
+            await self.unleased.close()
         if getattr(self, "manager", None):
             led = self.store.leader
             await self.manager.close()  # calls that come now are answered 503; the lock is let go

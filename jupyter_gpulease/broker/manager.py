@@ -116,6 +116,11 @@ class LeaseManager:
         self.count_totals: Callable[[list[Event]], dict[tuple[str, tuple[str, ...]], float]] | None = None
         self.totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self._ids = random.Random(os.urandom(32))
+        # unleased GPU use (broker/unleased.py): the standing findings as JSON, and the warnings
+        # of one user's findings for the heartbeat answers of that user's leases
+        self.unleased: list[dict[str, Any]] = []
+        self.unleased_action: str | None = None  # None: nothing checks
+        self.unleased_warnings: Callable[[str], list[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ plumbing
     def now(self) -> float:
@@ -264,7 +269,9 @@ class LeaseManager:
             lease = getattr(e, "lease", None)
             if lease is not None:
                 users[e.lease_id] = lease.user
-        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "")) for w in written)
+        # an event of no lease (unleased GPU use) goes to the user it names
+        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "") or (w.get("data") or {}).get("user") or "")
+                          for w in written)
         for listener in self.listeners:
             try:
                 listener(written, events)
@@ -448,6 +455,11 @@ class LeaseManager:
         await self._run(lambda: self.scheduler.heartbeat(lease_id, self.now(), usage), leases=[lease], tick=False)
         return await self.get(lease_id)
 
+    async def record(self, events: list[Event]) -> None:
+        """Commit events that belong to no lease (the unleased-use detector's): the audit log,
+        the feed and the counters carry them like the others."""
+        await self._stage(events, tick=False)
+
     async def set_inventory(self, gpus) -> list[Event]:
         events = self.scheduler.set_inventory(gpus, self.now())
         await self._stage(events)
@@ -603,6 +615,8 @@ class LeaseManager:
         warn = self.policy.warn_before_s or 0
         if exp is not None and exp - now <= warn:
             out.append({"kind": "expiring", "at": exp, "message": f"this lease expires in {format_duration(exp - now)}"})
+        if self.unleased_warnings is not None:
+            out += self.unleased_warnings(d["user"])
         return out
 
 

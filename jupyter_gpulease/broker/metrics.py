@@ -32,6 +32,7 @@ from prometheus_client.samples import Sample
 
 from ..core.events import ENDED, GRANTED, REQUESTED, Event
 from ..core.model import LeaseState
+from ..core.unleased import UNLEASED_STOP, UNLEASED_USE
 
 WAIT_BUCKETS = (1, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 86400)
 _BUCKET_NAMES = (*(str(float(b)) for b in WAIT_BUCKETS), "+Inf")
@@ -52,6 +53,9 @@ END_REASONS = {
     "failed": "could not be honoured (its GPUs left the pool, or it can no longer be granted)",
     "other": "any other end",
 }
+# whose process used a GPU without a lease, and how stopping one went (the unleased-use series)
+UNLEASED_OWNERS = ("hub_user", "not_hub_user")
+STOP_OUTCOMES = ("stopped", "not_stopped")
 # how a wait in the queue ended: the ``outcome`` label of gpulease_wait_seconds
 WAIT_OUTCOMES = ("granted", "withdrawn", "timed_out", "failed")
 NO_GROUP = "none"
@@ -121,6 +125,11 @@ def count_events(events: Iterable[Event]) -> dict[tuple[str, tuple[str, ...]], f
             add("ends", (e.to_state, end_reason(e.to_state, e.actor, e.reason), tier))
             if e.from_state == LeaseState.QUEUED.value and lease is not None:
                 waited(tier, wait_outcome(e.to_state, e.actor), e.time - lease.created_at)
+        elif e.kind == UNLEASED_USE:
+            add("unleased_findings", (str(e.data.get("model", "")), "hub_user" if e.data.get("hub_user") else "not_hub_user"))
+        elif e.kind == UNLEASED_STOP:
+            outcome = (e.data.get("stop") or {}).get("outcome")
+            add("unleased_stops", (str(e.data.get("model", "")), outcome if outcome in STOP_OUTCOMES else "not_stopped"))
     return out
 
 
@@ -149,6 +158,7 @@ class _BrokerCollector:
         yield from self._leases(live, tiers)
         yield from self._queue(live, tiers, m.now())
         yield from self._pool(live)
+        yield from self._unleased()
         yield from self._counters(tiers)
 
         commits = CounterMetricFamily("gpulease_store_commits", "Transactions this broker process committed (restarts at a fail-over: see _created)")
@@ -292,13 +302,34 @@ class _BrokerCollector:
             problem.add_metric(key, 1 if figures.get("health") else 0)
         yield from (healthy, held, busy, mem, problem)
 
+    # ------------------------------------------------------------------ unleased GPU use
+    def _unleased(self):
+        procs = GaugeMetricFamily("gpulease_unleased_processes", "Processes using a GPU (or MIG instance) their owner does not lease, by the GPU's model",
+                                  labels=["model"])
+        mem = GaugeMetricFamily("gpulease_unleased_memory_bytes", "GPU memory held by processes without a lease, by the GPU's model (as the driver reports it)",
+                                labels=["model"])
+        count: _Tally = _Tally()
+        held: dict[str, float] = {}
+        for d in getattr(self.manager, "unleased", None) or ():
+            count[d["model"]] += 1
+            held[d["model"]] = held.get(d["model"], 0.0) + max(0.0, _number(d.get("used_memory_mib")) or 0.0) * MIB
+        for model in sorted({g.model for g in self.manager.inventory()} | set(count)):
+            procs.add_metric([model], count.get(model, 0))
+            mem.add_metric([model], held.get(model, 0.0))
+        yield procs
+        yield mem
+
     # ------------------------------------------------------------------ durable counters
     def _counters(self, tiers: list[str]):
         totals = self.manager.totals
         requests = CounterMetricFamily("gpulease_requests", "Leases requested", labels=["tier"])
         grants = CounterMetricFamily("gpulease_grants", "Leases granted", labels=["tier"])
         ends = CounterMetricFamily("gpulease_ends", "Leases ended, by final state and why (reason: " + ", ".join(END_REASONS) + ")", labels=["state", "reason", "tier"])
-        families = {"requests": requests, "grants": grants, "ends": ends}
+        findings = CounterMetricFamily("gpulease_unleased_findings", "Processes found using a GPU their owner does not lease, by the GPU's model and "
+                                       "whose (owner: " + ", ".join(UNLEASED_OWNERS) + ")", labels=["model", "owner"])
+        stops = CounterMetricFamily("gpulease_unleased_stops", "Processes of unleased GPU use the broker stopped, or could not (outcome: "
+                                    + ", ".join(STOP_OUTCOMES) + "), by the GPU's model", labels=["model", "outcome"])
+        families = {"requests": requests, "grants": grants, "ends": ends, "unleased_findings": findings, "unleased_stops": stops}
         wait: dict[tuple[str, ...], dict[str, Any]] = {}
         for (name, labels), (value, created) in sorted(totals.items()):
             fam = families.get(name)
@@ -315,6 +346,8 @@ class _BrokerCollector:
         yield requests
         yield grants
         yield ends
+        yield findings
+        yield stops
         hist = HistogramMetricFamily("gpulease_wait_seconds", "Time leases waited in the queue, observed when the wait ended, by tier and outcome ("
                                      + ", ".join(WAIT_OUTCOMES) + ")", labels=["tier", "outcome"])
         for (tier, outcome), h in sorted(wait.items()):

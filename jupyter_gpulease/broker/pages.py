@@ -148,7 +148,26 @@ def admin_context(m, viewer: str) -> dict[str, Any]:
         {"node": g.node, "index": g.index, "model": g.model, "memory": f"{g.memory_mib} MiB", "mig": ", ".join(x.profile for x in g.mig), "healthy": g.healthy, "uuid": g.uuid}
         for g in sorted(m.inventory(), key=lambda g: (g.node, g.index))
     ]
-    return dict(active=active, queue=queue, pool=pool, now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining)
+    return dict(active=active, queue=queue, pool=pool, now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining,
+                unleased=[_unleased_view(u, now) for u in getattr(m, "unleased", None) or ()], unleased_action=getattr(m, "unleased_action", None))
+
+
+def _unleased_view(u: dict[str, Any], now: float) -> dict[str, Any]:
+    """One finding of unleased GPU use as the admin page shows it: who, which GPU, how long, how much memory, what happens."""
+    v = dict(u)
+    v["since_text"] = local_time(u["since"], now)
+    v["for_text"] = format_duration(max(0.0, now - u["since"]))
+    v["memory"] = f"{u['used_memory_mib']} MiB" if u.get("used_memory_mib") is not None else "not reported"
+    stop = u.get("stop") or {}
+    if stop.get("outcome") == "not_stopped":
+        v["action"] = f"not stopped: {stop.get('message', '')}"
+    elif stop:
+        v["action"] = "being stopped"
+    elif u.get("stop_at") is not None:
+        v["action"] = f"stopped in {format_duration(max(0.0, u['stop_at'] - now))} (at {local_time(u['stop_at'], now)})"
+    else:
+        v["action"] = "reported" + (", its owner warned" if u.get("hub_user") else "")
+    return v
 
 
 def render_admin_page(m, viewer: str = "", base_url: str = "/services/gpulease/", hub_home: str = "/hub/home") -> str:

@@ -35,6 +35,7 @@ import psutil
 from ..client import BrokerError
 from ..core.idle import IdleRule
 from ..core.text import format_duration as fmt_duration
+from ..core.unleased import WARNING_KIND as UNLEASED_WARNING
 from ..hub.placement import cpu_only_environment, lease_environment
 from .attribution import KernelGPU, KernelProcess
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason
@@ -154,6 +155,8 @@ class GPUSupervisor:
         self._broker_warned: set[tuple[str, float]] = set()
         self._preempt_suspend_at: float | None = None
         self._preempt_noticed: float | None = None  # the preemption end already warned about
+        self._unleased: dict[tuple, dict[str, Any]] = {}  # the broker's unleased-use warnings now: (pid, device) -> warning
+        self._unleased_polled = 0.0
         keeper.on_change = self._lease_changed
         keeper.on_warnings = self._broker_warnings
         keeper.usage = self.usage
@@ -237,6 +240,9 @@ class GPUSupervisor:
             self._check_shares(snap, now)
         self._check_preemption(now)
         self._check_resume(now)
+        if self.keeper.client is not None and self.keeper.active is None and now - self._unleased_polled >= self.keeper.heartbeat_interval:
+            self._unleased_polled = now
+            self._spawn(self._poll_unleased())
         self.feed.publish("sample", self.sample_json(snap))
         return snap
 
@@ -588,11 +594,18 @@ class GPUSupervisor:
 
     # ------------------------------------------------------------------ broker warnings, preemption, ends
     async def _broker_warnings(self, warnings: list[dict[str, Any]], lease: dict[str, Any]) -> None:
+        self._unleased_seen([w for w in warnings if w.get("kind") == UNLEASED_WARNING])
         for w in warnings:
             key = (str(w.get("kind")), float(w.get("at") or 0))
+            if w.get("kind") == UNLEASED_WARNING:  # one per process, and again when its deadline moves
+                key = (UNLEASED_WARNING, float(w.get("at") or 0), w.get("pid"), w.get("device_uuid"))
             if key in self._broker_warned:
                 continue
             self._broker_warned.add(key)
+            if w.get("kind") == UNLEASED_WARNING:
+                self._warn(UNLEASED_WARNING, w.get("message") or "A process of yours uses a GPU you do not lease.", deadline=w.get("deadline"),
+                           pid=w.get("pid"), device_uuid=w.get("device_uuid"))
+                continue
             kind = "preemption" if w.get("kind") == "preemption" else "expiring"
             message = w.get("message") or f"The GPU lease ends at {w.get('at')}."
             if kind == "preemption":
@@ -606,6 +619,27 @@ class GPUSupervisor:
             if not any(w.get("kind") == "preemption" for w in warnings):  # say it ourselves if the broker did not
                 self._warn("preemption", f"The GPU lease is being preempted for a higher-priority request: it ends in "
                            f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{self._preemption_saving()}", deadline=preempt_at)
+
+    def _unleased_seen(self, warnings: list[dict[str, Any]]) -> None:
+        """The broker's unleased-use warnings now; a process that is no longer in them is said to be
+        over (the status bar reads the status again and drops its notification)."""
+        now_keys = {(w.get("pid"), w.get("device_uuid")) for w in warnings}
+        for pid, _dev in sorted(set(self._unleased) - now_keys, key=str):
+            self.feed.publish("notice", {"kind": UNLEASED_WARNING, "message": f"Process {pid} no longer uses a GPU you do not lease."})
+        self._unleased = {(w.get("pid"), w.get("device_uuid")): w for w in warnings}
+
+    async def _poll_unleased(self) -> None:
+        """Without an active lease no heartbeat carries the broker's unleased-use warnings: ask for them."""
+        try:
+            got = await self.keeper.client.unleased()
+        except BrokerError as e:
+            log.debug("Could not read unleased GPU use from the broker: %s", e.message)
+            return
+        except Exception:
+            log.exception("Reading unleased GPU use from the broker failed")
+            return
+        if self.keeper.active is None:
+            await self._broker_warnings([w for w in got.get("warnings") or [] if isinstance(w, dict)], {})
 
     def _preemption_saving(self) -> str:
         return "" if self.suspend_unavailable() else " Kernels holding the GPU are suspended before then: nothing is lost."
@@ -957,7 +991,9 @@ class GPUSupervisor:
                 "resume_on_execute": self.settings.resume_on_execute,
             },
             "resume": self.resume,
-            "warnings": self._standing_warnings(now) + list(self.keeper.warnings),
+            # the broker's unleased-use warnings from one place (heartbeat answers, or the poll without a lease)
+            "warnings": [w for w in self._standing_warnings(now) + list(self.keeper.warnings) if w.get("kind") != UNLEASED_WARNING]
+            + list(self._unleased.values()),
             "notices": list(self.notices),
             "heartbeat": dict(self.keeper.heartbeat),
             "gpu_last_activity": self.last_gpu_activity,

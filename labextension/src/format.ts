@@ -118,6 +118,8 @@ export function warningTitle(w: IWarning): string {
       return 'Kernel suspended';
     case 'expired':
       return 'GPU lease ended';
+    case 'unleased_use':
+      return 'GPU used without a lease';
     default:
       return 'GPU lease';
   }
