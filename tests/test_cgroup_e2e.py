@@ -53,7 +53,8 @@ def make_nodes(folder: Path, n: int) -> list[str]:
     return paths
 
 
-def make_hub(tmp: Path, pool: list[dict], parent: str, mode: str = "required") -> tuple[HubHarness, str, SimGPUs]:
+def make_hub(tmp: Path, pool: list[dict], parent: str, mode: str = "required", *, users=("alice", "bob"),
+             config_lines: list[str] = ()) -> tuple[HubHarness, str, SimGPUs]:
     sim = SimGPUs(str(tmp / "sim-gpus.json"), pool)
     conf_dir = tmp / "jupyter-config"
     conf_dir.mkdir(exist_ok=True)
@@ -76,7 +77,7 @@ def make_hub(tmp: Path, pool: list[dict], parent: str, mode: str = "required") -
                   "GPULEASE_DEVICE_CONFIG": json.dumps(sim.config)}
     hub = HubHarness(
         tmp,
-        users=["alice", "bob"],
+        users=list(users),
         services=[broker, {"name": "gpulease-spawner", "api_token": token}],
         custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
         roles=[
@@ -96,6 +97,7 @@ def make_hub(tmp: Path, pool: list[dict], parent: str, mode: str = "required") -
             "c.Spawner.poll_interval = 2",
             "c.Spawner.http_timeout = 90",
             "c.JupyterHub.log_level = 'INFO'",
+            *config_lines,
         ],
         log_level="INFO",
         start_timeout=120,

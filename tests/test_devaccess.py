@@ -275,3 +275,27 @@ def test_cgroup_and_unit_names():
     assert cgroups.cgroup_name("alice") == "alice" and cgroups.cgroup_name("alice", "gpu2") == "alice:gpu2"
     assert cgroups.cgroup_name("a/b", "c d") == "a_b:c_d"
     assert cgroups.systemd_escape("jupyter-gpulease") == "jupyter\\x2dgpulease"
+
+
+def test_a_hub_that_restarted_takes_up_a_running_servers_cgroup_and_its_leases(tmp_path):
+    async def main():
+        own = lease("L1", ("GPU-0", ""), user="alice", server="", meta={"spawner": "jupyter-gpulease"})
+        taken = lease("L2", ("GPU-1", ""), user="alice", server="", meta={"spawner": "jupyter-gpulease", "taken_by": "server"})
+        elsewhere = lease("L3", ("GPU-1", ""), user="alice", server="other", meta={"spawner": "jupyter-gpulease", "taken_by": "server"})
+        backend = RecordingV1(str(tmp_path))
+        guard = cgroups.DeviceGuard(FakeLink(FakeClient(pool_json(G0, G1, GPU("GPU-9", "n1", 9, "L4", 1)), {"L1": own, "L2": taken, "L3": elsewhere})),
+                                    "best-effort", cgroups.Mechanism("v1", "test", backend), proc_devices=str(tmp_path / "none"))
+        await guard.adopt("alice", "", os.getpid(), "L1")
+        assert guard.known("alice", "") and set(guard.by_lease) == {"L1", "L2"}
+        assert backend.written["alice"] == ["deny c 195:9 rwm", "allow c 195:0 rwm", "allow c 195:1 rwm", "allow c 195:255 rwm", "allow c 195:254 rwm"]
+        assert (tmp_path / "gp" / "alice" / "cgroup.procs").read_text() == str(os.getpid())
+
+    asyncio.run(main())
+
+
+def test_a_systemd_scope_taken_up_after_a_hub_restart_gets_its_properties_at_once():
+    ran = []
+    scopes = cgroups.SystemdScopes(run=lambda cmd, **kw: ran.append(cmd) or SimpleNamespace(returncode=0, stderr=""))
+    scopes.adopt("alice", [N("/dev/nvidia3", 195, 3)], [])
+    assert ran == [["systemctl", "set-property", "--runtime", "jupyter-gpulease-alice.scope", "DevicePolicy=closed", "DeviceAllow=",
+                    "DeviceAllow=char-pts rw", "DeviceAllow=/dev/nvidia3 rw"]]

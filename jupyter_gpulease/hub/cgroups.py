@@ -180,6 +180,10 @@ class V1Devices:
                 with open(os.path.join(path, file), "w") as f:
                     f.write(rule)
 
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        """A running server's cgroup, again (the hub restarted): made if gone, the rules now."""
+        self.prepare(name, allowed, denied)
+
     def attach(self, name: str, pid: int) -> None:
         with open(os.path.join(self.path(name), "cgroup.procs"), "w") as f:
             f.write(str(int(pid)))
@@ -252,6 +256,11 @@ class SystemdScopes:
         r = self.run(self.set_property_command(name, allowed), capture_output=True, text=True, timeout=30)
         if getattr(r, "returncode", 0) != 0:
             raise OSError(f"systemctl set-property failed: {(getattr(r, 'stderr', '') or '').strip()}")
+
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        """A running server's scope, again (the hub restarted): its properties now."""
+        self._started.add(name)
+        self.apply(name, allowed, denied)
 
     def attach(self, name: str, pid: int) -> None:
         pass  # systemd-run put the process in the scope before it exec'd the server
@@ -421,7 +430,7 @@ class DeviceGuard:
         async with srv.lock:
             await self._read_pool()
             allowed, denied = self.rules(srv)
-            await self._off_loop(self.backend.prepare, srv.name, allowed, denied)
+            await self._off_loop(self.backend.adopt, srv.name, allowed, denied)
             srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
             srv.applied_at = time.monotonic()
         if pid and not await self._off_loop(self.backend.holds, srv.name, pid):
@@ -495,7 +504,10 @@ class DeviceGuard:
                 new = {**old, "state": ev.get("to_state") or "ended"}
             srv.leases[lid] = new
             self._background(self._apply(srv))
-        elif kind == "granted" and self.servers and lid not in self._foreign_set and lid not in self._learning:
+        elif (kind == "granted" and self.servers and lid not in self._foreign_set and lid not in self._learning
+              and lid not in (getattr(self.link, "watches", None) or {})):
+            # a lease no spawner follows: maybe one a server of ours took itself (a spawner's own
+            # lease is followed by it, and counted at server_starting)
             self._learning.add(lid)
             self._background(self._learn(lid))
 
