@@ -3,51 +3,54 @@
 `jupyterhub-systemdspawner`_ (what The Littlest JupyterHub runs) starts every single-user server
 as a transient systemd service (``systemd-run --unit jupyter-<user>-singleuser``). systemd's
 device controller is the lock: the unit starts with ``DevicePolicy=closed`` (only the standard
-pseudo devices ``/dev/null``, ``/dev/zero``, ``/dev/full``, ``/dev/random``, ``/dev/urandom``,
-``/dev/tty``, ``/dev/ptmx`` and the terminals ``/dev/pts/*``) and one ``DeviceAllow=`` per
-device node of its lease (see :mod:`.devaccess`): the leased ``/dev/nvidiaN``, a MIG
-instance's ``/dev/nvidia-caps/nvidia-capN``, and ``/dev/nvidiactl``, ``/dev/nvidia-modeset``,
-``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools`` that every CUDA process opens. A server without
-a lease gets no ``DeviceAllow=`` at all: no GPU, not even the control nodes. Every process of
-the unit (kernels, terminals) is in its cgroup, so they all follow it. systemd applies it on
-both cgroup versions (v1: the ``devices`` controller; v2: a BPF device program).
+pseudo devices: ``/dev/null``, ``/dev/zero``, ``/dev/full``, ``/dev/random``, ``/dev/urandom``,
+``/dev/tty``, ``/dev/ptmx`` and terminals) and one ``DeviceAllow=`` per device node of its
+leases (see :mod:`.devaccess`): the leased ``/dev/nvidiaN``, a MIG instance's
+``/dev/nvidia-caps/nvidia-capN``, and ``/dev/nvidiactl``, ``/dev/nvidia-modeset``,
+``/dev/nvidia-uvm``, ``/dev/nvidia-uvm-tools`` that every CUDA process opens. A server without a
+lease gets no GPU node at all, not even the control nodes. Every process of the unit (kernels,
+terminals) is in its cgroup. systemd applies it on both cgroup versions (v1: the ``devices``
+controller; v2: a BPF device program).
 
-A lease change (granted, resumed, ended, revoked, reclaimed, preempted, a lease the server took
-itself) changes the running unit with one call::
+Which leases a server holds, and when that changes (granted, resumed, ended, revoked, reclaimed,
+preempted, a lease the server took itself), is the hub's one device guard
+(:class:`~.cgroups.DeviceGuard`, the same that follows local-process servers); this module is
+its backend for SystemdSpawner's units (:class:`ServiceUnits`). A change is one call::
 
     systemctl set-property --runtime jupyter-alice-singleuser DevicePolicy=closed \\
-        DeviceAllow= "DeviceAllow=/dev/nvidia2 rw" "DeviceAllow=/dev/nvidiactl rw" ...
+        DeviceAllow= "DeviceAllow=char-pts rw" "DeviceAllow=/dev/nvidia2 rw" ...
 
 The empty ``DeviceAllow=`` comes first because ``set-property`` *adds* to the unit's list: the
 empty assignment resets it, and the assignments after it in the same call are the new list.
-``--runtime`` keeps the change out of ``/etc`` (the unit is transient too). Device entries
-the admin put in ``unit_extra_properties["DeviceAllow"]`` (``/dev/fuse``, ...) are part of
-every list.
+``--runtime`` keeps the change out of ``/etc`` (the unit is transient too). Device entries the
+admin put in ``unit_extra_properties["DeviceAllow"]`` (``/dev/fuse``, ...) are part of every list.
 
-A device cgroup checks ``open()``: a process that already holds a GPU keeps it after a deny. The
-lease spawner's end and reclaim paths take care of those processes (see the device-access
-section of the README); this module only sets what may be opened.
+A device cgroup checks ``open()``: a process that already holds a GPU keeps it after a deny.
 
 .. _jupyterhub-systemdspawner: https://github.com/jupyterhub/systemdspawner
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import os
-from collections.abc import Iterable, Sequence
+import shutil
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from systemdspawner import SystemdSpawner
 from systemdspawner import systemd as systemd_units
 
-from . import devaccess
+from . import cgroups, devaccess
+from .cgroups import DeviceGuard, Mechanism, SystemdScopes, cgroup_name
+from .devaccess import DeviceNode
 from .spawner import GPULeaseSpawner, spawn_error
 
 SYSTEMCTL = "systemctl"
 DEVICE_POLICY = "closed"
-DEVICE_ACCESS_TIMEOUT_S = 30.0
+SYSTEMD_RUN_DIR = "/run/systemd/system"  # exists where systemd is the init system (sd_booted)
+EXTRA_ALLOW = SystemdScopes.EXTRA_ALLOW  # terminals, as for the local engine's scopes
 
 
 def as_list(value: Any) -> list[str]:
@@ -59,21 +62,21 @@ def as_list(value: Any) -> list[str]:
     return [str(v) for v in value]
 
 
-def device_allow_values(leases: Iterable[dict], pool_nodes: dict[str, devaccess.DeviceNode], *,
-                        uvm: int | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """``DeviceAllow=`` values of a unit whose server holds ``leases`` (lease JSON; ended and
-    queued ones count for nothing): the admin's ``extra`` entries first, then the lease's nodes."""
-    nodes = devaccess.leases_nodes(list(leases), pool_nodes, uvm=uvm)
-    return list(dict.fromkeys([*extra, *devaccess.systemd_device_allow(nodes)]))
+def device_allow_values(allowed: Iterable[DeviceNode], *, extra: Sequence[str] = ()) -> list[str]:
+    """The unit's ``DeviceAllow=`` values: the admin's ``extra`` entries and the terminals first,
+    then one per allowed node (:func:`~.devaccess.leases_nodes`: nothing without a lease)."""
+    return list(dict.fromkeys([*extra, *EXTRA_ALLOW, *devaccess.systemd_device_allow(allowed)]))
+
+
+def device_policy(admin: dict[str, Any] | None = None) -> str:
+    """``closed``, or ``strict`` where the admin's ``unit_extra_properties`` asks for it (stricter)."""
+    return "strict" if str((admin or {}).get("DevicePolicy", "")).strip() == "strict" else DEVICE_POLICY
 
 
 def unit_device_properties(allow: Sequence[str], *, admin: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The unit properties for ``systemd-run`` that lock the unit's devices to ``allow``.
-
-    ``admin``: the admin's ``unit_extra_properties``; its ``DevicePolicy=strict`` is kept (it
-    is stricter), any other policy becomes ``closed``."""
-    policy = "strict" if str((admin or {}).get("DevicePolicy", "")).strip() == "strict" else DEVICE_POLICY
-    return {"DevicePolicy": policy, "DeviceAllow": list(allow)}
+    """The ``systemd-run`` properties (SystemdSpawner's ``unit_extra_properties`` form) that lock
+    the unit's devices to ``allow``."""
+    return {"DevicePolicy": device_policy(admin), "DeviceAllow": list(allow)}
 
 
 def set_property_argv(unit: str, allow: Sequence[str], *, policy: str = DEVICE_POLICY, systemctl: str = SYSTEMCTL) -> list[str]:
@@ -81,6 +84,83 @@ def set_property_argv(unit: str, allow: Sequence[str], *, policy: str = DEVICE_P
     device list: the empty ``DeviceAllow=`` resets the list, the entries after it are the list."""
     return [systemctl, "set-property", "--runtime", unit, f"DevicePolicy={policy}", "DeviceAllow=",
             *(f"DeviceAllow={v}" for v in allow)]
+
+
+def detect_units(*, systemd_dir: str | None = None, which: Callable[[str], str | None] = shutil.which,
+                 euid: int | None = None) -> tuple[bool, str]:
+    """Whether this host can lock SystemdSpawner's units to their devices, and in words why (not)."""
+    systemd_dir = SYSTEMD_RUN_DIR if systemd_dir is None else systemd_dir
+    euid = os.geteuid() if euid is None else euid
+    if not os.path.isdir(systemd_dir):
+        return False, "systemd is not the init system (SystemdSpawner cannot start units here)"
+    if not (which("systemd-run") and which(SYSTEMCTL)):
+        return False, "systemd-run/systemctl are not installed"
+    if euid != 0:
+        return False, f"setting the device properties of the servers' units needs root (the hub runs as uid {euid})"
+    return True, "systemd units with DevicePolicy=closed and DeviceAllow= (SystemdSpawner)"
+
+
+class ServiceUnits:
+    """The device guard's backend for SystemdSpawner's units (one transient service per server).
+
+    The unit is made by ``systemd-run`` with the server's command, its device properties given
+    at that moment (:meth:`start_allow`); a change is :func:`set_property_argv`. ``run``
+    runs a command (``subprocess.run``'s signature; the guard calls :meth:`apply` off the
+    event loop)."""
+
+    kind = "systemd-unit"
+
+    def __init__(self, run: Callable[..., Any] = subprocess.run):
+        self.run = run
+        self.units: dict[str, tuple[str, tuple[str, ...], str]] = {}  # server name -> unit, admin entries, policy
+        self._starting: dict[str, list[DeviceNode]] = {}
+
+    def register(self, name: str, unit: str, *, extra: Sequence[str] = (), policy: str = DEVICE_POLICY) -> None:
+        """The unit of server ``name`` (:func:`~.cgroups.cgroup_name`), with the admin's own entries."""
+        self.units[name] = (unit, tuple(extra), policy)
+
+    def allow_values(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
+        _, extra, _ = self.units.get(name, ("", (), DEVICE_POLICY))
+        return device_allow_values(allowed, extra=extra)
+
+    def start_allow(self, name: str) -> list[str] | None:
+        """The ``DeviceAllow=`` values of the unit about to start (None: the guard made none)."""
+        allowed = self._starting.pop(name, None)
+        return None if allowed is None else self.allow_values(name, allowed)
+
+    def set_property_command(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
+        unit, _, policy = self.units[name]
+        return set_property_argv(unit, self.allow_values(name, allowed), policy=policy)
+
+    # the guard's backend interface (see cgroups.V1Devices, cgroups.SystemdScopes)
+    def command_prefix(self, name: str, allowed: list[DeviceNode]) -> list[str]:
+        self._starting[name] = list(allowed)
+        return []  # the properties go into the unit itself, not in front of the command
+
+    def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        pass
+
+    def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        if name not in self.units:
+            return
+        r = self.run(self.set_property_command(name, allowed), capture_output=True, text=True, timeout=30)
+        if getattr(r, "returncode", 0) != 0:
+            raise OSError(f"systemctl set-property failed: {(getattr(r, 'stderr', '') or '').strip()}")
+
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        """A running server's unit, again (the hub restarted): its device list now."""
+        self.apply(name, allowed, denied)
+
+    def attach(self, name: str, pid: int) -> None:
+        pass  # systemd-run started the server inside its unit
+
+    def holds(self, name: str, pid: int) -> bool:
+        return True
+
+    def remove(self, name: str) -> bool:
+        self._starting.pop(name, None)
+        self.units.pop(name, None)
+        return True  # SystemdSpawner stops the unit; systemd drops its cgroup with it
 
 
 class DeviceAllowSystemdSpawner(SystemdSpawner):
@@ -105,13 +185,13 @@ class DeviceAllowSystemdSpawner(SystemdSpawner):
             self._admin_unit_properties = copy.deepcopy(dict(self.unit_extra_properties))
         return self._admin_unit_properties
 
-    async def unit_device_allow(self) -> list[str] | None:
-        """``DeviceAllow=`` values for the unit about to start; None: leave devices alone."""
+    def unit_device_allow(self) -> list[str] | None:
+        """``DeviceAllow=`` values for the unit about to start; None: leave its devices alone."""
         return None
 
     async def start(self):
         admin = self.admin_unit_properties
-        allow = await self.unit_device_allow()
+        allow = self.unit_device_allow()
         props = copy.deepcopy(admin)
         if allow is not None:
             props.update(unit_device_properties(allow, admin=admin))
@@ -127,7 +207,7 @@ class DeviceAllowSystemdSpawner(SystemdSpawner):
             # systemd-run refused the unit (SystemdSpawner does not look at its exit status):
             # say so now instead of letting the hub wait for a server that never comes
             raise spawn_error(f"The server's systemd unit {self.unit_name} did not start; the administrator finds "
-                              "systemd's reason in the hub's log and in `journalctl -u " + self.unit_name + "`.",
+                              f"systemd's reason in the hub's log and in `journalctl -u {self.unit_name}`.",
                               reason="gpulease_unit", status_code=500)
         return url
 
@@ -135,110 +215,95 @@ class DeviceAllowSystemdSpawner(SystemdSpawner):
 class GPULeaseSystemdSpawner(GPULeaseSpawner, DeviceAllowSystemdSpawner):
     """Servers as systemd units whose devices follow their leases (entry point ``gpulease-systemd``).
 
-    The lease spawner over `jupyterhub-systemdspawner`'s SystemdSpawner (The Littlest
-    JupyterHub's spawner). ``enforce_devices`` (see :class:`~.spawner.GPULeaseSpawner`):
-    ``"off"`` leaves the unit's devices as SystemdSpawner sets them (only ``CUDA_VISIBLE_DEVICES``
-    names the lease); otherwise the unit allows exactly its lease's nodes. A change systemd
-    refuses while the unit runs is logged; under ``"required"`` a refused change that should
-    have *denied* a GPU stops the server, so that no server keeps a GPU it no longer leases."""
+    The lease spawner over jupyterhub-systemdspawner's SystemdSpawner (The Littlest
+    JupyterHub's spawner). ``enforce_devices`` as for the local engines: ``"off"`` leaves the
+    unit's devices as SystemdSpawner sets them (every GPU of the host can be opened;
+    ``CUDA_VISIBLE_DEVICES`` only names the lease); otherwise the unit allows exactly the nodes
+    of its leases, and ``"required"`` refuses GPU spawns on a host where systemd cannot do it."""
 
-    _device_lock: asyncio.Lock | None = None
-    _device_allow_applied: list[str] | None = None
-    _pool_nodes: dict[str, devaccess.DeviceNode] | None = None
+    # The local engines' device hooks, with this engine's mechanism: the hub's guard is built
+    # with ServiceUnits instead of a device cgroup or scope of its own. ``enforces_devices``
+    # stays False on the class: it also selects the local engines' line at hub start, which
+    # would name their mechanism; this engine logs its own (log_at_hub_start below).
 
-    # ------------------------------------------------------------------ what the unit may open
-    @property
-    def _enforce(self) -> str:
-        return str(getattr(self, "enforce_devices", "required") or "required")
-
-    async def _device_nodes(self, leases: list[dict]) -> tuple[dict[str, devaccess.DeviceNode], int | None]:
-        """The pool's device nodes (read once per spawn; again when a lease names a GPU the pool
-        read did not have) and nvidia-uvm's major number, read off the event loop."""
-        loop = asyncio.get_running_loop()
-        # every GPU has a node (a MIG instance may have none of its own)
-        wanted = {s.get("gpu_uuid") for lease in leases if devaccess.lease_holds(lease)
-                  for s in lease["placement"]["slices"]} - {None, ""}
-        nodes = self._pool_nodes
-        if nodes is None and self._spawn_pool:
-            nodes = await loop.run_in_executor(None, lambda: devaccess.pool_gpu_nodes(self._spawn_pool, stat=os.stat))
-        if wanted and (nodes is None or not wanted <= set(nodes)):
-            pool = await asyncio.wait_for(self.fetch_pool(), timeout=min(10.0, self.broker_timeout))
-            nodes = await loop.run_in_executor(None, lambda: devaccess.pool_gpu_nodes(pool, stat=os.stat))
-        self._pool_nodes = nodes
-        uvm = await loop.run_in_executor(None, devaccess.uvm_major)
-        return nodes or {}, uvm
-
-    async def device_allow_for(self, leases: list[dict]) -> list[str]:
-        """The unit's ``DeviceAllow=`` list while its server holds ``leases``."""
-        nodes, uvm = await self._device_nodes(leases)
-        extra = as_list(self.admin_unit_properties.get("DeviceAllow"))
-        return device_allow_values(leases, nodes, uvm=uvm, extra=extra)
-
-    async def unit_device_allow(self) -> list[str] | None:
-        if self._enforce == "off":
+    def _unit_guard(self, *, create: bool) -> DeviceGuard | None:
+        if self.enforce_devices == "off" or not self.broker_url:
             return None
-        self._pool_nodes = None  # a new spawn reads the pool it was granted from
-        leases = [self.lease] if self.lease_id and isinstance(self.lease, dict) else []
-        allow = await self.device_allow_for(leases)
-        self._device_allow_applied = allow
-        self.log.info("%s: unit %s starts with DevicePolicy=closed and DeviceAllow=%s", self._log_name, self.unit_name,
-                      ", ".join(allow) or "(nothing: no GPU)")
+        link = self.link
+        guard = DeviceGuard._guards.get(link)
+        if guard is None and create:
+            ok, why = detect_units()
+            mechanism = Mechanism(ServiceUnits.kind, why, ServiceUnits() if ok else None)
+            guard = DeviceGuard._guards[link] = DeviceGuard(link, self.enforce_devices, mechanism, logger=self.log)
+        return guard
+
+    def _device_guard(self, *, check: bool = True):
+        guard = self._unit_guard(create=True)
+        if guard is None:
+            return None
+        message = guard.required_failure()
+        if message and check:
+            raise spawn_error(message, reason="gpulease_devices", status_code=500)
+        if not guard.active or not isinstance(guard.backend, ServiceUnits):
+            return None
+        admin = self.admin_unit_properties
+        guard.backend.register(cgroup_name(self.user.name, self.name or ""), self.unit_name,
+                               extra=as_list(admin.get("DeviceAllow")), policy=device_policy(admin))
+        return guard
+
+    def _existing_guard(self):
+        guard = self._unit_guard(create=False) if self._link is not None else None
+        return guard if guard is not None and guard.active else None
+
+    def _devices_adopt(self) -> None:
+        if self._lease_pending or self._stopping or self.user is None:
+            return
+        guard = self._device_guard(check=False)
+        if guard is not None and not guard.known(self.user.name, self.name or ""):
+            self._background(guard.adopt(self.user.name, self.name or "", 0, self.lease_id))
+
+    def unit_device_allow(self) -> list[str] | None:
+        guard = self._existing_guard()
+        if guard is None or not isinstance(guard.backend, ServiceUnits):
+            return None
+        allow = guard.backend.start_allow(cgroup_name(self.user.name, self.name or ""))
+        if allow is not None:
+            self.log.info("%s: unit %s starts with DevicePolicy=%s and DeviceAllow=%s", self._log_name, self.unit_name,
+                          device_policy(self.admin_unit_properties), ", ".join(allow))
         return allow
 
-    # ------------------------------------------------------------------ changes while it runs
-    async def apply_device_access(self, leases: list[dict]) -> bool:
-        """Make the running unit allow exactly the nodes of ``leases`` (the server's live leases:
-        its own and those it took itself), with ``systemctl set-property``. True when the unit
-        has that list now (or enforcement is off)."""
-        if self._enforce == "off":
-            return True
-        if self._device_lock is None:
-            self._device_lock = asyncio.Lock()
-        async with self._device_lock:  # changes reach systemd in the order they were made
-            allow = await self.device_allow_for(list(leases))
-            if allow == self._device_allow_applied:
-                return True
-            before = self._device_allow_applied or []
-            policy = unit_device_properties(allow, admin=self.admin_unit_properties)["DevicePolicy"]
-            argv = set_property_argv(self.unit_name, allow, policy=policy)
-            rc, err = await _run(argv, timeout=DEVICE_ACCESS_TIMEOUT_S)
-            if rc == 0:
-                self._device_allow_applied = allow
-                self.log.info("%s: unit %s now allows %s", self._log_name, self.unit_name, ", ".join(allow) or "no GPU")
-                return True
-            if not await systemd_units.service_running(self.unit_name):
-                self._device_allow_applied = None
-                return True  # the server is gone: nothing left to allow or deny
-            denies = bool(set(before) - set(allow))
-            self.log.error("%s: systemd refused the device change of unit %s (%s): %s", self._log_name, self.unit_name,
-                           " ".join(argv[4:]), err or f"exit status {rc}")
-            if denies and self._enforce == "required":
-                self.log.error("%s: enforce_devices is 'required' and unit %s may still open a GPU it no longer "
-                               "leases: stopping the server", self._log_name, self.unit_name)
-                await DeviceAllowSystemdSpawner.stop(self)
-                self._device_allow_applied = None
-                self._background(self.poll_and_notify())
-            return False
 
-    async def stop(self, now=False):
-        try:
-            await super().stop(now=now)
-        finally:
-            self._device_allow_applied = None
-            self._pool_nodes = None
+def log_at_hub_start(hub: Any) -> str | None:
+    """Log the line about device enforcement when the hub's spawner is this engine; returns it."""
+    cls = getattr(hub, "spawner_class", None)
+    if not (isinstance(cls, type) and issubclass(cls, GPULeaseSystemdSpawner)):
+        return None
+    mode = cgroups._config_value(cls, hub.config, "enforce_devices")
+    ok, why = (False, "off") if mode == "off" else detect_units()
+    line = cgroups.hub_start_line(mode, Mechanism(ServiceUnits.kind if ok else "none", why))
+    (hub.log.info if ok or mode == "off" else hub.log.warning)(line)
+    return line
 
 
-async def _run(argv: list[str], *, timeout: float) -> tuple[int, str]:
-    """Run a command without blocking the event loop: (exit status, its stderr)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    except OSError as e:
-        return 127, str(e)
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return 124, f"no answer within {timeout:g} s"
-    return proc.returncode or 0, err.decode(errors="replace").strip()
+def _attach_to_running_hub() -> None:
+    """In a JupyterHub process, log :func:`log_at_hub_start`'s line at the hub's start (the same
+    way :mod:`.spawner` takes part in it: a first action of ``init_spawners``)."""
+    import sys
+
+    app_module = sys.modules.get("jupyterhub.app")
+    if app_module is None:
+        return
+    hub_class = app_module.JupyterHub
+    if getattr(hub_class, "_gpulease_systemd_hooked", False):
+        return
+    init_spawners = hub_class.init_spawners
+
+    async def init_spawners_logging_devices(self, *args, **kwargs):
+        log_at_hub_start(self)
+        return await init_spawners(self, *args, **kwargs)
+
+    hub_class.init_spawners = init_spawners_logging_devices
+    hub_class._gpulease_systemd_hooked = True
+
+
+_attach_to_running_hub()
