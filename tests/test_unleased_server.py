@@ -1,7 +1,9 @@
 """Unleased GPU use end to end at unit cost: a real broker (its own thread, fake hub auth) on
 simulated GPUs whose state file the test drives, bob's real Jupyter server with the extension and
 no lease, and real processes: a ``sleep`` of bob's (another uid, bob's server's environment) put on
-the GPU leased to alice, and one of alice's on her own GPU.
+the GPU leased to alice, and one of alice's on her own GPU. Then the broker alone, its checks
+called by hand: the heartbeat answer of a lease holder, the ``report`` policy and a stranger's
+process, a process the broker may not signal.
 
 Within one check bob's process is in the broker's feed, its API, its metrics and its admin page,
 and bob's server shows the warning; after the grace (policy ``kill``) it is stopped with SIGTERM,
@@ -10,15 +12,19 @@ the events say so, the warning goes; alice's process and lease are untouched.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import pwd
 import signal
 import subprocess
 
 import pytest
 
-from brokerutil import broker_url
+from brokerutil import broker_url, make_broker, patch_auth
+from jupyter_gpulease.broker.manager import SystemClock
 from jupyter_gpulease.broker.pages import render_admin_page
-from serverutil import broker_call, broker_call_async, status, wait_for
+from jupyter_gpulease.client import BrokerClient
+from serverutil import SimGPUs, broker_call, broker_call_async, status, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 pytest_plugins = ["serverutil"]  # its fixtures: sim, broker, lease (alice's), checkpoint_dir
@@ -137,3 +143,112 @@ async def _unleased_warning(fetch):
 async def _no_unleased_warning(fetch):
     return await _unleased_warning(fetch) is None
 
+
+
+# --------------------------------------------------------------------------- the broker alone (checks called by hand)
+def run_broker_alone(tmp_path, scenario, **traits):
+    """An in-process broker on the simulated pool of ``tmp_path/sim.json``; ``scenario(app, sim, client_for)``."""
+    sim = SimGPUs(str(tmp_path / "sim.json"))
+
+    async def main():
+        app = make_broker(tmp_path, SystemClock(), devices=sim.config, unleased_check_interval=3600, **traits)
+        await app.start_async()
+        try:
+            return await scenario(app, sim, lambda user: BrokerClient(broker_url(app), user))
+        finally:
+            await app.stop_async()
+
+    return asyncio.run(main())
+
+
+def test_a_lease_holders_heartbeat_answer_carries_the_warning_of_his_process_on_a_gpu_he_does_not_lease(tmp_path, monkeypatch):
+    patch_auth(monkeypatch)
+    bob = sleeper("bob", 61234)
+
+    async def scenario(app, sim, client):
+        theirs = await client("alice").request_lease({"gpus": 1, "duration_s": 3600})
+        mine = await client("bob").request_lease({"gpus": 1, "duration_s": 3600})
+        sim.backend.add_process(mine["placement"]["slices"][0]["gpu_uuid"], bob.pid, 100)  # his own GPU: fine
+        await app.unleased.check()
+        assert app.manager.unleased == []
+        sim.backend.add_process(theirs["placement"]["slices"][0]["gpu_uuid"], bob.pid, 512)  # and alice's
+        await app.unleased.check()
+        reply = await client("bob").heartbeat(mine["id"], {})
+        assert [(w["kind"], w["pid"]) for w in reply["warnings"]] == [("unleased_use", bob.pid)]
+        assert "it is leased to alice" in reply["warnings"][0]["message"] and "deadline" not in reply["warnings"][0]  # policy warn
+        assert (await client("alice").heartbeat(theirs["id"], {}))["warnings"] == []
+        # alice gives hers back and bob leases both GPUs: the same process is no longer unleased use
+        await client("alice").release(theirs["id"])
+        await client("bob").release(mine["id"])
+        second = await client("bob").request_lease({"gpus": 2, "duration_s": 3600})
+        assert second["state"] == "active"
+        await app.unleased.check()
+        assert app.manager.unleased == []
+        _, events = await _events(client)
+        assert [(e["kind"], e["data"].get("why")) for e in events] == [("unleased-use", None), ("unleased-ended", "leased")]
+
+    try:
+        run_broker_alone(tmp_path, scenario)
+    finally:
+        bob.kill()
+        bob.wait()
+
+
+async def _events(client):
+    got = await client("admin-carol").events(since=0, timeout=0)
+    return got, [e for e in got["events"] if e["kind"].startswith("unleased")]
+
+
+def test_under_report_nobody_is_warned_and_a_stranger_is_reported_as_not_a_hub_user(tmp_path, monkeypatch):
+    patch_auth(monkeypatch)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    stranger = subprocess.Popen(["sleep", "300"], env=env, preexec_fn=(lambda: os.setuid(61236)) if os.getuid() == 0 else None)  # noqa: PLW1509
+
+    async def scenario(app, sim, client):
+        app.unleased.hub_user_exists = _nobody
+        lease = await client("alice").request_lease({"gpus": 1, "duration_s": 3600})
+        sim.backend.add_process(lease["placement"]["slices"][0]["gpu_uuid"], stranger.pid, 300)
+        await app.unleased.check()
+        [finding] = app.manager.unleased
+        name = "uid 61236" if os.getuid() == 0 else pwd.getpwuid(os.getuid()).pw_name
+        assert finding["owner"] == f"{name} (not a hub user)" and finding["user"] == "" and finding["holders"] == ["alice"]
+        assert (await client("alice").heartbeat(lease["id"], {}))["warnings"] == []
+        _, events = await _events(client)
+        assert events[0]["data"]["action"] == "report" and events[0]["data"]["stop_at"] is None
+
+    try:
+        run_broker_alone(tmp_path, scenario, unleased_use="report")
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+async def _nobody(name: str) -> bool:
+    return False
+
+
+def test_a_process_the_broker_may_not_signal_is_reported_as_not_stopped_with_the_reason(tmp_path, monkeypatch):
+    patch_auth(monkeypatch)
+    bob = sleeper("bob", 61234)
+
+    def refuse(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    async def scenario(app, sim, client):
+        app.unleased.kill = refuse
+        lease = await client("alice").request_lease({"gpus": 1, "duration_s": 3600})
+        sim.backend.add_process(lease["placement"]["slices"][0]["gpu_uuid"], bob.pid, 300)
+        await app.unleased.check()
+        await wait_for(lambda: any(e["kind"] == "unleased-stop" for e in app.manager.feed.since(0, user=None, lease_id=None, limit=100) or []),
+                       timeout=10, message="an unleased-stop event")
+        _, events = await _events(client)
+        stop = next(e for e in events if e["kind"] == "unleased-stop")["data"]["stop"]
+        assert stop["outcome"] == "not_stopped" and "must run as root" in stop["message"]
+        assert app.manager.unleased[0]["stop"]["outcome"] == "not_stopped"
+        assert bob.poll() is None
+
+    try:
+        run_broker_alone(tmp_path, scenario, unleased_use="kill", unleased_grace_s=0)
+    finally:
+        bob.kill()
+        bob.wait()
