@@ -255,8 +255,9 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     show_preemptor_names = Bool(
         False,
-        help="""Tell the holder of a preempted lease whose request preempted it. False (default): only
-        the preempting request's tier; admins always see the name.""",
+        help="""Tell the holder of a preempted lease whose request preempted it, and a user whose
+        process uses a GPU without a lease whose lease that GPU is. False (default): only the
+        preempting request's tier, and "another user"; admins always see the names.""",
     ).tag(config=True)
 
     token_cache_max_age = Float(
@@ -381,7 +382,8 @@ class GPULeaseBroker(PolicyConfig, Application):
             from .unleased import UnleasedDetector
 
             self.unleased = UnleasedDetector(self.manager, self.backend, action=self.unleased_use.lower(), grace_s=self.unleased_grace_s,
-                                             hub_user_exists=self._hub_user_exists, logger=self.log)
+                                             hub_user_exists=self._hub_user_exists, logger=self.log,
+                                             show_holders=self.show_preemptor_names)
 
     @property
     def limits(self) -> Limits:

@@ -269,9 +269,7 @@ class LeaseManager:
             lease = getattr(e, "lease", None)
             if lease is not None:
                 users[e.lease_id] = lease.user
-        # an event of no lease (unleased GPU use) goes to the user it names
-        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "") or (w.get("data") or {}).get("user") or "")
-                          for w in written)
+        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "")) for w in written)
         for listener in self.listeners:
             try:
                 listener(written, events)
@@ -457,7 +455,8 @@ class LeaseManager:
 
     async def record(self, events: list[Event]) -> None:
         """Commit events that belong to no lease (the unleased-use detector's): the audit log,
-        the feed and the counters carry them like the others."""
+        the counters and the feed carry them like the others; in the feed only admins' streams
+        see them (they name other users: whose GPU was used)."""
         await self._stage(events, tick=False)
 
     async def set_inventory(self, gpus) -> list[Event]:

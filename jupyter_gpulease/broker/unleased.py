@@ -62,7 +62,7 @@ class UnleasedDetector:
 
     def __init__(self, manager, backend, *, action: str = "warn", grace_s: float = 300.0, procs: ProcReader | None = None,
                  hub_user_exists: HubUserCheck | None = None, logger: logging.Logger | None = None,
-                 kill: Callable[[int, int], None] = os.kill, stop_wait_s: float = STOP_WAIT_S):
+                 kill: Callable[[int, int], None] = os.kill, stop_wait_s: float = STOP_WAIT_S, show_holders: bool = False):
         self.manager = manager
         self.backend = backend
         self.action = action
@@ -72,6 +72,7 @@ class UnleasedDetector:
         self.log = logger or log
         self.kill = kill
         self.stop_wait_s = stop_wait_s
+        self.show_holders = show_holders  # users are told who leases the GPU they use (GPULeaseBroker.show_preemptor_names)
         # the simulated driver keeps listing a process that exited (a test or the demo removes it);
         # a real one frees its memory. A PID NVML lists that /proc lacks is a process the broker
         # cannot see (another PID namespace): reported as such.
@@ -194,11 +195,15 @@ class UnleasedDetector:
         if self.action == REPORT or not user:
             return []
         now = self.manager.now()
-        return [warning(st, now, self.action) for st in self.tracker.for_user(user) if st.stop.get("outcome") != "stopped"]
+        return [warning(st, now, self.action, names=self.show_holders) for st in self.tracker.for_user(user) if st.stop.get("outcome") != "stopped"]
 
-    def findings_for(self, user: str | None) -> list[dict[str, Any]]:
-        """The standing findings as JSON: every one (``user`` None, an admin) or ``user``'s own."""
-        return [d for d in self.manager.unleased if user is None or d["user"] == user]
+    def findings_for(self, user: str | None, *, admin: bool = True) -> list[dict[str, Any]]:
+        """The standing findings as JSON: every one (``user`` None) or ``user``'s own; a caller
+        who is no admin reads the holders' names only with ``show_holders``."""
+        out = [d for d in self.manager.unleased if user is None or d["user"] == user]
+        if not admin and not self.show_holders:
+            out = [{**d, "holders": ["…"] * len(d["holders"])} for d in out]
+        return out
 
     # ------------------------------------------------------------------ stopping (policy kill)
     async def _stop(self, st: Standing) -> None:
@@ -280,7 +285,7 @@ class UnleasedHandler(APIHandler):
             self.write_json({"enabled": False, "action": None, "grace_s": None, "findings": [], "warnings": []})
             return
         self.write_json({"enabled": True, "action": detector.action, "grace_s": detector.tracker.grace_s,
-                         "findings": detector.findings_for(who), "warnings": detector.warnings_for(self.caller_name)})
+                         "findings": detector.findings_for(who, admin=self.is_admin), "warnings": detector.warnings_for(self.caller_name)})
 
 
 def api_handlers(prefix: str) -> list[tuple]:

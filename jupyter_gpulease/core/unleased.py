@@ -224,11 +224,18 @@ class UnleasedTracker:
 
 
 # --------------------------------------------------------------------------- words and events
-def warning(st: Standing, now: float, action: str) -> dict[str, Any]:
-    """The warning the owner's server shows (``kind`` ``unleased_use``)."""
+def warning(st: Standing, now: float, action: str, *, names: bool = False) -> dict[str, Any]:
+    """The warning the owner's server shows (``kind`` ``unleased_use``); ``names``: say who leases
+    the GPU (else "another user", as a preempted holder is told only the tier)."""
     p = st.finding.process
     mem = f", {p.used_memory_mib} MiB" if p.used_memory_mib is not None else ""
-    whose = f"it is leased to {', '.join(st.finding.holders)}" if st.finding.holders else "you hold no lease of it"
+    holders = st.finding.holders
+    if not holders:
+        whose = "you hold no lease of it"
+    elif names:
+        whose = f"it is leased to {', '.join(holders)}"
+    else:
+        whose = "it is leased to another user" if len(holders) == 1 else "it is leased to other users"
     what = f"Process {p.pid}" + (f" ({p.command})" if p.command else "")
     msg = f"{what} uses {p.device_words()}{mem} without a lease: {whose}."
     if st.stop and st.stop.get("outcome") == "stopped":
