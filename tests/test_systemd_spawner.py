@@ -19,6 +19,7 @@ import sys
 import textwrap
 import types
 from importlib.metadata import entry_points
+from typing import ClassVar
 
 import pytest
 from jupyterhub.objects import Hub
@@ -432,6 +433,44 @@ def test_the_admins_unit_properties_stay_and_list_values_pass_through(fake_syste
         await settle(fake_systemd, 1, "the deny")
         assert fake_systemd.set_properties()[-1] == set_prop("/dev/fuse rw", PTS)
         await s.stop()
+        s._unfollow()
+
+    asyncio.run(main())
+
+
+class UserCreatingStandIn(SystemdSpawner):
+    """The Littlest JupyterHub's spawner, as its pattern is (tljh.user_creating_spawner): a plain
+    ``start()`` that makes the ``jupyter-<name>`` system user, sets ``username_template`` to it
+    and returns SystemdSpawner's coroutine. Here it records the call and names a user that exists."""
+
+    made: ClassVar[list[str]] = []
+
+    def start(self):
+        self.made.append(f"jupyter-{self.user.name}")
+        self.username_template = pwd.getpwuid(os.getuid()).pw_name
+        return super().start()
+
+
+class TLJHLeaseSpawner(GPULeaseSystemdSpawner, UserCreatingStandIn):
+    """What the README's TLJH snippet defines over TLJH's UserCreatingSpawner."""
+
+
+def test_over_tljhs_user_creating_spawner_the_user_is_made_and_the_unit_locked(fake_systemd):
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        user = types.SimpleNamespace(name="alice", id=1, groups=[], url="/user/alice/", progress_url=lambda name: "")
+        s = TLJHLeaseSpawner(user=user, hub=Hub(), broker_url="http://broker/", broker_api_token="t", unit_name_template="jupyter-{USERNAME}",
+                             cmd=[sys.executable, "-c", "pass"], queue_refresh_interval=0.05)
+        s._link = BrokerLink("http://broker/", "t", client=broker, queue_refresh_interval=0.05, feed_timeout=1)
+        s.user_options = {"gpus": 1, "model": "L4"}
+        await s.start()
+        assert UserCreatingStandIn.made == ["jupyter-alice"]
+        run = run_argv(fake_systemd)
+        assert run[1:3] == ["--unit", "jupyter-alice"]  # TLJH's unit names
+        assert device_props(run) == ["--property=DevicePolicy=closed",
+                                     *(f"--property=DeviceAllow={a}" for a in (PTS, "/dev/nvidia2 rw", *CONTROL))]
+        await s.stop()
+        assert not fake_systemd.active("jupyter-alice")
         s._unfollow()
 
     asyncio.run(main())
