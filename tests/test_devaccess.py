@@ -299,3 +299,12 @@ def test_a_systemd_scope_taken_up_after_a_hub_restart_gets_its_properties_at_onc
     scopes.adopt("alice", [N("/dev/nvidia3", 195, 3)], [])
     assert ran == [["systemctl", "set-property", "--runtime", "jupyter-gpulease-alice.scope", "DevicePolicy=closed", "DeviceAllow=",
                     "DeviceAllow=char-pts rw", "DeviceAllow=/dev/nvidia3 rw"]]
+
+
+def test_a_hub_start_sweeps_the_empty_cgroups_an_earlier_hub_left(tmp_path):
+    backend = cgroups.V1Devices(str(tmp_path), "gp")
+    (tmp_path / "gp" / "left").mkdir(parents=True)
+    (tmp_path / "gp" / "running").mkdir()
+    (tmp_path / "gp" / "running" / "cgroup.procs").write_text("1234")  # a plain folder with a file: rmdir refuses, like a busy cgroup
+    assert backend.sweep() == ["left"]
+    assert sorted(p.name for p in (tmp_path / "gp").iterdir()) == ["running"]

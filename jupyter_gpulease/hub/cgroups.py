@@ -198,6 +198,15 @@ class V1Devices:
     def holds(self, name: str, pid: int) -> bool:
         return int(pid) in self.pids(name)
 
+    def sweep(self) -> list[str]:
+        """Remove the servers' cgroups that hold no process (left by a hub that exited before
+        it could); those with processes stay. Returns the names removed."""
+        try:
+            names = [e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+        return [n for n in names if self.remove(n)]
+
     def remove(self, name: str) -> bool:
         """rmdir the server's cgroup; False while a process of it lives on (it stays, denying)."""
         try:
@@ -448,7 +457,7 @@ class DeviceGuard:
         return self._background(self._remove(srv))
 
     async def _remove(self, srv: _Server) -> None:
-        for delay in (0, 0.5, 2, 5):
+        for delay in (0, 0.2, 0.5, 1, 2, 5, 10, 10):  # its kernels may outlive the server a moment
             await asyncio.sleep(delay)
             if (srv.user, srv.server) in self.servers:
                 return  # started again meanwhile: the new server uses it
@@ -563,6 +572,8 @@ def log_at_hub_start(hub: Any) -> Mechanism | None:
     mode = _config_value(cls, hub.config, "enforce_devices")
     parent = _config_value(cls, hub.config, "device_cgroup_parent")
     mech = Mechanism("none", "off") if mode == "off" else detect(parent)
+    if isinstance(mech.backend, V1Devices):
+        mech.backend.sweep()  # a server still running keeps its cgroup (not empty); adopt() takes it up
     line = hub_start_line(mode, mech)
     (hub.log.warning if mech.kind == "none" and mode != "off" else hub.log.info)(line)
     return mech
