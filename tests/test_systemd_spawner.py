@@ -474,3 +474,54 @@ def test_over_tljhs_user_creating_spawner_the_user_is_made_and_the_unit_locked(f
         s._unfollow()
 
     asyncio.run(main())
+
+
+FAKE_TLJH = '''
+"""Stand-in for TLJH's module of that name: its spawner's pattern (see UserCreatingStandIn)."""
+from systemdspawner import SystemdSpawner
+
+
+class UserCreatingSpawner(SystemdSpawner):
+    def start(self):
+        return super().start()
+'''
+
+
+def test_readmes_tljh_snippet_configures_a_hub_with_the_lease_spawner_over_tljhs(tmp_path, monkeypatch):
+    """README's ``jupyterhub_config.d/gpulease.py``, run as TLJH runs it (after TLJH's own config,
+    with the same ``c``), /opt/tljh moved into the test's folder and TLJH's module stood in for."""
+    import re
+    from pathlib import Path
+
+    from jupyterhub.app import JupyterHub
+    from traitlets.config import Config
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (snippet,) = [code for code in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+                  if code.startswith("# /opt/tljh/config/jupyterhub_config.d/gpulease.py")]
+    (tmp_path / "state").mkdir()
+    pkg = tmp_path / "pkgs" / "tljh"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "user_creating_spawner.py").write_text(FAKE_TLJH)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    c = Config()
+    c.JupyterHub.services = [{"name": "cull-idle", "admin": True, "command": ["true"]}]  # what TLJH's config sets
+    try:
+        exec(compile(snippet.replace("/opt/tljh", str(tmp_path)), "gpulease.py", "exec"), {"c": c, "__name__": "gpulease_config_d"})
+        from tljh.user_creating_spawner import UserCreatingSpawner
+    finally:
+        for name in ("tljh.user_creating_spawner", "tljh"):
+            sys.modules.pop(name, None)
+
+    hub = JupyterHub(config=c)
+    cls = hub.spawner_class
+    assert issubclass(cls, GPULeaseSystemdSpawner) and issubclass(cls, UserCreatingSpawner)
+    assert cls.__mro__.index(GPULeaseSystemdSpawner) < cls.__mro__.index(UserCreatingSpawner)
+    assert [s["name"] for s in hub.services] == ["cull-idle", "gpulease", "gpulease-spawner"]
+    token = (tmp_path / "state" / "gpulease-spawner.token")
+    assert token.stat().st_mode & 0o777 == 0o600 and hub.services[2]["api_token"] == token.read_text().strip()
+    for section in ("GPULeaseSpawner", "Spawner"):  # a typo would be ignored by traitlets
+        assert set(c[section]) <= set(cls.class_trait_names(config=True)), section
+    monkeypatch.setattr(systemd_mod, "detect_units", lambda: (True, "systemd units with DevicePolicy=closed and DeviceAllow= (SystemdSpawner)"))
+    assert systemd_mod.log_at_hub_start(hub).startswith("GPU device access follows the lease (required)")
