@@ -161,6 +161,9 @@ STANDIN = textwrap.dedent('''\
         return os.path.join(base, "units", u.removesuffix(".service"))
     if name == "systemd-run":
         unit = args[args.index("--unit") + 1]
+        if os.path.exists(os.path.join(base, "refuse-run")):
+            print("Failed to start transient service unit: Invalid argument", file=sys.stderr)
+            sys.exit(1)
         open(unit_file(unit), "w").close()
         sys.exit(0)
     cmd = args[0]
@@ -409,6 +412,20 @@ def test_required_on_a_host_where_systemd_cannot_lock_units_refuses_the_spawn_sa
         assert device_props(run_argv(fake_systemd)) == []
         await b.stop()
         b._unfollow()
+
+    asyncio.run(main())
+
+
+def test_a_unit_systemd_refuses_fails_the_spawn_at_once_and_gives_the_lease_back(fake_systemd):
+    async def main():
+        (fake_systemd.base / "refuse-run").touch()
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1, "model": "L4"}
+        with pytest.raises(Exception, match=f"The server's systemd unit {UNIT} did not start"):
+            await s.start()
+        assert broker.leases["L1"]["state"] == "released"
+        s._unfollow()
 
     asyncio.run(main())
 

@@ -247,8 +247,8 @@ class GPULeaseSystemdSpawner(GPULeaseSpawner, DeviceAllowSystemdSpawner):
         if not guard.active or not isinstance(guard.backend, ServiceUnits):
             return None
         admin = self.admin_unit_properties
-        guard.backend.register(cgroup_name(self.user.name, self.name or ""), self.unit_name,
-                               extra=as_list(admin.get("DeviceAllow")), policy=device_policy(admin))
+        extra = [self._expand_user_vars(v) for v in as_list(admin.get("DeviceAllow"))]  # as SystemdSpawner's start does
+        guard.backend.register(cgroup_name(self.user.name, self.name or ""), self.unit_name, extra=extra, policy=device_policy(admin))
         return guard
 
     def _existing_guard(self):
