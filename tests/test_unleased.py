@@ -128,12 +128,12 @@ def test_the_users_warning_says_which_gpu_whose_it_is_and_what_happens():
     st = t.for_user("bob")[0]
     w = warning(st, 100.0, KILL)
     assert w["kind"] == "unleased_use" and w["deadline"] == 220.0 and w["pid"] == 11
-    assert w["message"] == ("Process 11 uses L4 #0 on n1, 3072 MiB without a lease: it is leased to another user. It is stopped in 2 min "
-                            "unless it lets go of the GPU; ask for a lease of that GPU instead.")
-    assert "it is leased to alice." in warning(st, 100.0, KILL, names=True)["message"]  # GPULeaseBroker.show_preemptor_names
+    assert w["message"] == ("Process 11 uses L4 #0 on n1, another user's GPU: it is stopped in 2 min unless it lets go of it. "
+                            "It holds 3072 MiB. Ask for a lease of that GPU instead.")
+    assert "uses L4 #0 on n1, alice's GPU: it is stopped" in warning(st, 100.0, KILL, names=True)["message"]  # GPULeaseBroker.show_preemptor_names
     t2 = UnleasedTracker(action=REPORT)
     t2.observe(100.0, find_unleased([proc(11, A100, "bob")], []), [])
-    assert "you hold no lease of it. Stop it, or ask for a lease" in warning(t2.for_user("bob")[0], 100.0, REPORT)["message"]
+    assert "uses L4 #0 on n1, a GPU you do not lease. It holds 1024 MiB. Stop it, or ask for a lease" in warning(t2.for_user("bob")[0], 100.0, REPORT)["message"]
 
 
 # --------------------------------------------------------------------------- the owner, from a fake /proc

@@ -123,7 +123,7 @@ def test_unleased_use_on_the_admin_page_and_in_the_users_jupyterlab_then_stopped
                 toast = bob.locator(".Toastify__toast:not([class*='exit'])", has_text="GPU used without a lease").first
                 toast.wait_for(timeout=60_000)
                 words = toast.inner_text()
-                assert f"Process {bob_proc.pid} (sleep) uses L4 #" in words and "it is leased to another user" in words and "It is stopped in" in words
+                assert f"Process {bob_proc.pid} (sleep) uses L4 #" in words and "another user's GPU" in words and "it is stopped in" in words
                 def in_view():  # the notification has slid in
                     box = toast.bounding_box()
                     return box is not None and box["x"] + box["width"] <= 1400

@@ -104,7 +104,7 @@ async def test_bobs_process_on_alices_gpu_is_reported_warned_and_stopped_after_t
 
         # bob's notebook: his server (no lease, so no heartbeats) shows the broker's warning
         st = await wait_for(lambda: _unleased_warning(jp_fetch), timeout=30, message="the unleased-use warning in bob's server status")
-        assert f"Process {bob.pid} (sleep) uses L4 #" in st["message"] and "it is leased to another user" in st["message"]
+        assert f"Process {bob.pid} (sleep) uses L4 #" in st["message"] and "another user's GPU" in st["message"]
         assert st["deadline"] == d["stop_at"]
 
         # after the grace: bob's process is stopped (SIGTERM), the feed says so; alice's runs on
@@ -176,7 +176,7 @@ def test_a_lease_holders_heartbeat_answer_carries_the_warning_of_his_process_on_
         await app.unleased.check()
         reply = await client("bob").heartbeat(mine["id"], {})
         assert [(w["kind"], w["pid"]) for w in reply["warnings"]] == [("unleased_use", bob.pid)]
-        assert "it is leased to another user" in reply["warnings"][0]["message"] and "deadline" not in reply["warnings"][0]  # policy warn
+        assert "another user's GPU" in reply["warnings"][0]["message"] and "deadline" not in reply["warnings"][0]  # policy warn
         assert (await client("alice").heartbeat(theirs["id"], {}))["warnings"] == []
         # alice gives hers back and bob leases both GPUs: the same process is no longer unleased use
         await client("alice").release(theirs["id"])

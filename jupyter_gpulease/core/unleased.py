@@ -226,24 +226,25 @@ class UnleasedTracker:
 # --------------------------------------------------------------------------- words and events
 def warning(st: Standing, now: float, action: str, *, names: bool = False) -> dict[str, Any]:
     """The warning the owner's server shows (``kind`` ``unleased_use``); ``names``: say who leases
-    the GPU (else "another user", as a preempted holder is told only the tier)."""
+    the GPU (else "another user", as a preempted holder is told only the tier). What matters comes
+    first: a notification shows about 140 characters."""
     p = st.finding.process
-    mem = f", {p.used_memory_mib} MiB" if p.used_memory_mib is not None else ""
     holders = st.finding.holders
     if not holders:
-        whose = "you hold no lease of it"
+        whose = "a GPU you do not lease"
     elif names:
-        whose = f"it is leased to {', '.join(holders)}"
+        whose = f"{', '.join(holders)}'s GPU" if len(holders) == 1 else f"a GPU leased to {', '.join(holders)}"
     else:
-        whose = "it is leased to another user" if len(holders) == 1 else "it is leased to other users"
+        whose = "another user's GPU" if len(holders) == 1 else "a GPU leased to other users"
     what = f"Process {p.pid}" + (f" ({p.command})" if p.command else "")
-    msg = f"{what} uses {p.device_words()}{mem} without a lease: {whose}."
+    mem = f" It holds {p.used_memory_mib} MiB." if p.used_memory_mib is not None else ""
+    msg = f"{what} uses {p.device_words()}, {whose}"
     if st.stop and st.stop.get("outcome") == "stopped":
-        msg += " The broker stopped it."
+        msg += ": the broker stopped it."
     elif st.stop_at is not None:
-        msg += f" It is stopped in {format_duration(max(0.0, st.stop_at - now))} unless it lets go of the GPU; ask for a lease of that GPU instead."
+        msg += f": it is stopped in {format_duration(max(0.0, st.stop_at - now))} unless it lets go of it.{mem} Ask for a lease of that GPU instead."
     else:
-        msg += " Stop it, or ask for a lease of that GPU (the admin sees this use)."
+        msg += f".{mem} Stop it, or ask for a lease of that GPU (the admin sees this use)."
     out: dict[str, Any] = {"kind": WARNING_KIND, "at": st.stop_at if st.stop_at is not None else st.since, "message": msg,
                            "pid": p.pid, "device_uuid": p.device_uuid, "since": st.since}
     if st.stop_at is not None:
