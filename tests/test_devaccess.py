@@ -308,3 +308,58 @@ def test_a_hub_start_sweeps_the_empty_cgroups_an_earlier_hub_left(tmp_path):
     (tmp_path / "gp" / "running" / "cgroup.procs").write_text("1234")  # a plain folder with a file: rmdir refuses, like a busy cgroup
     assert backend.sweep() == ["left"]
     assert sorted(p.name for p in (tmp_path / "gp").iterdir()) == ["running"]
+
+
+# --------------------------------------------------------------------------- the spawner, with a fake broker and engine
+def _spawner(tmp_path, mode, mechanism):
+    from jupyter_gpulease.hub.spawner import GPULeaseSpawner
+    from test_spawner_unit import FakeBroker, FakeEngine, make_spawner
+
+    class Local(GPULeaseSpawner, FakeEngine):
+        enforces_devices = True
+
+    broker = FakeBroker(grant_at_once=True)
+    s = make_spawner(broker)
+    s.__class__ = type("LocalFake", (Local,), {})  # the fake engine, as a local-process engine
+    s.enforce_devices = mode
+    cgroups.DeviceGuard._guards[s.link] = cgroups.DeviceGuard(s.link, mode, mechanism, proc_devices=str(tmp_path / "none"))
+    return s, broker
+
+
+def test_required_enforcement_that_the_host_cannot_give_fails_the_spawn_before_asking_for_a_gpu(tmp_path):
+    async def main():
+        s, broker = _spawner(tmp_path, "required", cgroups.Mechanism("none", "no cgroup v1 devices controller is mounted"))
+        s.user_options = {"gpus": 1, "model": "L4"}
+        with pytest.raises(Exception) as e:
+            await s.start()
+        return e.value, broker
+
+    e, broker = asyncio.run(main())
+    assert "enforce_devices = 'required'" in e.jupyterhub_message and "no cgroup v1 devices controller is mounted" in e.jupyterhub_message
+    assert not broker.leases and not lease_requests(broker)
+
+
+def lease_requests(broker):
+    return [c for c in broker.calls if c[0] == "request_lease"]
+
+
+def test_the_spawner_makes_the_cgroup_with_its_lease_and_follows_the_lease_through_the_feed(tmp_path):
+    async def main():
+        backend = RecordingV1(str(tmp_path))
+        s, broker = _spawner(tmp_path, "best-effort", cgroups.Mechanism("v1", "test", backend))
+        s.user_options = {"gpus": 1, "model": "L4"}
+        await s.start()
+        first = list(backend.written["alice"])
+        s.up = True
+        broker.end(s.lease_id, "reclaimed")
+        await until(lambda: backend.written["alice"] != first, what="the end denies the GPU")
+        after = list(backend.written["alice"])
+        await s.stop()
+        await until(lambda: not (tmp_path / "gp" / "alice").exists(), what="the stopped server's cgroup is removed")
+        return first, after
+
+    from test_spawner_unit import until
+
+    first, after = asyncio.run(main())
+    assert first[0].startswith("deny") and "allow c 195:2 rwm" in first  # GPU-l0 is index 2 in the fake pool
+    assert "deny c 195:2 rwm" in after and not [r for r in after if r.startswith("allow")]
