@@ -183,7 +183,7 @@ class FakeClient:
         return self.leases[lid]
 
     async def list_leases(self, state=None, user=None):
-        return [x for x in self.leases.values() if x.get("user") == user]
+        return [x for x in self.leases.values() if user is None or x.get("user") == user]
 
 
 class FakeLink:
@@ -363,3 +363,23 @@ def test_the_spawner_makes_the_cgroup_with_its_lease_and_follows_the_lease_throu
     first, after = asyncio.run(main())
     assert first[0].startswith("deny") and "allow c 195:2 rwm" in first  # GPU-l0 is index 2 in the fake pool
     assert "deny c 195:2 rwm" in after and not [r for r in after if r.startswith("allow")]
+
+
+def test_after_the_feed_was_away_the_guard_reads_what_holds_now(tmp_path):
+    async def main():
+        own = lease("L1", ("GPU-0", ""), user="alice", server="", meta={"spawner": "jupyter-gpulease"})
+        taken = lease("L2", ("GPU-1", ""), user="alice", server="", meta={"spawner": "jupyter-gpulease", "taken_by": "server"})
+        client = FakeClient(pool_json(G0, G1), {})
+        link = FakeLink(client)
+        backend = RecordingV1(str(tmp_path))
+        guard = cgroups.DeviceGuard(link, "required", cgroups.Mechanism("v1", "test", backend), proc_devices=str(tmp_path / "none"))
+        await guard.server_starting("alice", "", own)
+        # meanwhile (no events heard): her lease ended and her server took another
+        client.leases = {"L2": taken}
+        link.send({"kind": "resync", "lease_id": ""})
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            await asyncio.gather(*guard._tasks)
+        return backend.written["alice"]
+
+    assert asyncio.run(main()) == ["deny c 195:0 rwm", "allow c 195:1 rwm", "allow c 195:255 rwm", "allow c 195:254 rwm"]

@@ -499,6 +499,9 @@ class DeviceGuard:
     # ------------------------------------------------------------------ the feed
     def _on_event(self, ev: dict) -> None:
         kind, lid = ev.get("kind"), ev.get("lease_id")
+        if kind == "resync" and self.servers:
+            self._background(self._resync())
+            return
         if kind not in ("granted", "ended") or not lid:
             return
         srv = self.by_lease.get(lid)
@@ -519,6 +522,23 @@ class DeviceGuard:
             # lease is followed by it, and counted at server_starting)
             self._learning.add(lid)
             self._background(self._learn(lid))
+
+    async def _resync(self) -> None:
+        """The feed was away: what holds now, for every server of ours, from the broker's list."""
+        try:
+            live = await self.link.client.list_leases(state="live")
+        except Exception as e:
+            self.log.debug("Device access: could not list the live leases after the feed came back: %s", e)
+            return
+        live_by_id = {x.get("id"): x for x in live}
+        for (user, server), srv in list(self.servers.items()):
+            for lid, old in list(srv.leases.items()):
+                if lid not in live_by_id and devaccess.lease_holds(old):
+                    srv.leases[lid] = {**old, "state": "ended"}
+            for lease in live:
+                if lease.get("id") == srv.own or bound_to(lease, user, server):
+                    self._track(srv, lease)
+            self._background(self._apply(srv))
 
     async def _learn(self, lid: str) -> None:
         """A lease granted that no server of ours is known to hold: read whose it is."""

@@ -250,8 +250,10 @@ class BrokerLink:
 
     def add_event_listener(self, listener: Callable[[dict], None]) -> Callable[[], None]:
         """Call ``listener(event)`` with every event of the feed, of any lease of any user (the
-        event names the lease, not its user: read the lease to know whose it is). Returns a
-        function that removes it. Listeners run on the event loop and must not block."""
+        event names the lease, not its user: read the lease to know whose it is), and with
+        ``{"kind": "resync"}`` each time the feed (re)connects, when events may have been
+        missed. Returns a function that removes it. Listeners run on the event loop and must
+        not block."""
         self.event_listeners.append(listener)
         self._ensure_feed()
 
@@ -260,6 +262,13 @@ class BrokerLink:
                 self.event_listeners.remove(listener)
 
         return remove
+
+    def _tell_listeners(self, ev: dict) -> None:
+        for listener in list(self.event_listeners):
+            try:
+                listener(ev)
+            except Exception:
+                self.log.exception("A lease event listener failed on %s", ev.get("kind"))
 
     def _forget(self, w: LeaseWatch) -> None:
         ws = self.watches.get(w.lease_id)
@@ -374,6 +383,7 @@ class BrokerLink:
                     self._cursor = await self._latest_event_id()
                 if not self.connected:
                     await self._resync()
+                    self._tell_listeners({"kind": "resync", "lease_id": ""})  # events may have been missed
                 # a short first wait after a reconnect: 'connected' means the feed answers
                 feed = await self.client.events(since=self._cursor, timeout=self.feed_timeout if self.connected else 0)
                 backoff.reset()
@@ -416,11 +426,7 @@ class BrokerLink:
             kind = ev.get("kind")
             if kind in ("requested", "granted", "ended"):
                 queue_changed = True
-            for listener in list(self.event_listeners):
-                try:
-                    listener(ev)
-                except Exception:
-                    self.log.exception("A lease event listener failed on %s", kind)
+            self._tell_listeners(ev)
             lid = ev.get("lease_id")
             if lid not in self.watches:
                 continue
