@@ -30,7 +30,7 @@ from test_demo import Browserless, Demo
 pytestmark = pytest.mark.timeout(400)
 
 ROOT = Path(__file__).resolve().parents[1]
-GRACE_S = 45  # time enough to look at the admin page and bob's JupyterLab before the process is stopped
+GRACE_S = 30  # time enough to look at the admin page and bob's JupyterLab before the process is stopped
 
 
 def unleased_config(tmp_path: Path) -> Path:
