@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from test_spawner_unit import FakeBroker, make_spawner, until
-
 from jupyter_gpulease.core.request import SPAWNER_META
 from jupyter_gpulease.hub.link import BrokerLink
 from jupyter_gpulease.hub.outbox import ReleaseOutbox
+from test_spawner_unit import FakeBroker, make_spawner, until
 
 
 def test_the_outbox_keeps_its_entries_across_processes_and_sets_a_damaged_file_aside(tmp_path):

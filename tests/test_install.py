@@ -189,8 +189,9 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
 
     (etc / "gpulease_config.py").write_text(site(readme_file("gpulease_config.py")))
     hub = InstalledHub(tmp_path / "hub", python=py, readme_config=site(readme_file("jupyterhub_config.py")))
-    # README: the spawner's token in the hub's environment; the hub's venv is not on PATH (Spawner.cmd names it)
-    hub.env = {"GPULEASE_SPAWNER_TOKEN": secrets.token_hex(32), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    # README: the spawner's and Prometheus' tokens in the hub's environment; the hub's venv is not on PATH (Spawner.cmd names it)
+    hub.env = {"GPULEASE_SPAWNER_TOKEN": secrets.token_hex(32), "GPULEASE_PROMETHEUS_TOKEN": secrets.token_hex(32),
+               "PATH": "/usr/local/bin:/usr/bin:/bin"}
     hub.start()
     try:
         broker = f"{hub.url}/services/gpulease/api"

@@ -173,7 +173,7 @@ async def end_leases_at_shutdown(app) -> dict:
     parts = ["no grants while the servers stopped (drain mode, lifted after)" if done["drained"] else "the broker could not be put in drain mode",
              f"{done['withdrawn']} waiting spawn(s) withdrawn"]
     if cleanup_servers:
-        parts.append(f"{done['stopped']} server(s) of the lease spawner stopped")
+        parts.append(f"{done['stopped']} server(s) stopped")
     else:
         parts.append("servers keep running with their leases (c.JupyterHub.cleanup_servers = False)")
     if not done["unreleased"] and not done["kept"]:
