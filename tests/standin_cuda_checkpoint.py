@@ -11,6 +11,8 @@ Configured by environment variables (the server extension runs it with the serve
 ``STANDIN_CUDA_CHECKPOINT_DIR``       folder for its call log (``calls.jsonl``) and saved state
 ``STANDIN_CUDA_CHECKPOINT_SIM_STATE`` the simulated backend's state file
 ``STANDIN_CUDA_CHECKPOINT_FAIL``      comma-separated actions that fail (e.g. ``restore``)
+``STANDIN_CUDA_CHECKPOINT_FAIL_ONCE`` comma-separated actions that fail the first time only, as
+                                      an open the device cgroup still refuses does
 ``STANDIN_CUDA_CHECKPOINT_REMAP``     ``1``: ``--help`` lists ``--device-map`` (driver 580)
 
 Run it as ``python standin_cuda_checkpoint.py ARGS``; :func:`install` writes an executable
@@ -83,6 +85,13 @@ def main(argv: list[str]) -> int:
             log.write(json.dumps({"time": time.time(), "action": action, "pid": pid, "argv": argv}) + "\n")
         if action in fail:
             print(f"cuda-checkpoint: {action} failed for process {pid} (the stand-in was asked to fail)", file=sys.stderr)
+            return 1
+        once = {a for a in os.environ.get("STANDIN_CUDA_CHECKPOINT_FAIL_ONCE", "").split(",") if a}
+        failed_path = os.path.join(folder, "failed-once.json")
+        failed = _load(failed_path, [])
+        if action in once and f"{action}:{pid}" not in failed:
+            _save(failed_path, [*failed, f"{action}:{pid}"])
+            print(f"cuda-checkpoint: {action} failed for process {pid}: Operation not permitted (the stand-in fails it once)", file=sys.stderr)
             return 1
         try:
             os.kill(pid, 0)

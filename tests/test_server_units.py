@@ -158,3 +158,32 @@ def test_where_the_engine_chose_the_devices_every_device_the_server_sees_is_watc
     expected = {m.uuid for m in gpus[0].mig} | {g.uuid for g in gpus[1:]}
     assert set(snap.devices) == expected and not snap.error
     monitor.close()
+
+
+def test_a_restore_refused_once_is_tried_again_and_one_refused_every_time_fails(tmp_path, monkeypatch):
+    """Where the hub locks GPUs to leases, the GPU of a lease granted a moment ago opens only once
+    the hub heard of the grant: a restore that came first is refused, and is tried again."""
+    import asyncio
+
+    import pytest
+
+    import standin_cuda_checkpoint as standin
+    from jupyter_gpulease.server.checkpoint import CheckpointError, CudaCheckpoint
+
+    exe = standin.install(str(tmp_path))
+    monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_DIR", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cc = CudaCheckpoint(exe)
+        asyncio.run(cc.suspend([proc.pid]))
+        monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_FAIL_ONCE", "restore")
+        asyncio.run(cc.restore([proc.pid]))
+        assert [c["action"] for c in standin.calls(str(tmp_path))] == ["lock", "checkpoint", "restore", "restore", "unlock"]
+        asyncio.run(cc.suspend([proc.pid]))
+        monkeypatch.setenv("STANDIN_CUDA_CHECKPOINT_FAIL", "restore")
+        with pytest.raises(CheckpointError):
+            asyncio.run(cc.restore([proc.pid], tries=2))
+        assert [c["action"] for c in standin.calls(str(tmp_path))][-2:] == ["restore", "restore"]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+RESTORE_TRIES = 3  # a restore of one process, at most, before the resume fails
+RESTORE_RETRY_S = 0.5  # the first wait between tries; the next ones are longer
+
 
 class CheckpointError(Exception):
     """A cuda-checkpoint call failed; ``str(err)`` says which, on which process, and its message."""
@@ -119,12 +122,25 @@ class CudaCheckpoint:
                     log.warning("Undoing a failed suspend: %s", undo)
             raise
 
-    async def restore(self, pids: list[int], device_map: dict[str, str] | None = None) -> None:
-        """Restore and unlock every process, onto other devices where ``device_map`` says so."""
+    async def restore(self, pids: list[int], device_map: dict[str, str] | None = None, *, tries: int = RESTORE_TRIES) -> None:
+        """Restore and unlock every process, onto other devices where ``device_map`` says so.
+
+        A process's restore is tried again, ``tries`` times in all, a moment apart: where the
+        hub locks the GPUs to their leases (a device cgroup), the GPU of a lease granted a moment
+        ago opens only once the hub has heard of the grant, a few milliseconds after this
+        server did; a restore that came first fails to open it."""
         moved = {old: new for old, new in (device_map or {}).items() if old != new}
         for pid in pids:
             args = ["--action", "restore", "--pid", str(pid)]
             if moved:
                 args += ["--device-map", ",".join(f"{o}={n}" for o, n in sorted(moved.items()))]
-            await self._run(*args, pid=pid, action="restore")
+            for attempt in range(1, tries + 1):
+                try:
+                    await self._run(*args, pid=pid, action="restore")
+                    break
+                except CheckpointError as e:
+                    if attempt >= tries:
+                        raise
+                    log.info("Restoring process %s failed (%s); trying again (%d of %d)", pid, e, attempt + 1, tries)
+                    await asyncio.sleep(RESTORE_RETRY_S * attempt)
             await self._run("--action", "unlock", "--pid", str(pid), pid=pid, action="unlock")
