@@ -40,6 +40,7 @@ class FakeMig:
     gpu_instance_id: int
     slices: int
     used_mib: int = 0
+    compute_instance_id: int = 0
 
 
 @dataclass
@@ -302,6 +303,18 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetGpuInstanceId(self, mh):
         self._enter("nvmlDeviceGetGpuInstanceId")
         return mh.gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, mh):
+        self._enter("nvmlDeviceGetComputeInstanceId")
+        if not isinstance(mh, FakeMig):
+            raise real.NVMLError_InvalidArgument()
+        return mh.compute_instance_id
+
+    def nvmlDeviceGetMinorNumber(self, h):
+        self._enter("nvmlDeviceGetMinorNumber")
+        if not isinstance(h, FakeGPU):
+            raise real.NVMLError_InvalidArgument()
+        return self.gpus.index(h)
 
     def nvmlDeviceGetAttributes(self, mh):
         self._enter("nvmlDeviceGetAttributes")

@@ -77,6 +77,25 @@ def test_a_mig_lease_allows_its_gpu_and_its_own_instance_not_the_neighbour():
     assert devaccess.denied_nodes(allowed, nodes) == [N("/dev/nvidia-caps/nvidia-cap30", 508, 30)]
 
 
+def test_a_mig_lease_allows_both_access_nodes_of_its_instance_and_neither_of_the_neighbours():
+    """CUDA opens a MIG slice through two capability nodes: its GPU instance's and its compute instance's."""
+    gpus = parse_inventory([{"model": "A100", "memory_mib": 81920, "mig": ["3g.40gb", "3g.40gb"], "devices": [
+        {"device": "/dev/nvidia2", "mig": [["/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"],
+                                           ["/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31"]]}]}])
+    d = gpus[0].to_dict()
+    assert [(m["device"], m["compute_device"]) for m in d["mig"]] == [
+        ("/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"), ("/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31")]
+    assert GPU.from_dict(d).mig[1].compute_device == "/dev/nvidia-caps/nvidia-cap31"
+    numbers = {"/dev/nvidia2": (195, 2), **{f"/dev/nvidia-caps/nvidia-cap{n}": (508, n) for n in (21, 22, 30, 31)}}
+    nodes = devaccess.pool_gpu_nodes({"devices": [d]}, stat=lambda p: SimpleNamespace(st_mode=stat.S_IFCHR, st_rdev=os.makedev(*numbers[p])))
+    first, second = (m["uuid"] for m in d["mig"])
+    allowed = devaccess.lease_nodes(lease("m", (d["uuid"], first)), nodes)
+    assert allowed[:3] == [N("/dev/nvidia2", 195, 2), N("/dev/nvidia-caps/nvidia-cap21", 508, 21), N("/dev/nvidia-caps/nvidia-cap22", 508, 22)]
+    assert devaccess.denied_nodes(allowed, nodes) == [N("/dev/nvidia-caps/nvidia-cap30", 508, 30), N("/dev/nvidia-caps/nvidia-cap31", 508, 31)]
+    allow, deny = devaccess.v1_rules(allowed, devaccess.denied_nodes(allowed, nodes))
+    assert "c 508:22 rwm" in allow and deny == ["c 508:30 rwm", "c 508:31 rwm"]
+
+
 def test_a_server_without_a_lease_is_denied_every_gpu_and_the_control_nodes():
     nodes = devaccess.pool_gpu_nodes(pool_json(G0, G1))
     assert devaccess.denied_nodes([], nodes) == [N("/dev/nvidia0", 195, 0), N("/dev/nvidia1", 195, 1), *CTL]
@@ -112,7 +131,8 @@ def test_the_declared_pool_names_each_gpus_node_and_refuses_a_bad_list():
     assert GPU.from_dict(d[0]).device == "/tmp/x/nvidia0"
     assert "device" not in parse_inventory([{"model": "L4", "memory_mib": 100}])[0].to_dict()  # unchanged JSON without it
     for bad, says in ((["/a"], "one device node per GPU (2)"), (["/a", "b"], "not an absolute path"),
-                      ([{"device": "/a", "mig": ["/c", "/d"]}, "/b"], "one absolute path per MIG instance")):
+                      ([{"device": "/a", "mig": ["/c", "/d"]}, "/b"], "per MIG instance (1), its access node or the pair"),
+                      ([{"device": "/a", "mig": [["/c"]]}, "/b"], "per MIG instance (1), its access node or the pair")):
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
             parse_inventory([{"model": "L4", "count": 2, "memory_mib": 81920, "devices": bad, **({"mig": ["1g.10gb"]} if "MIG" in says else {})}])
 

@@ -317,3 +317,20 @@ def test_closing_frees_the_event_set_before_shutting_nvml_down():
     b.sample()
     b.close()
     assert fake.calls[-2:] == ["nvmlEventSetFree", "nvmlShutdown"]
+
+
+def test_a_mig_instance_names_its_two_capability_nodes_from_the_drivers_list(tmp_path):
+    """CUDA opens a MIG slice through its GPU instance's and its compute instance's access nodes;
+    the driver lists their minors in /proc/driver/nvidia-caps/mig-minors."""
+    minors = tmp_path / "mig-minors"
+    minors.write_text("config 1\nmonitor 2\ngpu0/gi1/access 21\ngpu0/gi1/ci0/access 22\ngpu0/gi2/access 30\ngpu0/gi2/ci0/access 31\n")
+    b = backend(two_gpu_machine())
+    b.mig_minors_path = str(minors)
+    a100 = next(g for g in b.inventory() if g.uuid == A100_UUID)
+    assert a100.device == "/dev/nvidia0"
+    assert [(m.uuid, m.device, m.compute_device) for m in a100.mig] == [
+        (MIG_A, "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"),
+        (MIG_B, "/dev/nvidia-caps/nvidia-cap30", "/dev/nvidia-caps/nvidia-cap31")]
+    b.mig_minors_path = str(tmp_path / "none")  # no list (no MIG capabilities): no nodes, nothing else changes
+    a100 = next(g for g in b.inventory() if g.uuid == A100_UUID)
+    assert [(m.device, m.compute_device) for m in a100.mig] == [("", ""), ("", "")]

@@ -76,12 +76,15 @@ class MigInstance:
     profile: str  # e.g. "1g.10gb", "3g.40gb"
     memory_mib: int
     index: int = 0
-    device: str = ""  # its nvidia-capN node, where known (device enforcement)
+    device: str = ""  # its GPU instance's access node (nvidia-capN), where known (device enforcement)
+    compute_device: str = ""  # its compute instance's access node (nvidia-capN): CUDA opens both
 
     def to_dict(self) -> dict[str, Any]:
         d = {"uuid": self.uuid, "profile": self.profile, "memory_mib": self.memory_mib, "index": self.index}
         if self.device:
             d["device"] = self.device
+        if self.compute_device:
+            d["compute_device"] = self.compute_device
         return d
 
 

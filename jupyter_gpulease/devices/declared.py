@@ -12,9 +12,9 @@ with those instances; the memory of an instance comes from its profile name ("3g
 40 GiB). GPUs are numbered per node in declaration order. UUIDs are derived from node and
 index, so they stay the same across restarts; ``uuids`` (one per GPU) sets them explicitly.
 ``devices`` (one per GPU) names each GPU's character device, for device enforcement: a path
-(``"/dev/nvidia0"``), or ``{"device": "/dev/nvidia0", "mig": ["/dev/nvidia-caps/nvidia-cap21", ...]}``
-to name its MIG instances' nodes too (one per instance); without it a GPU's node is
-``/dev/nvidia{index}``.
+(``"/dev/nvidia0"``), or ``{"device": "/dev/nvidia0", "mig": [["/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"], ...]}``
+to name its MIG instances' nodes too: per instance its GPU instance's and its compute
+instance's access nodes, or the first alone; without it a GPU's node is ``/dev/nvidia{index}``.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def parse_inventory(entries: Any, *, default_node: str = "localhost", uuid_prefi
             gpu_uuid = uuids[k].strip() if uuids else simulated_gpu_uuid(node, index, uuid_prefix)
             mig = tuple(
                 MigInstance(uuid=simulated_mig_uuid(node, index, i, uuid_prefix), profile=p, memory_mib=mem, index=i,
-                            device=nodes[k][1][i] if nodes and nodes[k][1] else "")
+                            device=nodes[k][1][i][0] if nodes and nodes[k][1] else "",
+                            compute_device=nodes[k][1][i][1] if nodes and nodes[k][1] else "")
                 for i, (p, mem) in enumerate(profiles)
             )
             for u in (gpu_uuid, *(m.uuid for m in mig)):
@@ -121,15 +122,17 @@ def parse_inventory(entries: Any, *, default_node: str = "localhost", uuid_prefi
     return gpus
 
 
-def _parse_devices(raw: Any, where: str, count: int, n_mig: int) -> list[tuple[str, list[str]]] | None:
-    """``devices`` of an entry: one per GPU, a path or ``{"device": path, "mig": [paths]}``."""
+def _parse_devices(raw: Any, where: str, count: int, n_mig: int) -> list[tuple[str, list[tuple[str, str]]]] | None:
+    """``devices`` of an entry: one per GPU, a path or ``{"device": path, "mig": [...]}`` with, per
+    MIG instance, its GPU instance's access node or the pair ``[GPU instance's, compute instance's]``."""
     if raw is None:
         return None
     shape = (f"{where}: 'devices' must list one device node per GPU ({count}), each a path such as "
-             f"'/dev/nvidia0' or {{'device': '/dev/nvidia0', 'mig': ['/dev/nvidia-caps/nvidia-cap21', ...]}}")
+             f"'/dev/nvidia0' or {{'device': '/dev/nvidia0', 'mig': [['/dev/nvidia-caps/nvidia-cap21', "
+             f"'/dev/nvidia-caps/nvidia-cap22'], ...]}}")
     if not isinstance(raw, list) or len(raw) != count:
         raise ValueError(f"{shape}, got {raw!r}")
-    out: list[tuple[str, list[str]]] = []
+    out: list[tuple[str, list[tuple[str, str]]]] = []
     for d in raw:
         if isinstance(d, dict):
             if set(d) - {"device", "mig"}:
@@ -139,11 +142,21 @@ def _parse_devices(raw: Any, where: str, count: int, n_mig: int) -> list[tuple[s
             path, mig = d, []
         if not isinstance(path, str) or not path.startswith("/"):
             raise ValueError(f"{shape}; {path!r} is not an absolute path")
-        if not isinstance(mig, list) or not all(isinstance(m, str) and m.startswith("/") for m in mig) \
-                or (mig and len(mig) != n_mig):
-            raise ValueError(f"{where}: 'mig' of device {path!r} must list one absolute path per MIG instance ({n_mig}), got {mig!r}")
-        out.append((path, list(mig)))
+        pairs = [_mig_nodes(m) for m in mig] if isinstance(mig, list) else [None]
+        if any(p is None for p in pairs) or (mig and len(mig) != n_mig):
+            raise ValueError(f"{where}: 'mig' of device {path!r} must list, per MIG instance ({n_mig}), its access node "
+                             f"or the pair [GPU instance's node, compute instance's node], absolute paths; got {mig!r}")
+        out.append((path, pairs))
     return out
+
+
+def _mig_nodes(m: Any) -> tuple[str, str] | None:
+    """One MIG instance's nodes: a path (its GPU instance's) or a pair of paths; None when malformed."""
+    if isinstance(m, str) and m.startswith("/"):
+        return (m, "")
+    if isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and x.startswith("/") for x in m):
+        return (m[0], m[1])
+    return None
 
 
 def _parse_mig_list(raw: Any, where: str, memory_mib: int) -> list[tuple[str, int]]:

@@ -44,6 +44,10 @@ from .base import Clock, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavai
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+# where the driver lists the MIG capability nodes' minors ("gpu0/gi1/access 30",
+# "gpu0/gi1/ci0/access 31"), and where their nodes are: CUDA opens a MIG slice through both
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+MIG_CAP_DIR = "/dev/nvidia-caps"
 _CONFIG_KEYS = {"node", "include_graphics", "gpus", "state_file"}
 _MIG_NAME_RE = re.compile(r"MIG\s+(\S+)\s*$")
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId of a process on a GPU without MIG
@@ -73,6 +77,7 @@ class NvmlBackend(DeviceBackend):
         self._lock = threading.RLock()
         self._initialised = False
         self._handles: dict[str, Any] = {}  # uuid -> handle (GPUs and MIG instances)
+        self.mig_minors_path = MIG_MINORS  # (tests point it at a file of their own)
         self._gpus: list[GPU] | None = None
         self._gi_ids: dict[str, int] = {}  # MIG uuid -> GPU instance id
         self._warned: set[tuple[str, str]] = set()
@@ -191,19 +196,21 @@ class NvmlBackend(DeviceBackend):
                 healthy = not isinstance(e, getattr(nv, "NVMLError_GpuIsLost", ()))
                 mem = None
             total = int(mem.total // MIB) if mem is not None else 0
-            mig = self._discover_mig(h, uuid, handles, gi_ids)
-            handles[uuid] = h
             minor = self._query("nvmlDeviceGetMinorNumber", h)  # its /dev/nvidiaN (device enforcement)
+            mig = self._discover_mig(h, uuid, handles, gi_ids, minor if isinstance(minor, int) else None)
+            handles[uuid] = h
             gpus.append(GPU(uuid=uuid, node=self.node, index=int(index if index is not None else i), model=name,
                             memory_mib=total, mig=tuple(mig), healthy=healthy,
                             device=f"/dev/nvidia{int(minor)}" if isinstance(minor, int) else ""))
         self._gpus, self._handles, self._gi_ids = gpus, handles, gi_ids
 
-    def _discover_mig(self, h: Any, gpu_uuid: str, handles: dict[str, Any], gi_ids: dict[str, int]) -> list[MigInstance]:
+    def _discover_mig(self, h: Any, gpu_uuid: str, handles: dict[str, Any], gi_ids: dict[str, int],
+                      gpu_minor: int | None = None) -> list[MigInstance]:
         nv = self._nvml
         mode = self._query("nvmlDeviceGetMigMode", h)
         if not mode or mode[0] != getattr(nv, "NVML_DEVICE_MIG_ENABLE", 1):
             return []
+        caps = read_mig_minors(self.mig_minors_path) if gpu_minor is not None else {}
         out: list[MigInstance] = []
         for k in range(self._query("nvmlDeviceGetMaxMigDeviceCount", h) or 0):
             mh = self._query("nvmlDeviceGetMigDeviceHandleByIndex", h, k)
@@ -222,8 +229,13 @@ class NvmlBackend(DeviceBackend):
             gi = self._query("nvmlDeviceGetGpuInstanceId", mh)
             if gi is not None:
                 gi_ids[mig_uuid] = int(gi)
+            ci = self._query("nvmlDeviceGetComputeInstanceId", mh)
+            gi_cap = caps.get(f"gpu{gpu_minor}/gi{gi}/access") if gi is not None else None
+            ci_cap = caps.get(f"gpu{gpu_minor}/gi{gi}/ci{ci}/access") if gi is not None and ci is not None else None
             handles[mig_uuid] = mh
-            out.append(MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory, index=k))
+            out.append(MigInstance(uuid=mig_uuid, profile=profile, memory_mib=memory, index=k,
+                                   device=f"{MIG_CAP_DIR}/nvidia-cap{gi_cap}" if gi_cap is not None else "",
+                                   compute_device=f"{MIG_CAP_DIR}/nvidia-cap{ci_cap}" if ci_cap is not None else ""))
         if not out:
             log.info("NVML: GPU %s is in MIG mode but has no MIG instances yet", gpu_uuid)
         return out
@@ -454,3 +466,18 @@ def _pct(util: Any) -> float | None:
         return None
     gpu = getattr(util, "gpu", None)
     return float(gpu) if gpu is not None else None
+
+
+def read_mig_minors(path: str = MIG_MINORS) -> dict[str, int]:
+    """``{"gpu0/gi1/access": 30, "gpu0/gi1/ci0/access": 31, ...}`` from the driver's list of MIG
+    capabilities; empty where there is none (no driver, no MIG). Blocks (a /proc read)."""
+    out: dict[str, int] = {}
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                name, _, minor = line.strip().rpartition(" ")
+                if name and minor.isdigit():
+                    out[name] = int(minor)
+    except OSError:
+        pass
+    return out

@@ -9,8 +9,10 @@ function that does it (``stat``, the path of ``/proc/devices``).
 The broker's pool JSON (``GET api/pool``) names each GPU's node in ``device`` where the
 backend knows it (a declared pool: ``"devices": ["/dev/nvidia0", ...]`` per entry; NVML: the
 GPU's minor number); without it a GPU's node is ``/dev/nvidia{index}`` with minor ``index``.
-A MIG instance's ``device`` names its ``nvidia-capN`` node; an instance without one has no
-node of its own (its GPU's node is allowed with it). A named node's major and minor come from
+A MIG instance's ``device`` names its GPU instance's access node and ``compute_device`` its
+compute instance's (``/dev/nvidia-caps/nvidia-capN`` both: CUDA opens the two, NVIDIA's MIG
+user guide); an instance without them has no node of its own (its GPU's node is allowed with
+it). The compute instance's node is kept under the instance's UUID + ``COMPUTE_SUFFIX``. A named node's major and minor come from
 ``device_major``/``device_minor`` in the JSON when given, else from ``stat`` when the caller
 passes one (the hub does, off its event loop), else they stay unresolved (``-1``) and the
 node is left out of the rules: an unresolved node can be neither allowed nor denied.
@@ -28,6 +30,7 @@ NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 MODESET_MINOR = 254
 PROC_DEVICES = "/proc/devices"
+COMPUTE_SUFFIX = "/ci"  # pool_gpu_nodes' key of a MIG instance's compute instance node: its UUID + this
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ def pool_gpu_nodes(pool: dict[str, Any], *, stat: Callable[[str], Any] | None = 
                 mnode = _node_of(m, None, stat)
                 if mnode is not None:
                     out[m["uuid"]] = mnode
+                cnode = _node_of({"device": m.get("compute_device")}, None, stat)
+                if cnode is not None:
+                    out[m["uuid"] + COMPUTE_SUFFIX] = cnode
     return out
 
 
@@ -145,7 +151,8 @@ def leases_nodes(leases: Iterable[dict[str, Any]], pool_nodes: dict[str, DeviceN
             continue
         holds = True
         for s in lease["placement"]["slices"]:
-            for u in (s.get("gpu_uuid"), s.get("mig_uuid")):
+            mig = s.get("mig_uuid")
+            for u in (s.get("gpu_uuid"), mig, mig and mig + COMPUTE_SUFFIX):
                 node = pool_nodes.get(u) if u else None
                 if node is not None and node not in out:
                     out.append(node)
