@@ -178,4 +178,11 @@ if env("GPULEASE_DEVICE_BACKEND") == "simulated":
     c.Spawner.environment.update({"GPULEASE_DEVICE_CONFIG": json.dumps({"state_file": str(state / "sim-gpus.json")})})
 if os.getuid() == 0:
     c.Spawner.args = ["--allow-root"]
+if env("GPULEASE_DEMO_DIR"):
+    # The demo shows the idle cycle within minutes (a real hub keeps the extension's defaults, or
+    # sets its own in the servers' jupyter_server_config.py): a kernel whose GPU sits idle is
+    # warned after 30 s and suspended after 60 s (on simulated GPUs by the simulated
+    # cuda-checkpoint: its variables stay); an unused lease goes back after 60 s.
+    c.Spawner.args.extend([f"--GPULeaseExtension.gpu_idle_timeout={env('GPULEASE_DEMO_IDLE_TIMEOUT', '60')}",
+                           f"--GPULeaseExtension.warn_before={env('GPULEASE_DEMO_IDLE_WARN_BEFORE', '30')}"])
 c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")

@@ -23,7 +23,9 @@ A device whose utilization is not set reports the sum of its processes' ``sm_uti
 (at most 100); temperature and power not set follow utilization (an idle GPU is cool and
 draws little), so the demo's figures move with the work it drives.
 
-Writers replace the file atomically; two processes writing at the same moment: the last wins.
+Writers replace the file atomically (mode 0644: the single-user servers of other users read it
+too); two processes writing at the same moment: the last wins. A file that cannot be read (yet)
+is tried again at every sample.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class SimulatedBackend(DeviceBackend):
             raise ValueError(f"simulated device backend: 'state_file' must be a file path, got {state_file!r}")
         self.state_file: str | None = os.fspath(state_file) if state_file else None
         self._file_sig: tuple[int, int] | None = None
+        self._unreadable = ""
         self._reload()
 
     # ------------------------------------------------------------------ interface
@@ -237,10 +240,17 @@ class SimulatedBackend(DeviceBackend):
             with open(self.state_file, encoding="utf-8") as f:
                 data = json.load(f)
             util, procs, devices = self._parse_state(data)
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            # not readable (yet): tried again at the next sample, said once until it is readable
+            if self._unreadable != str(e):
+                log.warning("Simulated GPUs: cannot read the state file %s (%s); trying again at each sample", self.state_file, e)
+                self._unreadable = str(e)
+            return
+        except ValueError as e:
             log.warning("Simulated GPUs: ignoring state file %s: %s", self.state_file, e)
             self._file_sig = sig
             return
+        self._unreadable = ""
         self._util, self._procs, self._devices, self._file_sig = util, procs, devices, sig
 
     def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, tuple[int | None, float | None]]], dict[str, dict[str, Any]]]:
@@ -293,6 +303,8 @@ class SimulatedBackend(DeviceBackend):
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".sim-gpus-", suffix=".json", dir=folder)
         try:
+            # readable by all (mkstemp makes it 0600): servers of other users read the same GPUs
+            os.fchmod(fd, 0o644)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
             os.replace(tmp, self.state_file)

@@ -25,6 +25,10 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = "demo-state"
 DEFAULT_PASSWORD = "gpulease"
+#: The demo's idle reclaim, short enough to see the whole cycle in minutes: a kernel whose GPU sits
+#: idle is warned after IDLE_WARN_S and suspended (an unused lease goes back) after IDLE_RECLAIM_S.
+IDLE_RECLAIM_S = 60
+IDLE_WARN_S = 30
 
 
 def find_config_dir() -> Path | None:
@@ -306,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         GPULEASE_DEVICE_BACKEND=backend,
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
+        GPULEASE_DEMO_IDLE_TIMEOUT=str(IDLE_RECLAIM_S),
+        GPULEASE_DEMO_IDLE_WARN_BEFORE=str(IDLE_RECLAIM_S - IDLE_WARN_S),
     )
     env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
@@ -324,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Starting JupyterHub with GPU leases (state folder: {state}) ...", flush=True)
     if backend == "simulated":
         print(f"The GPUs are simulated: {why}. Leases, the queue and placement are real; the GPUs and their "
-              "figures are not (no CUDA program can run on them).", flush=True)
+              "figures are not (no CUDA program can run on them: a notebook makes simulated GPU work with "
+              "jupyter_gpulease.sim.gpu.use_gpu, and suspends are simulated).", flush=True)
     last = _last_stop(state)
     if last:
         print(last, flush=True)
@@ -408,8 +415,15 @@ def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: li
         f"  Log in with any user name (alice, bob, ...) and the password {password!r}.",
         "  Pick a GPU option on the spawn form; a second user asking for a busy GPU sees their place in the queue.",
         *gpus,
-        "  User 'admin' is a hub admin and sees every lease on the broker's page:",
-        f"      {url}/services/gpulease/",
+        f"  Idle reclaim is short in the demo: a kernel whose GPU sits idle is warned after {IDLE_WARN_S} s and "
+        f"suspended after {IDLE_RECLAIM_S} s",
+        "  (its variables stay; its next cell gets a GPU back); a lease no kernel uses goes back after "
+        f"{IDLE_RECLAIM_S} s.",
+        *(["  In a notebook, make simulated GPU work with:",
+           "      from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=80, memory_gb=6, seconds=20)"]
+          if backend == "simulated" else []),
+        "  User 'admin' is a hub admin and sees every lease on the broker's admin page:",
+        f"      {url}/services/gpulease/admin",
         f"  State folder: {state}   (logs: {log_path.name}; delete the folder, or use --fresh, to start afresh)",
         "",
         "Press Ctrl-C to stop.",

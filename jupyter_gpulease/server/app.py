@@ -18,7 +18,7 @@ from traitlets import Bool, Dict, Enum, Float, Unicode, default, validate
 from ..client import BrokerClient, default_broker_url
 from ..core.idle import IdleRule
 from ..devices import DeviceUnavailable, get_backend
-from .checkpoint import CudaCheckpoint, find_cuda_checkpoint, unavailable_reason
+from .checkpoint import CudaCheckpoint, find_cuda_checkpoint, simulated_checkpoint, unavailable_reason
 from .feed import Feed
 from .handlers import handlers
 from .lease import LeaseKeeper
@@ -156,7 +156,9 @@ class GPULeaseExtension(ExtensionApp):
         60.0, help="""Seconds a process may stay over its share's memory after the warning before it is acted on.""",
     ).tag(config=True)
     cuda_checkpoint = Unicode(
-        "cuda-checkpoint", help="""The cuda-checkpoint executable: a name looked up on PATH, or a path.""",
+        "cuda-checkpoint", help="""The cuda-checkpoint executable: a name looked up on PATH, or a path; ``simulated``: the
+        simulated one for simulated GPUs (jupyter_gpulease.devices.simcheckpoint), which is also what the simulated
+        device backend uses when this is not set. Never used with real GPUs.""",
     ).tag(config=True)
     checkpoint_timeout = Float(300.0, help="""Seconds one cuda-checkpoint call may take before it counts as failed.""").tag(config=True)
 
@@ -196,9 +198,7 @@ class GPULeaseExtension(ExtensionApp):
             except Exception as e:  # a bad URL must not fail the server
                 self.log.warning("GPU leases: broker client not usable: %s", e)
         monitor = Monitor(backend, interval=self.sample_interval, history_s=self.history_seconds, unavailable=unavailable)
-        path = find_cuda_checkpoint(self.cuda_checkpoint)
-        missing = unavailable_reason(path, self.cuda_checkpoint, mig=False)
-        checkpoint = CudaCheckpoint(path, timeout_s=self.checkpoint_timeout) if path else None
+        checkpoint, missing = self._checkpoint(backend)
         keeper = LeaseKeeper(client, lease_id=self.lease_id, server_name=self.server_name, heartbeat_interval=self.heartbeat_interval)
         learn = self.gpu_idle_timeout_learn
         rule = IdleRule(timeout_s=self.gpu_idle_timeout or None, learn=learn and bool(self.gpu_idle_timeout),
@@ -233,6 +233,19 @@ class GPULeaseExtension(ExtensionApp):
         else:
             self.log.info("GPU leases: lease %s, %s backend, sampling every %g s, idle reclaim: %s, %s", self.lease_id,
                           self.device_backend, self.sample_interval, rule.describe(), self.reclaim_action)
+
+    def _checkpoint(self, backend) -> tuple[CudaCheckpoint | None, str]:
+        """(the cuda-checkpoint to suspend with, or None; why there is none). On simulated GPUs
+        with ``cuda_checkpoint`` not set: the simulated one, which says so; never on real GPUs."""
+        simulated = getattr(backend, "name", "") == "simulated"
+        wanted = self.cuda_checkpoint
+        if wanted == "simulated" or (simulated and "cuda_checkpoint" not in self.config.get("GPULeaseExtension", {})):
+            if not simulated:
+                return None, "the simulated cuda-checkpoint works on simulated GPUs only (this server's are not)"
+            return simulated_checkpoint(self.device_config, timeout_s=self.checkpoint_timeout), ""
+        path = find_cuda_checkpoint(wanted)
+        missing = unavailable_reason(path, wanted, mig=False)
+        return (CudaCheckpoint(path, timeout_s=self.checkpoint_timeout) if path else None), missing
 
     def initialize_handlers(self):
         if not self.enabled:

@@ -6,9 +6,10 @@ is among its ancestors (a kernel may start workers: DataLoader processes, ``mult
 pools, a subprocess with its own session). Answers are cached per (pid, start time), so each
 GPU process is walked once, not once per sample.
 
-Inside a container NVML may report PIDs of the host's PID namespace, which this server cannot
-see. :func:`attribute` notices when a device has processes, none of them belongs to a kernel
-and none exists here, and then reports device-level figures only, saying so.
+NVML may report PIDs this server cannot see (those of the host's PID namespace, when the server
+has one of its own, e.g. in a container). :func:`attribute` notices when a device has processes,
+none of them belongs to a kernel and none exists here, and then reports device-level figures
+only, saying which processes on which GPUs this server could not find (and no guess at why).
 
 Everything here may read ``/proc``: call it from the monitor's worker thread, not the event loop.
 """
@@ -23,10 +24,20 @@ import psutil
 
 from ..devices import DeviceSample, ProcessSample
 
-HOST_PID_MESSAGE = (
-    "NVML reports process IDs this server cannot see (it runs in a container with its own PID "
-    "namespace): GPU figures are per device, not per kernel"
-)
+HOST_PID_MESSAGE = "GPU figures are per device, not per kernel"
+
+
+def host_pid_message(pids_by_device: dict[str, list[int]]) -> str:
+    """What the server sees when no GPU process is one it can find: which processes, on which
+    GPUs, seen by which server; no guess at why (another PID namespace, e.g. a container, or
+    processes of another host or user do this)."""
+    user = os.environ.get("JUPYTERHUB_USER", "")
+    name = os.environ.get("JUPYTERHUB_SERVER_NAME", "")
+    server = f"{user}'s server {name!r}" if user and name else f"{user}'s server" if user else "this server"
+    seen = "; ".join(f"{', '.join(map(str, sorted(pids)[:5]))}{' …' if len(pids) > 5 else ''} on {dev}"
+                     for dev, pids in sorted(pids_by_device.items()))
+    return (f"The GPUs list process IDs that {server} (host {os.uname().nodename}) cannot see among its processes "
+            f"({seen}), and none of its kernels: {HOST_PID_MESSAGE}")
 
 
 @dataclass(frozen=True)
@@ -182,5 +193,8 @@ def attribute(samples: dict[str, DeviceSample], kernels: Iterable[KernelProcess]
         for k in out.values():
             k.memory_mib = None
             k.sm_util_pct = None
-        return Attribution(out, others, mode="device", message=HOST_PID_MESSAGE, owner={})
+        unseen: dict[str, list[int]] = {}
+        for p in others:
+            unseen.setdefault(p.device_uuid or "?", []).append(p.pid)
+        return Attribution(out, others, mode="device", message=host_pid_message(unseen), owner={})
     return Attribution(out, others, owner=owner)

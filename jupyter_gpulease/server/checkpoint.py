@@ -20,10 +20,12 @@ Every call runs as a subprocess of the event loop (nothing blocks) with a time l
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import platform
 import shutil
+import sys
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -64,17 +66,25 @@ def unavailable_reason(executable: str | None, configured: str, *, mig: bool = F
 
 @dataclass
 class CudaCheckpoint:
-    """Runs ``cuda-checkpoint`` (or a stand-in with the same command line)."""
+    """Runs ``cuda-checkpoint`` (or a stand-in with the same command line).
+
+    ``prefix``: arguments that come before the tool's own (``-m module`` when ``path`` is Python);
+    ``env``: the tool's environment (None: the server's); ``note``: what the tool is, when it
+    is not NVIDIA's (said in the status and the messages: "simulated: ...")."""
 
     path: str
     timeout_s: float = 300.0
     lock_timeout_ms: int = 10_000
+    prefix: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    note: str = ""
     _device_map: bool | None = None
 
     async def _run(self, *args: str, pid: int | None = None, action: str = "") -> str:
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.path, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+                self.path, *self.prefix, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=self.env,
             )
         except OSError as e:
             raise CheckpointError(f"cannot run {self.path}: {e}", pid=pid, action=action) from None
@@ -88,6 +98,10 @@ class CudaCheckpoint:
             words = (err or out).decode(errors="replace").strip() or f"exit status {proc.returncode}"
             raise CheckpointError(f"cuda-checkpoint --action {action} on process {pid} failed: {words}", pid=pid, action=action)
         return out.decode(errors="replace").strip()
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.note)
 
     async def state(self, pid: int) -> str:
         """'running', 'locked', 'checkpointed' or 'failed' (the tool's words)."""
@@ -144,3 +158,12 @@ class CudaCheckpoint:
                     log.info("Restoring process %s failed (%s); trying again (%d of %d)", pid, e, attempt + 1, tries)
                     await asyncio.sleep(RESTORE_RETRY_S * attempt)
             await self._run("--action", "unlock", "--pid", str(pid), pid=pid, action="unlock")
+
+
+def simulated_checkpoint(device_config: dict, *, timeout_s: float = 300.0) -> CudaCheckpoint:
+    """The simulated cuda-checkpoint (:mod:`jupyter_gpulease.devices.simcheckpoint`) for the
+    simulated backend configured by ``device_config`` (its ``state_file``): this Python runs it."""
+    from ..devices.simcheckpoint import NOTE
+
+    env = dict(os.environ, GPULEASE_DEVICE_BACKEND="simulated", GPULEASE_DEVICE_CONFIG=json.dumps(device_config))
+    return CudaCheckpoint(sys.executable, timeout_s=timeout_s, prefix=("-m", "jupyter_gpulease.devices.simcheckpoint"), env=env, note=NOTE)

@@ -525,7 +525,8 @@ class GPUSupervisor:
         rec.suspended = {"pids": pids, "devices": devices, "gpus": lease_gpus(lease) or devices, "memory_mib": memory,
                          "at": self.clock(), "lease": lease, "suspend_s": round(time.monotonic() - t0, 3)}
         msg = (f"Kernel {self._kname(rec)} was suspended ({why}): its GPU memory"
-               f"{f' ({memory} MiB)' if memory else ''} is kept in host memory and nothing is lost. "
+               f"{f' ({memory} MiB)' if memory else ''} is kept in host memory and nothing is lost"
+               f"{f' ({note})' if (note := getattr(self.checkpoint, 'note', '')) else ''}. "
                + ("Its next cell waits for a GPU, then goes on." if self.settings.resume_on_execute
                   else "Resume it (%gpu resume, or the GPU panel) to get a GPU back."))
         rec.message = msg
@@ -768,7 +769,8 @@ class GPUSupervisor:
         rec.message = ""
         self.resume = None
         self._resume_event(rec, "done", f"Kernel {name} has its GPU back after {fmt_duration(self.clock() - t0)} "
-                           f"(waiting {fmt_duration(waited)}, restore {restore_s:.1f} s); the cell goes on.",
+                           f"(waiting {fmt_duration(waited)}, restore {restore_s:.1f} s"
+                           f"{'; ' + note if (note := getattr(self.checkpoint, 'note', '')) else ''}); the cell goes on.",
                            waited_s=round(waited, 1), restore_s=round(restore_s, 3))
         return True
 
@@ -979,6 +981,7 @@ class GPUSupervisor:
                 "fallback_action": self.settings.fallback_action,
                 "suspend_available": not self.suspend_unavailable(),
                 "suspend_unavailable_reason": self.suspend_unavailable(),
+                "suspend_note": getattr(self.checkpoint, "note", ""),  # "simulated: ..." on simulated GPUs
                 "threshold_pct": self.settings.threshold_pct,
                 "reclaim_busy": self.settings.reclaim_busy,
                 "timeout_s": timeout,
