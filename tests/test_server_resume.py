@@ -8,6 +8,9 @@ checkpoint and back (onto the mapped device) on restore, and fails on request
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 import standin_cuda_checkpoint as standin
@@ -198,3 +201,65 @@ async def test_before_a_preemption_ends_the_lease_the_kernels_holding_the_gpu_ar
 def kernel_status_holds(server, kid):
     rec = server.web_app.settings["gpulease_supervisor"].kernels.get(kid)
     return rec is not None and rec.gpu is not None and rec.gpu.holds_memory
+
+
+async def cell_output(k, code: str, timeout: float = 90) -> tuple[dict, str]:
+    """Run a cell to its end: (execute_reply content, its stdout)."""
+    msg_id = await k.execute(code)
+    out = ""
+    while True:
+        msg = await k.client.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out += msg["content"]["text"]
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    while True:
+        reply = await k.client.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], out
+
+
+async def test_a_short_cell_in_a_suspended_kernel_waits_for_the_resume_and_runs_with_its_variables(
+        server, jp_fetch, sim, broker, lease, checkpoint_dir):
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    reply, _ = await cell_output(k, "x = 41")
+    assert reply["status"] == "ok"
+    sim.run(k.pid, 6000, sm=0.0)
+
+    async def is_suspended():
+        return (kernel_status(await status(jp_fetch), k.id) or {}).get("state") == "suspended"
+
+    await wait_for(is_suspended, sim=sim, message="the kernel is suspended")
+    marker = server.kernel_manager.get_kernel(k.id).connection_file[:-len(".json")] + ".gpulease-suspended"
+    assert os.path.exists(marker)  # what tells the kernel's hook to wait
+    # a cell far shorter than the server's settle time: it waits for the GPU, then runs
+    reply, out = await cell_output(k, "print(x + 1)")
+    assert reply["status"] == "ok", reply
+    assert "GPU back after" in out and "restored with its variables" in out, out
+    assert out.rstrip().endswith("42"), out
+    assert [e["stage"] for e in resume_events(server, k.id)][-1] == "done"
+    st = await status(jp_fetch)
+    ks = kernel_status(st, k.id)
+    assert ks["state"] == "ok" and ks["env_stale"] is False  # restored in place: nothing to restart
+    assert not [n for n in st["notices"] if n["kind"] == "env_stale"]
+    assert not os.path.exists(marker)
+    # not suspended now: the next cell runs at once and asks for nothing
+    n = len(resume_events(server, k.id))
+    reply, out = await cell_output(k, "print('again')")
+    assert out == "again\n" and len(resume_events(server, k.id)) == n
+    k.close()
+
+
+async def test_after_an_unused_lease_was_reclaimed_resume_asks_for_a_lease_of_the_same_shape(server, jp_fetch, sim, broker, lease):
+    await active_lease(jp_fetch)
+    await wait_for(lambda: _is(lease_state(broker, lease["id"]), "reclaimed"), sim=sim, message="the unused lease went back")
+    r = await jp_fetch("gpulease", "api", "resume", method="POST", body="{}")
+    body = json.loads(r.body)
+    assert r.code == 201 and body["resuming"] == [] and body["lease"]["state"] == "active", body
+    assert body["lease"]["request"] == lease["request"] and body["lease"]["id"] != lease["id"]
+    # held now: a second resume has nothing to do
+    r = await jp_fetch("gpulease", "api", "resume", method="POST", body="{}")
+    assert r.code == 200 and json.loads(r.body) == {"resuming": [], "lease": None}

@@ -9,9 +9,14 @@ def load_ipython_extension(ipython) -> None:
 
     ipython.register_magics(GPUMagics)
     install()  # a GPU share's memory cap for PyTorch (GPULEASE_MEMORY_FRACTION)
+    from .resume import install as install_resume
+
+    install_resume(ipython)  # a cell in a suspended kernel waits for the resume
 
 
 def unload_ipython_extension(ipython) -> None:
     from .feed import stop_shared_feed
+    from .resume import uninstall
 
+    uninstall(ipython)
     stop_shared_feed()

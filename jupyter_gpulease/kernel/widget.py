@@ -206,7 +206,15 @@ class LeaseWidget(W.VBox):
                 from .magics import this_kernel_id
 
                 ans = self.api.resume(this_kernel_id() if any(k.get("id") == this_kernel_id() for k in text.suspended_kernels(self.feed.last or {})) else None)
-                msg = "resuming: a GPU is being found for the suspended kernels"
+                ans = ans or {}
+                n = len(ans.get("resuming") or [])
+                lease = ans.get("lease") if isinstance(ans.get("lease"), dict) else None
+                if n:
+                    msg = f"resuming {n} kernel{'s' if n != 1 else ''}: a GPU is being found and the memory restored"
+                elif lease is not None:
+                    msg = "asked for a GPU again: " + text.lease_line(lease, time.time())
+                else:
+                    msg = "nothing to resume: no kernel is suspended and the GPU lease was not reclaimed"
             elif name == "release":
                 ans = self.api.release("released with the widget's button", force=True)
                 msg = "released: the GPU went back to the pool"

@@ -234,7 +234,14 @@ class ResumeHandler(GPULeaseAPIHandler):
         started = await self.supervisor.resume_now(kid)
         if kid is not None and not started:
             raise _Refusal(409, f"kernel {kid} is not suspended", "kernel_id")
-        self.write_json({"resuming": started}, 202 if started else 200)
+        lease = None
+        if not started:
+            # no suspended kernel, but the unused lease was reclaimed: ask for one like it again
+            lease = await self.broker(self.supervisor.resume_lease())
+        if lease is not None:
+            self.write_json({"resuming": [], "lease": self.supervisor.lease_json(lease)}, 201 if lease.get("state") == "active" else 202)
+            return
+        self.write_json({"resuming": started, "lease": None}, 202 if started else 200)
 
 
 class BrokerReadHandler(GPULeaseAPIHandler):

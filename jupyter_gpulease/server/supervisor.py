@@ -37,6 +37,7 @@ from ..core.idle import IdleRule
 from ..core.text import format_duration as fmt_duration
 from ..core.unleased import WARNING_KIND as UNLEASED_WARNING
 from ..hub.placement import cpu_only_environment, lease_environment
+from ..kernel.resume import marker_path
 from .attribution import KernelGPU, KernelProcess
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason
 from .feed import Feed
@@ -96,6 +97,7 @@ class KernelRecord:
     share_warned_at: float | None = None
     busy_since: float | None = None  # executing since (None while idle)
     task: asyncio.Task | None = None
+    connection_file: str = ""
 
     @property
     def executing(self) -> bool:
@@ -181,6 +183,8 @@ class GPUSupervisor:
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
+        for rec in self.kernels.values():
+            self._mark_suspended(rec, False)
         for t in list(self._tasks):
             t.cancel()
         await self.keeper.stop(release=True)
@@ -240,6 +244,8 @@ class GPUSupervisor:
             self._check_shares(snap, now)
         self._check_preemption(now)
         self._check_resume(now)
+        if any(n["kind"] == "env_stale" for n in self.notices):
+            self._env_notice()  # a stale kernel restarted or went away: say so
         if self.keeper.client is not None and self.keeper.active is None and now - self._unleased_polled >= self.keeper.heartbeat_interval:
             self._unleased_polled = now
             self._spawn(self._poll_unleased())
@@ -268,6 +274,7 @@ class GPUSupervisor:
                     rec.memory_peak_mib = 0
                     if rec.state in ("suspended", "reclaimed") and not (rec.task and not rec.task.done()):
                         rec.state, rec.suspended = "ok", None
+                        self._mark_suspended(rec, False)
                 rec.pid = pid
                 rec.env_devices = None
             rec.pgid = _int_or_none(getattr(prov, "pgid", None))
@@ -289,6 +296,7 @@ class GPUSupervisor:
         for kid in list(self.kernels):
             if kid not in seen:
                 rec = self.kernels.pop(kid)
+                self._mark_suspended(rec, False)
                 if rec.task and not rec.task.done():
                     rec.task.cancel()
 
@@ -522,6 +530,7 @@ class GPUSupervisor:
                                 f"doing '{self.settings.fallback_action}' instead.")
             return False
         rec.state = "suspended"
+        self._mark_suspended(rec, True)
         rec.suspended = {"pids": pids, "devices": devices, "gpus": lease_gpus(lease) or devices, "memory_mib": memory,
                          "at": self.clock(), "lease": lease, "suspend_s": round(time.monotonic() - t0, 3)}
         msg = (f"Kernel {self._kname(rec)} was suspended ({why}): its GPU memory"
@@ -713,13 +722,53 @@ class GPUSupervisor:
         if new_id == self._kernel_env_lease_id:
             return
         self._kernel_env_lease_id = new_id
-        devices = env.get("CUDA_VISIBLE_DEVICES", "")
-        stale = [k for k in self.kernels.values() if k.state != "suspended" and self._env_of(k) is not None and self._env_of(k) != devices]
-        if stale:
-            names = ", ".join(self._kname(k) for k in stale)
-            what = f"the GPU {devices}" if devices else "no GPU"
-            self._notice("env_stale", f"New kernels get {what}; running kernel(s) {names} keep the devices they started with "
-                         "until restarted.", kernel_ids=[k.id for k in stale])
+        self._env_notice()
+
+    def _stale(self, rec: KernelRecord, devices: str) -> bool:
+        """Whether a running kernel sees other devices than kernels started now (a suspended or
+        resuming kernel gets the lease's devices by its restore: not stale)."""
+        env = self._env_of(rec)
+        return env is not None and rec.state not in ("suspended", "resuming") and env != devices
+
+    def _env_notice(self) -> None:
+        """The standing env_stale notice, said again when what is true changed: it names the
+        kernels stale now, against the environment kernels get now (none stale: no notice)."""
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        stale = [k for k in self.kernels.values() if self._stale(k, devices)]
+        current = next((n for n in self.notices if n["kind"] == "env_stale"), None)
+        ids = [k.id for k in stale]
+        if not stale:
+            if current is not None:
+                self.notices = [n for n in self.notices if n["kind"] != "env_stale"]
+                self.feed.publish("notice", {"kind": "env_stale", "message": "", "kernel_ids": [], "cleared": True})
+            return
+        if current is not None and current.get("kernel_ids") == ids and current.get("devices") == devices:
+            return
+        names = ", ".join(self._kname(k) for k in stale)
+        what = f"the GPU {devices}" if devices else "no GPU"
+        self._notice("env_stale", f"New kernels get {what}; running kernel(s) {names} keep the devices they started with "
+                     "until restarted.", kernel_ids=ids, devices=devices)
+
+    def _mark_suspended(self, rec: KernelRecord, on: bool) -> None:
+        """The file beside the kernel's connection file that tells its %gpu extension it is suspended
+        (its next cell then asks for the resume and waits for it: see kernel/resume.py)."""
+        try:
+            cf = getattr(self.km.get_kernel(rec.id), "connection_file", "")
+        except Exception:
+            cf = ""
+        cf = cf or getattr(rec, "connection_file", "")
+        if not cf:
+            return
+        rec.connection_file = cf
+        path = marker_path(cf)
+        try:
+            if on:
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump({"kernel_id": rec.id, "at": self.clock()}, f)
+            elif os.path.exists(path):
+                os.remove(path)
+        except OSError as e:
+            log.debug("Could not %s %s: %s", "write" if on else "remove", path, e)
 
     def _env_of(self, rec: KernelRecord) -> str | None:
         if rec.env_devices is None and rec.pid:
@@ -768,6 +817,9 @@ class GPUSupervisor:
         rec.state, rec.suspended = "ok", None
         rec.message = ""
         self.resume = None
+        self._mark_suspended(rec, False)
+        # restored in place: the process uses the new lease's devices, whatever its environment said at start
+        rec.env_devices = ",".join(mapping.get(d, d) for d in (rec.env_devices or ",".join(sus["devices"])).split(",") if d)
         self._resume_event(rec, "done", f"Kernel {name} has its GPU back after {fmt_duration(self.clock() - t0)} "
                            f"(waiting {fmt_duration(waited)}, restore {restore_s:.1f} s"
                            f"{'; ' + note if (note := getattr(self.checkpoint, 'note', '')) else ''}); the cell goes on.",
@@ -803,6 +855,7 @@ class GPUSupervisor:
         log.warning("Resuming kernel %s failed: %s; restarting it", rec.id, why)
         rec.state, rec.suspended = "ok", None
         self.resume = None
+        self._mark_suspended(rec, False)
         try:
             await _maybe_await(self.km.restart_kernel(rec.id))
             msg = (f"Kernel {name} could not get its GPU state back ({why}); it was restarted and its variables are lost. "
@@ -847,11 +900,23 @@ class GPUSupervisor:
         return until
 
     async def resume_now(self, kernel_id: str | None = None) -> list[str]:
-        recs = [k for k in self.kernels.values() if k.state == "suspended" and (kernel_id is None or k.id == kernel_id)]
+        """Resume the suspended kernels (or one): their ids, those already resuming included."""
+        recs = [k for k in self.kernels.values() if k.state in ("suspended", "resuming") and (kernel_id is None or k.id == kernel_id)]
         for rec in recs:
-            if not (rec.task and not rec.task.done()):
+            if rec.state == "suspended" and not (rec.task and not rec.task.done()):
                 rec.task = self._spawn(self.resume_kernel(rec, why="was asked to resume"))
         return [r.id for r in recs]
+
+    async def resume_lease(self) -> dict[str, Any] | None:
+        """No kernel is suspended, but the server's last lease was reclaimed: ask for one of the same
+        shape again (what "resume" means for a server whose unused GPU went back). None when there
+        is nothing to resume (a lease is held or waited for, or the last one was not reclaimed)."""
+        former = self.keeper.ended or {}
+        if self.keeper.active or self.keeper.queued or former.get("state") != "reclaimed" or not former.get("request"):
+            return None
+        body = same_shape_request(former)
+        body["meta"] = {"resume_of": former.get("id")}
+        return await self.keeper.request(body)
 
     # ------------------------------------------------------------------ feed helpers
     def _kname(self, rec: KernelRecord | None) -> str:
@@ -946,7 +1011,8 @@ class GPUSupervisor:
                 "idle": {"gpu_idle": bool(k and k.idle_since is not None), "idle_since": k.idle_since if k else None,
                          "idle_s": self._idle_s(rec), "reclaim_at": deadline, "warned": bool(k and k.warned_for)},
                 "cuda_visible_devices": env,
-                "env_stale": env is not None and rec.state != "suspended" and env != os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "env_stale": self._stale(rec, os.environ.get("CUDA_VISIBLE_DEVICES", "")),
+                "resume": {kk: v for kk, v in self.resume.items() if kk != "kernel_id"} if self.resume and self.resume.get("kernel_id") == rec.id else None,
                 "suspended": {kk: rec.suspended[kk] for kk in ("devices", "memory_mib", "at", "suspend_s")} if rec.suspended else None,
                 "busy_s": round(rec.busy_s, 1), "idle_total_s": round(rec.idle_s, 1), "memory_peak_mib": rec.memory_peak_mib,
             }
