@@ -1,6 +1,7 @@
 """`jupyter gpulease pool|leases|queue|extend|release` against an in-process broker."""
 
 import json
+import re
 import time
 
 import pytest
@@ -42,6 +43,7 @@ def test_a_researcher_sees_the_pool_requests_extends_and_releases(broker, capsys
     assert jupyter_gpulease(["leases"]) == 0
     text = out_of(capsys)
     assert lease["id"][:12] in text and "active" in text and "L4 #0 on n2" in text
+    assert re.search(r"\bactive\s+alice\s+\(default\)\s", text), "the server column names the default server as the admin page does"
     assert "until " in text and ("(in 59 min)" in text or "(in 1 h)" in text), text
 
     assert jupyter_gpulease(["extend", lease["id"][:8], "--by", "30m"]) == 0

@@ -141,8 +141,11 @@ def test_what_is_free_and_what_waits_is_shown_above_the_cards():
     queue = [{"id": "q1", "state": "queued", "request": {"kind": "gpu", "gpus": 1, "model": ["L4"]}}]
     html = spawn_form.render_form(pool(), queue=queue, now=NOW)
     rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", html)
-    assert (A100, "3 of 4 idle", "3 GPU free, up to 1 on one GPU", "3g.40gb: 1 of 2 free", "0") in rows
-    assert ("L4 (22 GB)", "0 of 2 idle", "0.5 GPU free, up to 0.5 on one GPU", "–", "1") in rows
+    assert (A100, "3 of 4 idle", "3 GPUs free in all; the largest share that fits is a whole GPU", "3g.40gb: 1 of 2 free", "0") in rows
+    assert ("L4 (22 GB)", "0 of 2 idle", "half a GPU free", "–", "1") in rows
+    # the share cards say what fits in words: no 'a 1 share', no '2 GPU'
+    assert "room now for up to half a GPU" in html and "room now for up to a whole GPU" in html, html
+    assert not re.search(r"a [\d.]+ share free|\b[02-9] GPU free", html)
 
 
 def test_a_request_the_broker_would_refuse_says_why_and_a_preset_it_refuses_cannot_be_picked():

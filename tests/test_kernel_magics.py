@@ -82,7 +82,9 @@ def test_every_subcommand_against_a_real_broker_and_server(stack):
         assert "2 GPUs of L4" in r["stdout"], r
 
         r = k.execute("%gpu release --force")
-        assert "released:" in r["stdout"], r
+        assert r["stdout"].startswith(f"released lease {lease['id'][:8]}: the GPU went back to the pool.\n"), r
+        r = k.execute("%gpu status")
+        assert f"last: lease {lease['id'][:8]}: Released from the notebook." in r["stdout"], r  # said once
         assert lease_states(broker, "alice") == ["released"]
         r = k.execute("%gpu release")
         assert r["stderr"].startswith("gpulease: ") and "\n" not in r["stderr"].strip(), r
@@ -102,6 +104,29 @@ def test_a_waiting_request_shows_its_place_and_an_interrupt_withdraws_it(stack):
         assert re.search(r"waits for 1 GPU of A100\*: position 1 of 1", r["stdout"]), r
         assert "interrupted: lease" in r["stderr"] and "withdrawn from the queue" in r["stderr"], r
         wait_for(lambda: lease_states(broker, "alice") == ["withdrawn"], 30, "the interrupted request was not withdrawn")
+    finally:
+        k.stop()
+
+
+def test_a_waiting_request_is_named_in_words_when_kept_or_asked_again(stack):
+    broker, server, _clock = stack
+    asyncio.run(as_user(broker, "bob").request_lease({"gpus": 2, "model": ["A100*"]}))
+    k = server.start_kernel()
+    try:
+        r = k.execute("%gpu request --gpus 1 --model A100*")
+        assert "Not granted yet" in r["stdout"], r
+        lease_id = server.status()["lease"]["id"]
+        # nothing granted: nothing to keep, and no GPU is said to be kept
+        r = k.execute("%gpu keep 1h")
+        assert r["stdout"].startswith("nothing to keep yet: your request for 1 GPU of A100* waits (position 1 of 1"), r
+        assert "kept" not in r["stdout"] and server.status()["reclaim"]["keep_until"] is None
+        # asking again says what waits, with a short id, and no field of the API
+        r = k.execute("%gpu request --gpus 99")
+        assert re.fullmatch(rf"gpulease: a request of this server already waits: lease {lease_id[:8]} for 1 GPU of A100\*, "
+                            r"position 1 of 1, [^;]+; %gpu release withdraws it, then ask again\n", r["stderr"]), r
+        assert lease_id not in r["stderr"]
+        r = k.execute("%gpu release")
+        assert r["stdout"].strip() == f"withdrawn: lease {lease_id[:8]} no longer waits", r
     finally:
         k.stop()
 
@@ -129,6 +154,12 @@ def test_bad_lines_and_refusals_get_one_line_in_the_kernel(stack):
         r = k.execute("%gpu request --gpus 9 --model L4")
         lines = r["stderr"].strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("gpulease: "), r
+        # a duration over the tier's limit, in words: no API field named
+        r = k.execute("%gpu request --model L4 --for 100d")
+        assert re.fullmatch(r"gpulease: a duration of 100 d is over the \S+ h limit of tier '\w+'; ask for at most \S+ h\n", r["stderr"]), r
+        assert "field" not in r["stderr"] and "duration_s" not in r["stderr"]
+        r = k.execute("%gpu extend 1h")
+        assert r["stderr"] == "gpulease: this server holds no active GPU lease\n", r
         assert "Traceback" not in r["stderr"]
     finally:
         k.stop()

@@ -88,7 +88,7 @@ def lease_rows(leases: list[dict], now: float) -> str:
         else:
             when = lease.get("end_message") or f"ended {fmt_when(lease.get('ended_at'), now)}"
             when = f"{local_time(lease.get('ended_at'), now)}: {when}" if lease.get("ended_at") else when
-        rows.append([lease["id"][:12], lease["state"], lease["user"], lease.get("server") or "-", lease["tier"], describe_request(lease["request"]),
+        rows.append([lease["id"][:12], lease["state"], lease["user"], lease.get("server") or "(default)", lease["tier"], describe_request(lease["request"]),
                      describe_placement(lease.get("placement")), when])
     return table(["ID", "STATE", "USER", "SERVER", "TIER", "ASKS FOR", "GPUS", "WHEN"], rows)
 

@@ -657,11 +657,28 @@ _STATE_WORDS = {
 }
 
 
+def _unrepeated(state: str, reason: str) -> tuple[str, bool]:
+    """The reason less a first word that repeats what the head already says, and whether what is
+    left continues the head's sentence: 'released from the notebook' under 'Released' gives
+    ('from the notebook', True); 'idle: …' under 'Reclaimed because its GPUs sat idle' gives
+    ('…', False)."""
+    low = reason.lower()
+    for word in (state, "idle") if state == LeaseState.RECLAIMED.value else (state,):
+        rest = reason[len(word) + 1:].strip()
+        if low == word:
+            return "", False
+        if low.startswith(word + ":"):
+            return rest, False
+        if low.startswith(word + " ") and rest:
+            return rest, word == state
+    return reason, False
+
+
 def end_message(d: dict[str, Any], by: dict[str, Any]) -> str:
     """One sentence a user understands: what happened, by whom, why."""
     state = d["state"]
     head = _STATE_WORDS.get(state, state.capitalize())
-    reason = (d.get("end_reason") or "").strip().rstrip(".")
+    reason, continues = _unrepeated(state, (d.get("end_reason") or "").strip().rstrip("."))
     kind = by.get("kind")
     if state == LeaseState.PREEMPTED.value:
         whom = f" of {by['user']}" if by.get("user") else ""
@@ -675,6 +692,8 @@ def end_message(d: dict[str, Any], by: dict[str, Any]) -> str:
         head += f" by {by['user']}"
     elif kind == "broker" and state not in ("expired", "withdrawn"):
         head += " by the broker"
+    if reason and continues:
+        return f"{head} {reason}."
     return f"{head}: {reason}." if reason else f"{head}."
 
 

@@ -21,23 +21,24 @@ from .text import format_duration
 def check_ask(ask: Ask, now: float, *, policy: Policy, pool: Pool, quotas: Quotas, leases: Mapping[str, Lease]) -> tuple[Tier, float]:
     """The tier and duration ``ask`` gets, or the error that says what to change."""
     tname = ask.tier or policy.default_tier
+    # only the tiers this user may use are named: the others are none of their business
+    allowed = sorted(n for n, x in policy.tiers.items() if x.allows(ask.user, ask.groups))
     if tname not in policy.tiers:
-        raise BadRequest(f"unknown tier {tname!r}; tiers: {', '.join(sorted(policy.tiers))}", field="tier")
+        raise BadRequest(f"unknown tier {tname!r}; tiers open to {ask.user}: {', '.join(allowed) or 'none'}", field="tier")
     t = policy.tiers[tname]
     if not t.allows(ask.user, ask.groups):
-        allowed = [n for n, x in policy.tiers.items() if x.allows(ask.user, ask.groups)]
         raise Forbidden(f"{ask.user} may not use tier {tname!r}; tiers open to {ask.user}: {', '.join(allowed) or 'none'}", field="tier")
     duration_s = t.default_duration_s if ask.duration_s is None else ask.duration_s
     fld = ask.duration_field
     if duration_s > t.max_duration_s:
         raise BadRequest(
-            f"'{fld}' of {format_duration(duration_s)} is over the {format_duration(t.max_duration_s)} limit of tier {tname!r}; "
+            f"a duration of {format_duration(duration_s)} is over the {format_duration(t.max_duration_s)} limit of tier {tname!r}; "
             f"ask for at most {format_duration(t.max_duration_s)}",
             field=fld,
         )
     if duration_s < policy.min_duration_s:
         raise BadRequest(
-            f"'{fld}' of {format_duration(duration_s)} is under the minimum lease length of {format_duration(policy.min_duration_s)}; "
+            f"a duration of {format_duration(duration_s)} is under the minimum lease length of {format_duration(policy.min_duration_s)}; "
             f"ask for at least {format_duration(policy.min_duration_s)}",
             field=fld,
         )

@@ -118,11 +118,22 @@ def overview(pool: dict, queue: list[dict] = ()) -> list[dict]:
     return rows
 
 
+def _gpu_amount(x: float) -> str:
+    """An amount of GPU compute in words: 'a whole GPU', 'half a GPU', '0.75 of a GPU', '3 GPUs'."""
+    if abs(x - 1) < 1e-9:
+        return "a whole GPU"
+    if x < 1:
+        return {0.5: "half a GPU", 0.25: "a quarter of a GPU"}.get(round(x, 3), f"{x:g} of a GPU")
+    return f"{x:g} GPUs"
+
+
 def _share_room(c: dict) -> str:
     total, largest = float(c.get("free_share", 0)), float(c.get("largest_free_share", 0))
     if total <= 0:
         return "none free"
-    return f"{total:g} GPU free, up to {largest:g} on one GPU"
+    if abs(total - largest) < 1e-9:
+        return f"{_gpu_amount(total)} free"
+    return f"{_gpu_amount(total)} free in all; the largest share that fits is {_gpu_amount(largest)}"
 
 
 def period_words(seconds: float) -> str:
@@ -224,7 +235,7 @@ def custom_choices(pool: dict, *, cap: float | None = None) -> list[Choice]:
                     value=f"share:{s:g}:{model}", title=f"{_share_words(s)} of one {model}", group=name,
                     request={"kind": "share", "share": s, "model": model},
                     detail=f"{_gb(p['memory_mib'] * s)} of GPU memory and {s:.0%} of its compute, sharing the GPU with others",
-                    free=f"up to a {largest:g} share free on one GPU" if largest else "no share free now", free_now=largest >= s))
+                    free=f"room now for up to {_gpu_amount(largest)}" if largest else "no share free now", free_now=largest >= s))
         for prof in sorted(p["mig_profiles"]):
             m = (c.get("mig") or {}).get(prof) or {}
             free = int(m.get("free", 0))

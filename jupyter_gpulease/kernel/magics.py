@@ -105,11 +105,11 @@ class GPUMagics(Magics):
         except NoServer as e:
             self._err(str(e))
         except ServerError as e:
-            where = f" (field '{e.field}')" if e.field else ""
+            # the message says what is wrong in words; e.field names the API's field, for programs
             hint = ""
             if e.status == 409 and cell is None and line.split()[:1] == ["release"] and "kernel" in e.message.lower():
                 hint = "\n(%gpu release --force gives it back anyway: those kernels lose the GPU under them)"
-            self._err(f"gpulease: {e.message}{where}{hint}")
+            self._err(f"gpulease: {e.message}{hint}")
         return None
 
     def _out(self, msg: str) -> None:
@@ -137,6 +137,8 @@ class GPUMagics(Magics):
             lease = _lease_of(api.extend(cmd.duration_s))
             self._out(f"extended by {format_duration(cmd.duration_s)}: " + text.lease_line(lease, self._now()) if lease else "extended")
         elif cmd.name == "keep":
+            if self._nothing_to_keep(api):
+                return None
             ans = api.keep(cmd.duration_s) or {}
             until = ans.get("keep_until")
             when = f" (until {time.strftime('%H:%M', time.localtime(float(until)))})" if until else ""
@@ -156,9 +158,9 @@ class GPUMagics(Magics):
             ans = api.release(force=cmd.force)
             lease = _lease_of(ans)
             if lease and lease.get("state") == "withdrawn":
-                self._out(f"withdrawn: lease {str(lease['id'])[:12]} no longer waits")
+                self._out(f"withdrawn: lease {text.short_id(lease['id'])} no longer waits")
             else:
-                self._out("released: " + (text.lease_line(lease, self._now()) if lease else "the GPU went back to the pool")
+                self._out((f"released lease {text.short_id(lease['id'])}: " if lease else "released: ") + "the GPU went back to the pool."
                           + "\nRunning kernels keep their memory of the GPU until restarted; new kernels start without one.")
         elif cmd.name == "queue":
             self._out(text.queue_text(api.queue(), self._now()))
@@ -166,9 +168,27 @@ class GPUMagics(Magics):
             self._out(text.pool_text(api.pool()))
         return None
 
+    def _nothing_to_keep(self, api) -> bool:
+        """Say so when there is no granted GPU to keep (idle reclaim only watches a granted one)."""
+        lease = (api.status(history_s=None) or {}).get("lease")
+        if lease and lease.get("state") == "queued":
+            self._out(f"nothing to keep yet: your request for {text.describe_request(lease.get('request') or {})} waits "
+                      f"({text.queue_words(lease, self._now())}); idle reclaim only watches a GPU once it is granted")
+            return True
+        if not lease or lease.get("state") != "active":
+            self._out("nothing to keep: this server holds no GPU lease (ask for one with %gpu request)")
+            return True
+        return False
+
     # ------------------------------------------------------------------ request and wait
     def _request(self, api, body: dict[str, Any], *, wait: bool) -> dict[str, Any] | None:
-        lease = _lease_of(api.request(body))
+        try:
+            answer = api.request(body)
+        except ServerError as e:
+            if e.status == 409 and e.field == "lease":
+                raise ServerError(e.status, self._already(api) or e.message, e.field) from None
+            raise
+        lease = _lease_of(answer)
         if lease is None:
             self._out("requested")
             return None
@@ -186,6 +206,18 @@ class GPUMagics(Magics):
             self._out(text.lease_line(lease, self._now()))
         return lease
 
+    def _already(self, api) -> str | None:
+        """What this server already holds or waits for, when a second request is refused."""
+        lease = (api.status(history_s=None) or {}).get("lease")
+        if not lease:
+            return None
+        asks = text.describe_request(lease.get("request") or {})
+        if lease.get("state") == "queued":
+            return (f"a request of this server already waits: lease {text.short_id(lease['id'])} for {asks}, "
+                    f"{text.queue_words(lease, self._now())}; %gpu release withdraws it, then ask again")
+        return (f"this server already holds {text.lease_line(lease, self._now())}; "
+                "%gpu release gives it back, then ask again")
+
     def _wait(self, api, lease: dict[str, Any]) -> dict[str, Any] | None:
         """Follow a queued lease until it is granted or ends; an interrupt withdraws it."""
         lid = lease["id"]
@@ -195,7 +227,7 @@ class GPUMagics(Magics):
                 self._sleep(self.poll_s)
                 current = (api.status(history_s=None) or {}).get("lease")
                 if not current or current.get("id") != lid:
-                    self._out(f"lease {lid[:12]} is no longer waiting" + (f"; now: {text.lease_line(current, self._now())}" if current else ""))
+                    self._out(f"lease {text.short_id(lid)} is no longer waiting" + (f"; now: {text.lease_line(current, self._now())}" if current else ""))
                     return current
                 if current["state"] != "queued":
                     return current
@@ -206,9 +238,9 @@ class GPUMagics(Magics):
         except KeyboardInterrupt:
             try:
                 api.release("withdrawn: interrupted while waiting")
-                self._err(f"interrupted: lease {lid[:12]} withdrawn from the queue")
+                self._err(f"interrupted: lease {text.short_id(lid)} withdrawn from the queue")
             except ServerError as e:
-                self._err(f"interrupted, but withdrawing lease {lid[:12]} failed: {e.message}; run %gpu release")
+                self._err(f"interrupted, but withdrawing lease {text.short_id(lid)} failed: {e.message}; run %gpu release")
             return None
 
     def _granted(self, lease: dict[str, Any]) -> None:
@@ -264,9 +296,9 @@ class GPUMagics(Magics):
             if took is not None and not cmd.keep:
                 try:
                     api.release("the %%gpu cell finished", force=True)
-                    self._out(f"released lease {str(took['id'])[:12]} after the cell")
+                    self._out(f"released lease {text.short_id(took['id'])} after the cell")
                 except ServerError as e:
-                    self._err(f"releasing lease {str(took['id'])[:12]} failed: {e.message}; run %gpu release")
+                    self._err(f"releasing lease {text.short_id(took['id'])} failed: {e.message}; run %gpu release")
         return
 
 

@@ -24,6 +24,11 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
     return format_table(rows, headers)
 
 
+def short_id(lease_id: Any) -> str:
+    """A lease id as people see it: its first 8 characters (enough to tell leases apart)."""
+    return str(lease_id or "")[:8]
+
+
 def describe_request(r: dict[str, Any]) -> str:
     models = r.get("model") or []
     if isinstance(models, str):
@@ -64,7 +69,7 @@ def lease_line(lease: dict[str, Any] | None, now: float) -> str:
     """One line about the lease: what, state, time left or queue position, or how it ended."""
     if not lease:
         return "no GPU lease (ask for one with %gpu request)"
-    lid = str(lease.get("id", ""))[:12]
+    lid = short_id(lease.get("id"))
     state = lease.get("state")
     if state == "queued":
         return f"lease {lid} waits for {describe_request(lease.get('request') or {})}: {queue_words(lease, now)}"
@@ -74,7 +79,9 @@ def lease_line(lease: dict[str, Any] | None, now: float) -> str:
             left = f", {format_time_left(float(lease['expires_at']) - now)} left"
         tier = f" (tier {lease['tier']})" if lease.get("tier") else ""
         return f"lease {lid}: {describe_slices(lease)}{tier}{left}"
-    why = lease.get("end_message") or lease.get("end_reason") or ""
+    if lease.get("end_message"):  # a sentence that names the state itself ('Released from the notebook.')
+        return f"lease {lid}: {lease['end_message']}"
+    why = lease.get("end_reason") or ""
     return f"lease {lid} {state}" + (f": {why}" if why else "")
 
 
@@ -172,10 +179,22 @@ def queue_text(queue: list[dict[str, Any]], now: float) -> str:
     return table(["#", "USER", "TIER", "ASKS FOR", "ETA", "WAITING FOR"], rows)
 
 
+def mig_words(mig: dict[str, Any]) -> str:
+    """'3g.40gb: 2 of 2 free, 1g.10gb: none of 7 free' from the pool's per-profile figures."""
+    parts = []
+    for profile, n in sorted(mig.items()):
+        if isinstance(n, dict):
+            free, total = int(n.get("free") or 0), n.get("total")
+            parts.append(f"{profile}: {free or 'none'} of {total} free" if total is not None else f"{profile}: {free} free")
+        else:
+            parts.append(f"{profile}: {n} free")
+    return ", ".join(parts) or "-"
+
+
 def pool_text(pool: dict[str, Any]) -> str:
     cap = pool.get("capacity") or {}
-    rows = [[m, c.get("gpus", ""), c.get("idle_gpus", ""), format_gpus(float(c.get("free_share") or 0)),
-             ",".join(f"{k}:{v}" for k, v in (c.get("mig") or {}).items()) or "-"] for m, c in sorted(cap.items())]
+    rows = [[m, c.get("gpus", ""), c.get("idle_gpus", ""), format_gpus(float(c.get("free_share") or 0)), mig_words(c.get("mig") or {})]
+            for m, c in sorted(cap.items())]
     out = [table(["MODEL", "GPUS", "IDLE", "FREE SHARE", "MIG FREE"], rows)] if rows else ["no GPUs in the pool"]
     u = pool.get("usage") or {}
     out += ["", f"queue: {pool.get('queue_length', 0)} waiting; {usage_words(u)}"]
