@@ -891,8 +891,8 @@ class GPUSupervisor:
 
     def keep(self, for_s: float) -> float:
         if for_s > self.settings.max_keep_s:
-            raise BrokerError(400, f"'for_s' may be at most {self.settings.max_keep_s:g} s ({fmt_duration(self.settings.max_keep_s)}), "
-                              f"the longest this server may keep an idle GPU", "for_s")
+            raise BrokerError(400, f"a keep of {fmt_duration(for_s)} is longer than this server allows: "
+                              f"it keeps an idle GPU for at most {fmt_duration(self.settings.max_keep_s)}", "for_s")
         until = self.tracker.keep(self.clock(), for_s)
         self.feed.publish("notice", {"kind": "keep", "message": f"Idle reclaim postponed until {_clock_words(until)} "
                                      f"(at most {fmt_duration(self.settings.max_keep_s)} past each kernel's idle deadline).",
