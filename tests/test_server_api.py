@@ -169,8 +169,17 @@ async def test_release_and_request_from_the_server_change_what_new_kernels_get_a
     assert kernel_status(st, old.id)["env_stale"] is True  # it still names the GPU it started with
     notice = [e for e in feed_events(server, "notice") if e["kind"] == "env_stale"]
     assert notice and old.id in notice[-1]["kernel_ids"] and "keep the devices they started with" in notice[-1]["message"]
+    standing = [n for n in st["notices"] if n["kind"] == "env_stale"]
+    assert standing[0]["message"].startswith("New kernels get no GPU;") and standing[0]["kernel_ids"] == [old.id]
     cpu = await start_kernel(server, jp_fetch)
     assert (await cpu.run("import os; assert os.environ['CUDA_VISIBLE_DEVICES'] == ''"))["status"] == "ok"
+    # the stale kernel goes: so does the notice (it said something no longer true)
+    await jp_fetch("api", "kernels", old.id, method="DELETE")
+
+    async def no_notice():
+        return not [n for n in (await status(jp_fetch))["notices"] if n["kind"] == "env_stale"]
+
+    await wait_for(no_notice, message="the env_stale notice is gone with the stale kernel")
 
     # ask for a GPU again: granted at once (201); kernels started now see it
     r = await jp_fetch("gpulease", "api", "lease", method="POST", body=json.dumps({"gpus": 1, "model": "L4", "duration_s": 600}))
@@ -184,6 +193,8 @@ async def test_release_and_request_from_the_server_change_what_new_kernels_get_a
     assert reply["status"] == "ok", reply
     st = await status(jp_fetch)
     assert st["lease_origin"] == "server" and kernel_status(st, cpu.id)["env_stale"] is True
+    standing = [n for n in st["notices"] if n["kind"] == "env_stale"]
+    assert standing[0]["message"].startswith(f"New kernels get the GPU {new['devices'][0]};") and standing[0]["kernel_ids"] == [cpu.id]
     # extend it through the server
     r = await jp_fetch("gpulease", "api", "lease", "extend", method="POST", body=json.dumps({"by_s": 600}))
     assert json.loads(r.body)["expires_at"] > new["expires_at"]
