@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 
 import pytest
 
 import standin_cuda_checkpoint as standin
 from brokerutil import broker_url
+from jupyter_gpulease.kernel.resume import status_lines as resume_status_lines
 from serverutil import (
     _is,
     active_lease,
@@ -91,6 +94,9 @@ async def test_a_resuming_kernel_waits_in_the_queue_with_its_position_then_is_re
     assert waiting[-1]["position"] == 1 and "waits for a GPU" in waiting[-1]["message"]
     st = await status(jp_fetch)
     assert st["lease"]["state"] == "queued" and st["resume"]["stage"] == "waiting" and st["resume"]["position"] == 1
+    ks = kernel_status(st, k.id)
+    assert ks["state"] == "resuming" and ks["resume"]["position"] == 1 and not ks["env_stale"]
+    assert f"resuming: kernel {k.id[:8]}: waiting for a GPU, number 1 in the queue" in "\n".join(resume_status_lines(st, st["now"]))
     # carol gives her GPU back: alice's kernel gets it and is restored there (the driver can remap)
     await broker_call_async(url, "POST", f"api/leases/{carol['id']}/release", {}, token="carol")
     done = await wait_for(lambda: [e for e in resume_events(server, k.id) if e["stage"] in ("done", "failed")], sim=sim, timeout=60,
@@ -246,8 +252,22 @@ async def test_a_short_cell_in_a_suspended_kernel_waits_for_the_resume_and_runs_
     assert ks["state"] == "ok" and ks["env_stale"] is False  # restored in place: nothing to restart
     assert not [n for n in st["notices"] if n["kind"] == "env_stale"]
     assert not os.path.exists(marker)
-    # not suspended now: the next cell runs at once and asks for nothing
+    # kept from now on (else it is idle again and suspended 2 s later): %gpu status says so, and when reclaim comes
+    r = await jp_fetch("gpulease", "api", "keep", method="POST", body=json.dumps({"for_s": 600}))
+    until = json.loads(r.body)["keep_until"]
     n = len(resume_events(server, k.id))
+    reply, out = await cell_output(k, "%gpu status")
+    assert f"kept: idle reclaim leaves this server's GPU alone until {time.strftime('%H:%M', time.localtime(until))}" in out, out
+    assert "idle reclaim: after 2 s without GPU use" in out, out  # this kernel computes (the cell): no deadline for it now
+
+    async def deadline_said():
+        st = await status(jp_fetch)
+        return "\n".join(resume_status_lines(st, st["now"], k.id))
+
+    said = await wait_for(lambda: _has(deadline_said(), "idle reclaim: kernel"), message="the idle kernel's deadline is said")
+    assert re.search(rf"idle reclaim: kernel {k.id[:8]} \(this kernel\) is suspended \(nothing is lost\) at \d\d:\d\d", said), said
+    assert "restart to see the new GPU" not in out and "resuming" not in out, out
+    # not suspended now: the next cell runs at once and asks for nothing
     reply, out = await cell_output(k, "print('again')")
     assert out == "again\n" and len(resume_events(server, k.id)) == n
     k.close()
@@ -263,3 +283,8 @@ async def test_after_an_unused_lease_was_reclaimed_resume_asks_for_a_lease_of_th
     # held now: a second resume has nothing to do
     r = await jp_fetch("gpulease", "api", "resume", method="POST", body="{}")
     assert r.code == 200 and json.loads(r.body) == {"resuming": [], "lease": None}
+
+
+async def _has(coro, words):
+    text = await coro
+    return text if words in text else None

@@ -22,6 +22,7 @@ from . import args as gpu_args
 from . import text
 from .api import connect
 from .endpoint import NoServer, ServerError
+from .resume import status_lines as resume_status_lines
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class GPUMagics(Magics):
             return None
         api = self._connect()
         if cmd.name == "status":
-            self._out(text.status_text(api.status(history_s=None), self._now(), kernel_id=this_kernel_id()))
+            st = api.status(history_s=None)
+            self._out("\n".join([text.status_text(st, self._now(), kernel_id=this_kernel_id()),
+                                 *resume_status_lines(st, self._now(), this_kernel_id())]))
         elif cmd.name == "watch":
             return self._watch(api)
         elif cmd.name == "request":
@@ -147,13 +150,15 @@ class GPUMagics(Magics):
             status = api.status(history_s=None)
             mine = this_kernel_id()
             suspended = text.suspended_kernels(status)
-            if not suspended:
-                self._out("nothing to resume: no kernel of this server is suspended")
-            else:
-                ans = api.resume(mine if any(k.get("id") == mine for k in suspended) else None) or {}
-                n = len(ans.get("resuming") or [])
+            ans = api.resume(mine if any(k.get("id") == mine for k in suspended) else None) or {}
+            n = len(ans.get("resuming") or [])
+            if n:
                 self._out(f"resuming {n} kernel{'s' if n != 1 else ''}: a GPU is being found and their memory restored "
                           "(%gpu status shows progress)")
+            elif _lease_of(ans):  # the unused lease had been reclaimed: a new one like it was asked for
+                self._out("asked for a GPU again (the last one was reclaimed while unused): " + text.lease_line(_lease_of(ans), self._now()))
+            else:
+                self._out("nothing to resume: no kernel of this server is suspended and its GPU lease was not reclaimed")
         elif cmd.name == "release":
             ans = api.release(force=cmd.force)
             lease = _lease_of(ans)
