@@ -254,6 +254,7 @@ async def test_heartbeats_carry_usage_and_survive_a_broker_restart(server, jp_fe
     got = await wait_for(usage_reached, sim=sim, message="a heartbeat carried the kernel's usage")
     usage = got["usage"]
     assert usage["gpu_busy"] is True and usage["kernels"][k.id[:8]]["busy_s"] > 0
+    assert usage["lease_reclaim_at"] is None  # it computes: no idle reclaim ahead
     gpu = lease["placement"]["slices"][0]["gpu_uuid"]
     assert usage["devices"][gpu]["mem_peak_mib"] >= 2500
     assert len(json.dumps(usage)) < 4096  # the broker's cap

@@ -266,6 +266,10 @@ async def test_a_short_cell_in_a_suspended_kernel_waits_for_the_resume_and_runs_
 
     said = await wait_for(lambda: _has(deadline_said(), "idle reclaim: kernel"), message="the idle kernel's deadline is said")
     assert re.search(rf"idle reclaim: kernel {k.id[:8]} \(this kernel\) is suspended \(nothing is lost\) at \d\d:\d\d", said), said
+    # the heartbeats tell the broker when the lease goes back if it stays idle (its queue says "or sooner")
+    sup = server.web_app.settings["gpulease_supervisor"]
+    at = sup.usage()["lease_reclaim_at"]
+    assert at is not None and at >= until
     assert "restart to see the new GPU" not in out and "resuming" not in out, out
     # not suspended now: the next cell runs at once and asks for nothing
     reply, out = await cell_output(k, "print('again')")

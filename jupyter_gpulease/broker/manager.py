@@ -533,9 +533,36 @@ class LeaseManager:
         if d["state"] != LeaseState.QUEUED.value:
             return None
         try:
-            return self.scheduler.queue_info(d["id"])
+            q = self.scheduler.queue_info(d["id"])
         except NotFound:
             return None
+        if q is not None:
+            q["may_start_sooner_at"] = self.may_start_sooner_at(d["id"], q.get("eta"))
+        return q
+
+    def may_start_sooner_at(self, lease_id: str, eta: float | None) -> float | None:
+        """When a queued lease may start before its ETA because what it waits for sits idle: the
+        holders of the GPUs reserved for it all said in their heartbeats (``usage.lease_reclaim_at``)
+        that idle reclaim gives their lease back by then if they stay idle. None when one of them
+        computes, says nothing, or the deadline is not before the ETA. (The scheduler plans with
+        lease ends only; this is the broker's reading of the heartbeats.)"""
+        promised = {u for u, lid in self.scheduler._found.promised_to.items() if lid == lease_id}
+        if not promised:
+            return None
+        now = self.now()
+        latest = None
+        for lease in self.scheduler.leases.values():
+            if lease.state is not LeaseState.ACTIVE or lease.placement is None:
+                continue
+            if not any(sl.gpu_uuid in promised or (sl.mig_uuid and sl.mig_uuid in promised) for sl in lease.placement.slices):
+                continue
+            at = (lease.usage or {}).get("lease_reclaim_at")
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or at <= now:
+                return None  # a holder that computes (or says nothing) keeps it until its lease ends
+            latest = at if latest is None else max(latest, float(at))
+        if latest is None or (eta is not None and latest >= eta):
+            return None
+        return round(latest, 1)
 
     def queue(self) -> list[dict[str, Any]]:
         """Committed queued leases in scheduling order, each with its queue info."""

@@ -153,6 +153,15 @@ def describe_wait(eta: float | None, now: float) -> str:
     return f"about {format_duration(left)}"
 
 
+def sooner_words(queue: dict[str, Any], now: float) -> str:
+    """', or sooner: the GPU it waits for is idle and goes back by 14:05 if it stays idle' (the
+    broker's ``may_start_sooner_at``: the holders' idle-reclaim deadline), or ''."""
+    at = queue.get("may_start_sooner_at")
+    if at is None or float(at) <= now:
+        return ""
+    return f", or sooner: the GPU it waits for is idle and goes back by {time.strftime('%H:%M', time.localtime(float(at)))} if it stays idle"
+
+
 def queue_message(lease: dict[str, Any], pool: dict | None = None, now: float | None = None, *, gives_up_at: float | None = None) -> str:
     """'Waiting for 1 × A100 (80 GB): position 2 of 5, about 14 min'.
 
@@ -165,6 +174,7 @@ def queue_message(lease: dict[str, Any], pool: dict | None = None, now: float | 
     if not q:
         return f"Waiting for {what}"
     text = f"Waiting for {what}: position {q.get('position')} of {q.get('length')}, {describe_wait(q.get('eta'), now)}"
+    text += sooner_words(q, now)
     eta = q.get("eta")
     if gives_up_at is None and q.get("gives_up_at") is not None:
         gives_up_at = float(q["gives_up_at"])

@@ -651,7 +651,7 @@ class GPULeaseSpawner(Spawner):
                 q = lease.get("queue") or {}
                 self.emit_progress(queue_message(lease, pool, gives_up_at=gives_up_at), _queue_progress(q), lease_id=lease_id,
                                    state="queued", position=q.get("position"), length=q.get("length"), eta=q.get("eta"),
-                                   waiting_for=q.get("waiting_for"))
+                                   may_start_sooner_at=q.get("may_start_sooner_at"), waiting_for=q.get("waiting_for"))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise spawn_error(f"No GPU became free within {format_duration(wait_limit)}, so the spawn gave up and left "

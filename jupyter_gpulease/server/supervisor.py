@@ -1055,7 +1055,7 @@ class GPUSupervisor:
                 "warn_before_s": self.settings.warn_before_s,
                 "keep_until": self.tracker.keep_until if self.tracker.keep_until and self.tracker.keep_until > now else None,
                 "max_keep_s": self.settings.max_keep_s,
-                "lease_reclaim_at": self.tracker.lease_deadline(timeout) if self.keeper.active else None,
+                "lease_reclaim_at": self._lease_reclaim_at(),
                 "on_reclaim": self.settings.on_reclaim,
                 "resume_on_execute": self.settings.resume_on_execute,
             },
@@ -1109,9 +1109,27 @@ class GPUSupervisor:
             "gpu_busy": self.gpu_busy(),
             "last_gpu_activity": self.last_gpu_activity and round(self.last_gpu_activity, 1),
             "attribution": self._attribution_mode,
+            # when idle reclaim gives the lease back if nothing computes (the broker tells waiters it may come sooner)
+            "lease_reclaim_at": self._lease_reclaim_at(),
             "devices": devices,
             "kernels": kernels,
         }
+
+    def _lease_reclaim_at(self) -> float | None:
+        if not self.keeper.active or self.returning:
+            return None
+        timeout = self.timeout()
+        at = self.tracker.lease_deadline(timeout)
+        if at is None and timeout is not None:
+            # kernels hold the GPU: when each is reclaimed (an action that frees it), the lease goes back right after
+            action = self.settings.action
+            if action == "suspend" and self.suspend_unavailable():
+                action = self.settings.fallback_action
+            holders = [kid for kid, k in self.tracker.kernels.items() if k.holds_gpu]
+            deadlines = [self.tracker.kernel_deadline(kid, timeout) for kid in holders]
+            if holders and action in ("suspend", "restart", "shutdown") and all(d is not None for d in deadlines):
+                at = max(deadlines)
+        return None if at is None else round(at, 1)
 
 
 class _ResumeFailed(Exception):
