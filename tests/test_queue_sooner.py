@@ -47,3 +47,18 @@ def test_the_eta_says_it_may_come_sooner_when_every_holder_it_waits_for_is_idle(
         _, got = broker_call(url, "GET", f"api/leases/{bob['id']}", token="bob")
         assert got["queue"]["may_start_sooner_at"] is None
         assert "sooner" not in queue_message(got, now=time.time())
+
+
+def test_gpu_queue_and_status_say_the_sooner_start():
+    from jupyter_gpulease.kernel.text import queue_text, queue_words
+
+    now = time.time()
+    soon = now + 600
+    entry = {"user": "bob", "tier": "default", "request": {"kind": "gpu", "gpus": 1}, "state": "queued",
+             "queue": {"position": 1, "length": 1, "eta": now + 5760, "may_start_sooner_at": soon}}
+    hhmm = time.strftime("%H:%M", time.localtime(soon))
+    assert f"~1 h 36 min, or sooner: by {hhmm}" in queue_text([entry], now)
+    assert queue_words(entry, now).endswith(f"about 1 h 36 min, or sooner: the GPU it waits for is idle and goes back by {hhmm} "
+                                            "if it stays idle")
+    entry["queue"]["may_start_sooner_at"] = None
+    assert "sooner" not in queue_text([entry], now) + queue_words(entry, now)

@@ -5,6 +5,7 @@ Pure functions of the server's JSON (docs/server-api.md) and ``now``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..core.text import format_duration, format_gpus, format_table, format_time_left, usage_words
@@ -62,7 +63,18 @@ def queue_words(lease: dict[str, Any], now: float) -> str:
     if eta is None:
         return f"{pos}, no estimate yet"
     left = float(eta) - now
-    return f"{pos}, {'any moment now' if left < 60 else 'about ' + format_duration(left)}"
+    return f"{pos}, {'any moment now' if left < 60 else 'about ' + format_duration(left)}{_sooner(q, now, long=True)}"
+
+
+def _sooner(q: dict[str, Any], now: float, *, long: bool = False) -> str:
+    """The broker's may_start_sooner_at: what the queued lease waits for sits idle and goes back by then."""
+    at = q.get("may_start_sooner_at")
+    if at is None or float(at) <= now:
+        return ""
+    hhmm = time.strftime("%H:%M", time.localtime(float(at)))
+    if long:
+        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm} if it stays idle"
+    return f", or sooner: by {hhmm}"
 
 
 def lease_line(lease: dict[str, Any] | None, now: float) -> str:
@@ -174,9 +186,13 @@ def queue_text(queue: list[dict[str, Any]], now: float) -> str:
         q = x.get("queue") or {}
         eta = q.get("eta")
         when = "-" if eta is None else ("any moment" if float(eta) - now < 60 else f"~{format_duration(float(eta) - now)}")
+        when += _sooner(q, now)
         rows.append([q.get("position", i), x.get("user", "-"), x.get("tier", "-"), describe_request(x.get("request") or {}), when,
                      q.get("waiting_for") or ""])
-    return table(["#", "USER", "TIER", "ASKS FOR", "ETA", "WAITING FOR"], rows)
+    out = table(["#", "USER", "TIER", "ASKS FOR", "ETA", "WAITING FOR"], rows)
+    if any(_sooner(x.get("queue") or {}, now) for x in queue):
+        out += "\n(or sooner: the GPU it waits for is idle, and idle reclaim gives it back by then if it stays idle)"
+    return out
 
 
 def mig_words(mig: dict[str, Any]) -> str:

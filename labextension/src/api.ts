@@ -24,7 +24,13 @@ export interface ILease {
   expires_at?: number | null;
   granted_at?: number | null;
   placement?: { slices: ISlice[] } | null;
-  queue?: { position?: number | null; length?: number | null; eta?: number | null; waiting_for?: string };
+  queue?: {
+    position?: number | null;
+    length?: number | null;
+    eta?: number | null;
+    may_start_sooner_at?: number | null; // every holder it waits for is idle: their lease goes back by then
+    waiting_for?: string;
+  };
   end_reason?: string;
   request?: Record<string, unknown>;
 }
@@ -46,6 +52,7 @@ export interface IKernel {
   execution_state?: string;
   gpu?: { memory_mib?: number | null; sm_util_pct?: number | null };
   memory_mib?: number | null; // in feed samples
+  resume?: { stage?: string; position?: number | null; eta?: number | null; message?: string } | null; // while resuming
 }
 
 export interface IWarning {

@@ -32,6 +32,12 @@ export function about(seconds: number): string {
   return rest ? `~${h} h ${rest} min` : `~${h} h`;
 }
 
+/** Epoch seconds -> "14:05" (local time). */
+export function hhmm(t: number): string {
+  const d = new Date(t * 1000);
+  return `${d.getHours().toString().padStart(2, '0')}:${d.getMinutes().toString().padStart(2, '0')}`;
+}
+
 /** "A100" from "A100-SXM4-80GB": the model's first word, short enough for a status bar. */
 export function shortModel(model: string): string {
   return (model || 'GPU').split(/[-\s]/)[0];
@@ -67,13 +73,24 @@ export function suspended(status: IStatus): boolean {
 
 /**
  * The status bar's one line:
- *   "GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min", "GPU suspended · resumes on next cell".
+ *   "GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min", "GPU suspended · resumes on next cell",
+ *   "GPU resuming · queue #1 · ~20 min".
  */
 export function statusLine(status: IStatus | null, now: number): string {
   if (!status) {
     return 'GPU …';
   }
   const lease = status.lease;
+  const resuming = (status.kernels ?? []).find(k => k.state === 'resuming');
+  if (resuming) {
+    const r = resuming.resume ?? {};
+    if (r.stage === 'restoring') {
+      return 'GPU resuming · restoring';
+    }
+    const pos = typeof r.position === 'number' ? ` · queue #${r.position}` : ' · asking for a GPU';
+    const eta = typeof r.eta === 'number' ? ` · ${about(r.eta - now)}` : '';
+    return `GPU resuming${pos}${eta}`;
+  }
   if (suspended(status)) {
     return 'GPU suspended · resumes on next cell';
   }
@@ -84,7 +101,8 @@ export function statusLine(status: IStatus | null, now: number): string {
     const q = lease.queue ?? {};
     const pos = q.position !== undefined && q.position !== null ? `#${q.position}` : '';
     const eta = typeof q.eta === 'number' ? ` · ${about(q.eta - now)}` : '';
-    return `GPU queue ${pos}${eta}`.replace(/\s+$/, '');
+    const sooner = typeof q.may_start_sooner_at === 'number' && q.may_start_sooner_at > now ? ` (or by ${hhmm(q.may_start_sooner_at)} if idle GPUs go back)` : '';
+    return `GPU queue ${pos}${eta}${sooner}`.replace(/\s+$/, '');
   }
   if (lease.state === 'active') {
     const parts = [`GPU ${holding(status)}`.trim()];
