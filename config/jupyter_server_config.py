@@ -34,6 +34,8 @@ c.GPULeaseExtension.gpu_idle_timeout = 1800
 c.GPULeaseExtension.reclaim_action = "suspend"  # suspend | restart | interrupt | shutdown | notify
 c.GPULeaseExtension.fallback_action = "restart"  # restart | interrupt | shutdown | notify
 # c.GPULeaseExtension.cuda_checkpoint = "/usr/bin/cuda-checkpoint"
+# On simulated GPUs (the demo) the suspend is simulated (jupyter_gpulease.devices.simcheckpoint)
+# unless cuda_checkpoint is set; the status and the messages say so. Never used with real GPUs.
 c.GPULeaseExtension.warn_before = 300  # seconds of warning in the notebook before the action
 # When no kernel holds GPU memory, the lease goes back to the pool as "reclaimed"; the server
 # keeps running without a GPU ("keep"), or stops ("stop").
