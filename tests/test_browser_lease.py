@@ -51,8 +51,10 @@ def demo_config(tmp_path: Path) -> Path:
     (labconf / "page_config.json").write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
     with open(conf / "jupyterhub_config.py", "a") as f:
         f.write(f"""
-# --- test: fast heartbeats, no news pop-up (the simulated GPUs' state file is the demo's own)
-c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1"])
+# --- test: fast heartbeats, no news pop-up (the simulated GPUs' state file is the demo's own), and
+# not the demo's one-minute idle reclaim: the lease stays while the test looks at it
+c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1",
+                       "--GPULeaseExtension.gpu_idle_timeout=3600"])
 c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
 """)
     (conf / "gpulease_config.py").write_text(
@@ -114,7 +116,23 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
                 assert panel.locator(".jp-gpulease-device").count() == 2
                 assert panel.locator("button[data-action='lease/extend']").is_visible()
                 alice.screenshot(path=str(ARTIFACTS / "02-panel-with-devices-and-actions.png"))
+                # while the feed's samples and the countdown move on, the buttons stay the same nodes (a
+                # button made anew detaches under the pointer and swallows the click)
+                marked = alice.evaluate("""() => { const bs = document.querySelectorAll('#jp-gpulease-panel button');
+                                                   bs.forEach(b => { b.dataset.seen = '1'; }); return bs.length; }""")
+                for sl in server_status(alice, "alice")["lease"]["placement"]["slices"]:
+                    sim.set_utilization(sl["gpu_uuid"], 41)
+                util = panel.locator(".jp-gpulease-device .jp-gpulease-bar-value")
+                wait_for(lambda: util.all_inner_texts().count("41%") == 2, 60, "the panel did not follow the utilization to 41%", interval=0.25)
+                alice.wait_for_timeout(2000)  # two more seconds of samples and countdown
+                assert marked >= 3 and panel.locator("button[data-seen='1']").count() == marked == panel.locator("button").count()
+                # a click elsewhere closes it; the item opens and closes it again
+                alice.locator(".jp-Launcher-sectionTitle").first.click()
+                panel.wait_for(state="detached", timeout=10_000)
                 item.click()
+                panel.wait_for(state="visible")
+                item.click()
+                panel.wait_for(state="detached", timeout=10_000)
 
                 # the expiry warning (12 h ahead in this config) is a notification; its Extend button extends the lease
                 # (a replaced notification lingers in the page while it slides out: take a standing one)

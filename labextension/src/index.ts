@@ -7,7 +7,7 @@ import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application'
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LeaseFeed } from './api';
 import { WarningNotifier } from './notify';
-import { LeasePanel, LeaseStatusItem } from './panel';
+import { LeaseStatusItem } from './panel';
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-gpulease:status',
@@ -16,11 +16,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
   optional: [IStatusBar],
   activate: (app: JupyterFrontEnd, statusBar: IStatusBar | null) => {
     const feed = new LeaseFeed();
-    const panel = new LeasePanel(feed);
     new WarningNotifier(feed);
     if (statusBar) {
       statusBar.registerStatusItem('jupyter-gpulease:status', {
-        item: new LeaseStatusItem(feed, panel),
+        item: new LeaseStatusItem(feed),
         align: 'left',
         rank: 100
       });
