@@ -140,6 +140,8 @@ def test_the_cycle_in_five_minutes_warning_suspend_handover_and_resume_with_the_
                 run_next_cell(alice, "print(work)")
                 wait_for(lambda: "number 1 in the queue" in cell_output(alice, 1), 60,
                          f"alice's waiting cell did not show her place in the queue: {cell_output(alice, 1)!r}", interval=0.5)
+                wait_for(lambda: "queue #1" in item.inner_text(), 30, f"alice's status bar did not show her place: {item.inner_text()!r}",
+                         interval=0.5)
                 assert "the weights" not in cell_output(alice, 1), "the cell ran before the kernel had its GPU back"
                 assert alice.locator(".jp-NotebookPanel .jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
                 shot(alice, "06-alice-waits-in-the-queue")

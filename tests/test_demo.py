@@ -363,3 +363,13 @@ def test_a_port_in_time_wait_counts_as_free_and_a_listener_as_busy():
     client.close()
     server.close()
     assert port_is_free(port)
+
+
+def test_the_banner_says_the_short_idle_reclaim_how_to_make_gpu_work_and_where_admins_see_every_lease(tmp_path):
+    from jupyter_gpulease.hub import demo
+
+    text = demo._banner("http://127.0.0.1:8000", "gpulease", tmp_path, tmp_path / "jupyterhub.log", ["2 × L4 (22 GB) on sim-node-1"], "simulated")
+    assert f"warned after {demo.IDLE_WARN_S} s and suspended after {demo.IDLE_RECLAIM_S} s" in text
+    assert "use_gpu(util=80, memory_gb=6, seconds=20)" in text
+    assert "http://127.0.0.1:8000/services/gpulease/admin" in text
+    assert "use_gpu" not in demo._banner("http://127.0.0.1:8000", "gpulease", tmp_path, tmp_path / "x.log", ["4 × H100"], "nvml")
