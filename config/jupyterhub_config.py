@@ -165,6 +165,13 @@ c.GPULeaseSpawner.allow_cpu_only = True
 c.Spawner.server_token_scopes = ["users:activity!user", "access:servers!server", "access:services!service=gpulease"]
 c.Spawner.cmd = [str(Path(sys.executable).with_name("jupyterhub-singleuser"))]
 c.Spawner.default_url = "/lab"
+if not env("GPULEASE_DEMO_DIR"):
+    # servers run as system users: say at hub start when they could not run the command (a venv
+    # made from a Python in root's home fails the first spawn with 'Permission denied')
+    from jupyter_gpulease.hub.startcheck import unreachable_by_others
+
+    if (_warning := unreachable_by_others(c.Spawner.cmd[0])):
+        print(f"[W jupyterhub_config] {_warning}", file=sys.stderr)
 # Seconds between the hub's checks of each server. The spawner hears of a lease's end through
 # the broker's event feed and stops the server within about a second; when it missed the end
 # (the broker was restarting), the next poll reads the lease: this bounds how late that is.

@@ -125,3 +125,40 @@ def test_the_extension_suspends_simulated_gpus_with_the_simulated_tool_unless_to
     assert ck is None and "simulated GPUs only" in why
     ck, why = choose({"cuda_checkpoint": "no-such-cuda-checkpoint"}, "simulated")  # set on purpose: that one
     assert ck is None and "was not found" in why
+
+
+def test_the_hub_start_check_sees_a_single_user_command_other_users_cannot_run():
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from jupyter_gpulease.hub.startcheck import unreachable_by_others
+
+    top = tempfile.mkdtemp(prefix="startcheck-", dir="/tmp")  # pytest's own tmp_path is in a 0700 folder
+    try:
+        os.chmod(top, 0o755)
+        _start_check(Path(top), unreachable_by_others)
+    finally:
+        shutil.rmtree(top)
+
+
+def _start_check(tmp_path, unreachable_by_others):
+    home = tmp_path / "root-home"
+    (home / "pyenv" / "bin").mkdir(parents=True)
+    python = home / "pyenv" / "bin" / "python3"
+    python.write_text("")
+    python.chmod(0o755)
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(python)
+    script = venv / "jupyterhub-singleuser"
+    script.write_text(f"#!{venv / 'python'}\nprint('hi')\n")
+    script.chmod(0o755)
+    home.chmod(0o700)  # as pyenv's Python in /root
+    try:
+        warning = unreachable_by_others(str(script))
+    finally:
+        home.chmod(0o755)
+    assert "cannot be run by other users" in warning and f"{home} (mode 700) cannot be entered" in warning, warning
+    assert unreachable_by_others(str(script)) == ""
+    assert unreachable_by_others(str(tmp_path / "missing")) == ""
