@@ -79,7 +79,7 @@ def test_the_cycle_in_five_minutes_warning_suspend_handover_and_resume_with_the_
     IMAGES.mkdir(parents=True, exist_ok=True)
     FAILED.mkdir(parents=True, exist_ok=True)
     state = tmp_path / "state"
-    demo = Demo(state, config_dir=demo_config(tmp_path)).start()
+    demo = Demo(state, config_dir=demo_config(tmp_path), idle_timeout=None).start()  # the demo's own idle reclaim
     assert f"warned after {IDLE_WARN_S} s and suspended after {IDLE_RECLAIM_S} s" in demo.output()
     assert "/services/gpulease/admin" in demo.output()
     try:

@@ -28,11 +28,14 @@ class Demo:
     """The demo command as a child process; ``url`` once it printed its banner."""
 
     def __init__(self, state_dir: Path, *, password: str = "gpulease", config_dir: Path | None = None, port: int | None = None,
-                 backend: str = "simulated"):
+                 backend: str = "simulated", idle_timeout: int | None = 1800):
         self.state = Path(state_dir)
         self.password = password
         self.config_dir = config_dir  # --config-dir (default: the examples in config/)
         self.backend = backend
+        # the demo's own idle reclaim is a minute (to show the cycle); tests of other things run with
+        # the extension's usual 30 min, so that a lease they watch is not reclaimed meanwhile (None: the demo's)
+        self.idle_timeout = idle_timeout
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out_path = self.state.parent / f"{self.state.name}-demo-{self.port}.out"
@@ -45,7 +48,8 @@ class Demo:
         self._out = open(self.out_path, "wb")  # noqa: SIM115 (kept open while the demo runs)
         self.proc = subprocess.Popen(
             [str(exe), "demo", "--state-dir", str(self.state), "--port", str(self.port), "--password", self.password,
-             "--device-backend", self.backend, *(["--config-dir", str(self.config_dir)] if self.config_dir else [])],
+             "--device-backend", self.backend, *(["--config-dir", str(self.config_dir)] if self.config_dir else []),
+             *(["--idle-timeout", str(self.idle_timeout)] if self.idle_timeout else [])],
             stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
@@ -373,3 +377,4 @@ def test_the_banner_says_the_short_idle_reclaim_how_to_make_gpu_work_and_where_a
     assert "use_gpu(util=80, memory_gb=6, seconds=20)" in text
     assert "http://127.0.0.1:8000/services/gpulease/admin" in text
     assert "use_gpu" not in demo._banner("http://127.0.0.1:8000", "gpulease", tmp_path, tmp_path / "x.log", ["4 × H100"], "nvml")
+    assert "warned after 900 s and suspended after 1800 s" in demo._banner("u", "p", tmp_path, tmp_path / "x.log", idle_timeout=1800)

@@ -249,6 +249,16 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of seconds, not {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"at least 2 seconds, not {value}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="jupyter gpulease demo",
@@ -263,6 +273,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device-backend", choices=("auto", "simulated", "nvml", "static"), default="auto",
                    help="GPUs of the pool: auto (NVML when it finds GPUs, else 4 simulated GPUs), simulated, nvml, static")
     p.add_argument("--config-dir", default=None, help="folder with jupyterhub_config.py and gpulease_config.py (default: the examples in config/)")
+    p.add_argument("--idle-timeout", type=_positive_int, default=IDLE_RECLAIM_S,
+                   help=f"seconds a kernel's GPU may sit idle before it is suspended (warned at half of it; an unused "
+                        f"lease goes back after it too; default: {IDLE_RECLAIM_S}, to see the cycle in minutes)")
     p.add_argument("--fresh", action="store_true", help="delete the state folder first (users, leases, logs)")
     return p.parse_args(argv)
 
@@ -310,8 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         GPULEASE_DEVICE_BACKEND=backend,
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
-        GPULEASE_DEMO_IDLE_TIMEOUT=str(IDLE_RECLAIM_S),
-        GPULEASE_DEMO_IDLE_WARN_BEFORE=str(IDLE_RECLAIM_S - IDLE_WARN_S),
+        GPULEASE_DEMO_IDLE_TIMEOUT=str(args.idle_timeout),
+        GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
     )
     env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
@@ -356,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.3)
             else:
                 _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
-                print(_banner(url, args.password, state, log_path, describe_pool(pool), backend), flush=True)
+                print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout),
+                      flush=True)
             while not stop_requested and rc == 0:
                 if hub.poll() is not None:
                     print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
@@ -403,7 +417,9 @@ def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
     return path
 
 
-def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: list[str] = (), backend: str = "") -> str:
+def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: list[str] = (), backend: str = "", *,
+            idle_timeout: int = IDLE_RECLAIM_S) -> str:
+    warn = idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S
     gpus = []
     if pool_lines:
         gpus = ["  GPUs of the pool" + (" (simulated)" if backend == "simulated" else "") + ":"]
@@ -415,10 +431,10 @@ def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: li
         f"  Log in with any user name (alice, bob, ...) and the password {password!r}.",
         "  Pick a GPU option on the spawn form; a second user asking for a busy GPU sees their place in the queue.",
         *gpus,
-        f"  Idle reclaim is short in the demo: a kernel whose GPU sits idle is warned after {IDLE_WARN_S} s and "
-        f"suspended after {IDLE_RECLAIM_S} s",
+        f"  Idle reclaim{' is short in the demo' if idle_timeout <= 600 else ''}: a kernel whose GPU sits idle is warned "
+        f"after {warn} s and suspended after {idle_timeout} s",
         "  (its variables stay; its next cell gets a GPU back); a lease no kernel uses goes back after "
-        f"{IDLE_RECLAIM_S} s.",
+        f"{idle_timeout} s.",
         *(["  In a notebook, make simulated GPU work with:",
            "      from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=80, memory_gb=6, seconds=20)"]
           if backend == "simulated" else []),
