@@ -98,7 +98,7 @@ def test_a_lease_shorter_than_the_minimum_is_refused_naming_the_minimum():
     with pytest.raises(BadRequest, match="under the minimum lease length of 10 min; ask for at least 10 min") as e:
         s.new_lease(Ask(user="ann", duration_s=10), T0)
     assert e.value.field == "duration_s"
-    with pytest.raises(BadRequest, match="^a duration of 2 d is over the 8 h limit of tier 'experiment'; ask for at most 8 h$") as e:
+    with pytest.raises(BadRequest, match=r"^a duration of 2 d is over the 8 h limit of tier 'experiment'; ask for at most 8 h$") as e:
         s.new_lease(parse_ask({"gpus": 1, "duration_h": 48}, user="ann"), T0)
     assert e.value.field == "duration_h"
 

@@ -146,9 +146,9 @@ def test_tier_rules_duration_limits_and_who_may_use_a_tier():
     with pytest.raises(BadRequest, match="over the 1 h limit") as e:
         s.new_lease(Ask(user="a", groups=["staff"], request=parse_request({}), tier="prod", duration_s=2 * HOUR), T0)
     assert e.value.field == "duration_s"
-    with pytest.raises(BadRequest, match="unknown tier 'gold'; tiers open to a: open$"):  # not 'prod': a may not use it
+    with pytest.raises(BadRequest, match=r"unknown tier 'gold'; tiers open to a: open$"):  # not 'prod': a may not use it
         s.new_lease(Ask(user="a", request=parse_request({}), tier="gold"), T0)
-    with pytest.raises(BadRequest, match="unknown tier 'gold'; tiers open to b: open, prod$"):
+    with pytest.raises(BadRequest, match=r"unknown tier 'gold'; tiers open to b: open, prod$"):
         s.new_lease(Ask(user="b", groups=["staff"], request=parse_request({}), tier="gold"), T0)
 
 

@@ -88,7 +88,7 @@ def test_a_mig_lease_allows_both_access_nodes_of_its_instance_and_neither_of_the
     assert GPU.from_dict(d).mig[1].compute_device == "/dev/nvidia-caps/nvidia-cap31"
     numbers = {"/dev/nvidia2": (195, 2), **{f"/dev/nvidia-caps/nvidia-cap{n}": (508, n) for n in (21, 22, 30, 31)}}
     nodes = devaccess.pool_gpu_nodes({"devices": [d]}, stat=lambda p: SimpleNamespace(st_mode=stat.S_IFCHR, st_rdev=os.makedev(*numbers[p])))
-    first, second = (m["uuid"] for m in d["mig"])
+    first, _second = (m["uuid"] for m in d["mig"])
     allowed = devaccess.lease_nodes(lease("m", (d["uuid"], first)), nodes)
     assert allowed[:3] == [N("/dev/nvidia2", 195, 2), N("/dev/nvidia-caps/nvidia-cap21", 508, 21), N("/dev/nvidia-caps/nvidia-cap22", 508, 22)]
     assert devaccess.denied_nodes(allowed, nodes) == [N("/dev/nvidia-caps/nvidia-cap30", 508, 30), N("/dev/nvidia-caps/nvidia-cap31", 508, 31)]
