@@ -155,7 +155,8 @@ def status_text(status: dict[str, Any], now: float | None = None, *, kernel_id: 
         lines.append("last: " + lease_line(status["last_lease"], now))
     if status.get("message"):
         lines.append(status["message"])
-    if suspended_kernels(status):
+    kernels = status.get("kernels") or []
+    if any(k.get("state") == "suspended" for k in kernels):
         lines.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it (or %gpu resume)")
     devices = status.get("devices") or []
     if devices:

@@ -31,6 +31,10 @@ HISTORY = 300  # samples kept per device for the sparkline (5 min at one a secon
 EXTEND_S = 1800
 KEEP_S = 3600
 
+# what each button does, as the error line names it ("Extending the GPU lease failed: …")
+ACTION_WORDS = {"extend": "Extending the GPU lease", "keep": "Keeping the GPU", "resume": "Resuming",
+                "release": "Giving the GPU lease back"}
+
 
 def sparkline(values: list[float | None], width: int = 120, height: int = 24) -> str:
     """An inline SVG polyline of 0–100 values (None = gap); '' for fewer than two points."""
@@ -222,7 +226,7 @@ class LeaseWidget(W.VBox):
                 raise ValueError(f"unknown action {name!r}")
             _set(self.message, "value", html.escape(msg))
         except ServerError as e:
-            _set(self.message, "value", f'<span class="gpulease-error">{html.escape(name)} failed: {html.escape(e.message)}</span>')
+            _set(self.message, "value", f'<span class="gpulease-error">{html.escape(ACTION_WORDS.get(name, name))} failed: {html.escape(e.message)}</span>')
             ans = None
         self.feed.refresh()
         return ans
