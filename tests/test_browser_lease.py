@@ -53,6 +53,8 @@ def demo_config(tmp_path: Path) -> Path:
         f.write(f"""
 # --- test: fast heartbeats, no news pop-up (the simulated GPUs' state file is the demo's own), and
 # not the demo's one-minute idle reclaim: the lease stays while the test looks at it
+# a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
+c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPULeaseExtension.gpu_idle_timeout=", "--GPULeaseExtension.warn_before="))]
 c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1",
                        "--GPULeaseExtension.gpu_idle_timeout=3600"])
 c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
@@ -191,6 +193,8 @@ def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
     with open(conf / "jupyterhub_config.py", "a") as f:
         f.write(f"""
 # --- test: idle kernels are warned after 3 s and suspended after 6 s; a revoked lease leaves the server running
+# a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
+c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPULeaseExtension.gpu_idle_timeout=", "--GPULeaseExtension.warn_before="))]
 c.Spawner.args.extend(["--GPULeaseExtension.gpu_idle_timeout=6", "--GPULeaseExtension.warn_before=3",
                        "--GPULeaseExtension.reclaim_action=suspend",
                        "--GPULeaseExtension.cuda_checkpoint={standin_dir / 'cuda-checkpoint'}"])
