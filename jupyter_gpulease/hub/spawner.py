@@ -933,6 +933,14 @@ class GPULeaseSpawner(Spawner):
 
 
     # ------------------------------------------------------------------ device access (local processes)
+    @classmethod
+    def log_device_access_at_hub_start(cls, hub) -> None:
+        """Log the one line about device enforcement when the hub starts (the local engines'
+        mechanism; an engine with a mechanism of its own overrides this)."""
+        from .cgroups import log_at_hub_start
+
+        log_at_hub_start(hub)
+
     def _device_guard(self, *, check: bool = True):
         """The hub's :class:`~.cgroups.DeviceGuard` when this spawner enforces device access
         (None: not this engine, off, or not possible and not required). ``check``: raise the
@@ -1068,9 +1076,7 @@ def _attach_to_running_hub() -> None:
 
         if lifecycle.uses_lease_spawner(self):
             lifecycle.attach(self)
-            from .cgroups import log_at_hub_start
-
-            log_at_hub_start(self)
+            self.spawner_class.log_device_access_at_hub_start(self)
         return await init_spawners(self, *args, **kwargs)
 
     hub_class.init_spawners = init_spawners_with_leases

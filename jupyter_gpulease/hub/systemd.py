@@ -226,6 +226,10 @@ class GPULeaseSystemdSpawner(GPULeaseSpawner, DeviceAllowSystemdSpawner):
     # stays False on the class: it also selects the local engines' line at hub start, which
     # would name their mechanism; this engine logs its own (log_at_hub_start below).
 
+    @classmethod
+    def log_device_access_at_hub_start(cls, hub) -> None:
+        log_at_hub_start(hub)
+
     def _unit_guard(self, *, create: bool) -> DeviceGuard | None:
         if self.enforce_devices == "off" or not self.broker_url:
             return None
@@ -283,27 +287,3 @@ def log_at_hub_start(hub: Any) -> str | None:
     line = cgroups.hub_start_line(mode, Mechanism(ServiceUnits.kind if ok else "none", why))
     (hub.log.info if ok or mode == "off" else hub.log.warning)(line)
     return line
-
-
-def _attach_to_running_hub() -> None:
-    """In a JupyterHub process, log :func:`log_at_hub_start`'s line at the hub's start (the same
-    way :mod:`.spawner` takes part in it: a first action of ``init_spawners``)."""
-    import sys
-
-    app_module = sys.modules.get("jupyterhub.app")
-    if app_module is None:
-        return
-    hub_class = app_module.JupyterHub
-    if getattr(hub_class, "_gpulease_systemd_hooked", False):
-        return
-    init_spawners = hub_class.init_spawners
-
-    async def init_spawners_logging_devices(self, *args, **kwargs):
-        log_at_hub_start(self)
-        return await init_spawners(self, *args, **kwargs)
-
-    hub_class.init_spawners = init_spawners_logging_devices
-    hub_class._gpulease_systemd_hooked = True
-
-
-_attach_to_running_hub()
