@@ -244,7 +244,8 @@ def supervisor_and_workers(hub) -> tuple[int | None, list[int]]:
 def test_a_killed_supervisor_stops_no_writes_and_its_broker_hands_over_to_the_restarted_service(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'gpulease.sqlite'}"
     hub = hub_for_broker(tmp_path, db_url=db_url, pool=POOL, users=(*USERS, "carol"),
-                         extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO")
+                         extra_config="c.GPULeaseBroker.reconcile_interval = 0\nc.GPULeaseBroker.orphan_hub_grace_s = 3\n",
+                         log_level="INFO")
     hub.start()
     try:
         tokens = {u: hub.create_token(u) for u in USERS}
@@ -282,6 +283,16 @@ def test_a_killed_supervisor_stops_no_writes_and_its_broker_hands_over_to_the_re
         assert f"this standby (pid {standby}) stops" in log and f"this broker (pid {serving}) serves on" in log
         assert f"Let go of the lock of {db_url} (pid {serving})" in log
         check_answers_on_disk(hub, db_url, load, tokens, lambda: active_broker_pid(hub), min_answers=300)
+
+        # the supervisor killed again, and then the hub stopped for good: nobody restarts the
+        # service, so the broker that serves on stops once the hub has not answered for its grace
+        serving = wait_for(lambda: active_broker_pid(hub), 30, "no broker holds the lock")
+        sup, _ = supervisor_and_workers(hub)
+        os.kill(sup, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(sup), 10, "the supervisor survived SIGKILL")
+        hub.stop()
+        wait_for(lambda: not pid_alive(serving), 60, "the broker outlived its supervisor and its hub")
+        assert f"nobody took over: this broker (pid {serving}) stops" in hub.log_file.read_text(errors="replace")
     finally:
         hub.stop()
 

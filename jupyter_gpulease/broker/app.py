@@ -309,6 +309,14 @@ class GPULeaseBroker(PolicyConfig, Application):
     standbys = Integer(1, help="Standby broker processes the supervisor keeps waiting (0: none; it still restarts a broker that died). Example: 1.").tag(config=True)
     worker = Bool(False, help="Internal: this process is a worker of the supervisor.").tag(config=True)
 
+    orphan_hub_grace_s = Float(
+        60.0,
+        help="""A broker whose supervisor died serves on until a broker of the restarted service
+        takes over. When meanwhile the hub itself does not answer for this many seconds (stopped
+        or dead: nobody will restart the service), the broker stops, as it would have with its
+        supervisor; the next hub starts its own. Example: 60.""",
+    ).tag(config=True)
+
     bind_url = Unicode(help="Where to listen, e.g. http://127.0.0.1:10101. Default: $JUPYTERHUB_SERVICE_URL.").tag(config=True)
 
     @default("bind_url")
@@ -678,7 +686,8 @@ class GPULeaseBroker(PolicyConfig, Application):
             return
         self.log.warning("The supervisor is gone: this broker (pid %d) serves on until a broker of the restarted service waits "
                          "for the database's lock, then hands over", os.getpid())
-        self._orphaned_at = time.monotonic()
+        self._orphaned_at = self._hub_seen_at = time.monotonic()
+        self._hub_probed_at = 0.0
         self._waiter_gone = False
         self._successor_check = PeriodicCallback(self._check_successor, 250)
         self._successor_check.start()
@@ -689,6 +698,12 @@ class GPULeaseBroker(PolicyConfig, Application):
             return
         self._checking_successor = True
         try:
+            if not await self._hub_still_there():
+                self.log.warning("The hub has not answered for %g s and nobody took over: this broker (pid %d) stops; "
+                                 "the next hub starts its own", self.orphan_hub_grace_s, os.getpid())
+                self._successor_check.stop()
+                self._stopping.set()
+                return
             waiting = await asyncio.get_running_loop().run_in_executor(self.manager._writer, self.store.successor_waiting)
         except Exception as e:
             self.log.warning("Cannot tell whether another broker waits for the lock: %s", e)
@@ -703,6 +718,24 @@ class GPULeaseBroker(PolicyConfig, Application):
             self.log.info("A broker waits for the lock of %s: handing over to it", self.store.describe())
             self._successor_check.stop()
             self._stopping.set()
+
+    async def _hub_still_there(self) -> bool:
+        """An orphan's look at its hub (a TCP connect to the Hub API, every 2 s): False once it has
+        not answered for ``orphan_hub_grace_s``. True without a hub to look at (run by hand)."""
+        api = os.environ.get("JUPYTERHUB_API_URL", "")
+        now = time.monotonic()
+        if not api or now - self._hub_probed_at < 2.0:
+            return True
+        self._hub_probed_at = now
+        parts = urlsplit(api)
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)), 1.0)
+            writer.close()
+            self._hub_seen_at = now
+        except (OSError, TimeoutError):
+            pass
+        return now - self._hub_seen_at <= self.orphan_hub_grace_s
 
     def _fatal(self, exc: BaseException) -> None:
         """The database failed under the broker: end this process at once (see the manager)."""
