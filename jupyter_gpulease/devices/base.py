@@ -112,6 +112,9 @@ class DeviceSample:
     processes: tuple[ProcessSample, ...] = ()
     parent_uuid: str = ""  # for a MIG instance: the UUID of its GPU
     temperature_c: float | None = None  # GPU core temperature, degrees Celsius
+    # the card's own slowdown threshold (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), degrees Celsius:
+    # at or above it the driver slows the clocks; None: not reported
+    temperature_slowdown_c: float | None = None
     power_w: float | None = None  # power draw, watts (a MIG instance reports its GPU's, or None)
     power_limit_w: float | None = None  # the power limit the driver enforces, watts
     health: DeviceHealth = HEALTHY
@@ -130,6 +133,7 @@ class DeviceSample:
             "processes": [p.to_dict() for p in self.processes],
             "parent_uuid": self.parent_uuid,
             "temperature_c": self.temperature_c,
+            "temperature_slowdown_c": self.temperature_slowdown_c,
             "power_w": self.power_w,
             "power_limit_w": self.power_limit_w,
             "health": self.health.to_dict(),

@@ -17,7 +17,7 @@ The file looks like::
     {"utilization": {"GPU-sim-…": 85.0},
      "processes": {"GPU-sim-…": [{"pid": 4242, "used_memory_mib": 10240, "sm_util_pct": 80}]},
      "devices": {"GPU-sim-…": {"temperature_c": 71, "power_w": 250, "power_limit_w": 400,
-                               "health": {"xid": 79, "xid_count": 1, "ecc_uncorrected": 0, "lost": false}}}}
+                               "temperature_slowdown_c": 90, "health": {"xid": 79, "xid_count": 1, "ecc_uncorrected": 0, "lost": false}}}}
 
 A device whose utilization is not set reports the sum of its processes' ``sm_util_pct``
 (at most 100); temperature and power not set follow utilization (an idle GPU is cool and
@@ -53,7 +53,8 @@ DEFAULT_POOL: list[dict[str, Any]] = [
 ]
 
 _CONFIG_KEYS = {"gpus", "state_file", "node"}
-_DEVICE_FIGURES = ("temperature_c", "power_w", "power_limit_w")
+_DEVICE_FIGURES = ("temperature_c", "temperature_slowdown_c", "power_w", "power_limit_w")
+SLOWDOWN_C = 90.0  # the simulated cards' slowdown threshold, unless driven
 
 
 def _default_power_limit_w(model: str) -> float:
@@ -135,6 +136,7 @@ class SimulatedBackend(DeviceBackend):
                         parent_uuid=g.uuid,
                         # like NVML: an instance reports its GPU's temperature, and no power of its own
                         temperature_c=driven.get("temperature_c", figures["temperature_c"]),
+                        temperature_slowdown_c=driven.get("temperature_slowdown_c", figures["temperature_slowdown_c"]),
                         power_w=driven.get("power_w"),
                         power_limit_w=driven.get("power_limit_w"),
                         health=driven.get("health", figures["health"]),
@@ -151,6 +153,7 @@ class SimulatedBackend(DeviceBackend):
         limit = driven.get("power_limit_w", _default_power_limit_w(model))
         return {
             "temperature_c": driven.get("temperature_c", round(34.0 + 0.45 * util, 1)),
+            "temperature_slowdown_c": driven.get("temperature_slowdown_c", SLOWDOWN_C),
             "power_w": driven.get("power_w", round(limit * (0.12 + 0.8 * util / 100.0), 1)),
             "power_limit_w": limit,
             "health": driven.get("health", HEALTHY),
@@ -195,12 +198,14 @@ class SimulatedBackend(DeviceBackend):
             return removed
 
     def set_device(self, uuid: str, *, temperature_c: float | None = None, power_w: float | None = None,
-                   power_limit_w: float | None = None, health: DeviceHealth | dict | None = None) -> None:
-        """Drive a device's temperature (°C), power draw and limit (W) and health; the figures
-        not given keep their driven value (or the default that follows utilization)."""
+                   power_limit_w: float | None = None, health: DeviceHealth | dict | None = None,
+                   temperature_slowdown_c: float | None = None) -> None:
+        """Drive a device's temperature and slowdown threshold (°C), power draw and limit (W) and
+        health; the figures not given keep their driven value (or the default that follows utilization)."""
         self._check_uuid(uuid)
         change: dict[str, Any] = {}
-        for name, value in (("temperature_c", temperature_c), ("power_w", power_w), ("power_limit_w", power_limit_w)):
+        for name, value in (("temperature_c", temperature_c), ("power_w", power_w), ("power_limit_w", power_limit_w),
+                            ("temperature_slowdown_c", temperature_slowdown_c)):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
