@@ -281,6 +281,7 @@ class NvmlBackend(DeviceBackend):
                 if procs:
                     procs = self._with_sm_util(h, g.uuid, procs)
                 temperature = self._query("nvmlDeviceGetTemperature", h, getattr(self._nvml, "NVML_TEMPERATURE_GPU", 0))
+                slowdown = self._query("nvmlDeviceGetTemperatureThreshold", h, getattr(self._nvml, "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", 1))
                 power = self._query("nvmlDeviceGetPowerUsage", h)
                 limit = self._query("nvmlDeviceGetEnforcedPowerLimit", h)
                 ecc = self._query("nvmlDeviceGetTotalEccErrors", h, getattr(self._nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
@@ -295,6 +296,7 @@ class NvmlBackend(DeviceBackend):
                     memory_total_mib=int(mem.total // MIB) if mem is not None else (g.memory_mib or None),
                     processes=procs if procs is not None else (),
                     temperature_c=None if temperature is None else float(temperature),
+                    temperature_slowdown_c=None if slowdown is None else float(slowdown),
                     power_w=None if power is None else power / 1000.0,
                     power_limit_w=None if limit is None else limit / 1000.0,
                     health=health,
@@ -318,6 +320,7 @@ class NvmlBackend(DeviceBackend):
                         processes=own,
                         parent_uuid=g.uuid,
                         temperature_c=out[g.uuid].temperature_c,  # one die: the GPU's temperature
+                        temperature_slowdown_c=out[g.uuid].temperature_slowdown_c,
                         health=health,
                     )
             return out
