@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Float, Integer, String, Text, create_engine, delete, event, func, insert, inspect, select, text, update
+from sqlalchemy import JSON, Float, Index, Integer, String, Text, create_engine, delete, event, func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
@@ -114,9 +114,84 @@ class MetricTotalRow(Base):
     created: Mapped[float] = mapped_column(Float)  # when the series was first counted (Prometheus' _created)
 
 
+class UsageLeaseRow(Base):
+    """The accounting record of one granted lease (usage records, :mod:`jupyter_gpulease.broker.usage`):
+    who, which slice, from when to when, how busy. Updated with every batch that changes it."""
+
+    __tablename__ = "usage_leases"
+
+    lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user: Mapped[str] = mapped_column(String(255), index=True)
+    team: Mapped[str] = mapped_column(String(255))  # the group the hours count to
+    groups: Mapped[list] = mapped_column(JSON)
+    tier: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    slice_kind: Mapped[str] = mapped_column(String(16))  # gpu | share | mig
+    slice: Mapped[str] = mapped_column(String(64))  # "2", "0.25", "1g.10gb"
+    gpus: Mapped[int] = mapped_column(Integer)  # devices (slices) held
+    fraction: Mapped[float] = mapped_column(Float)  # GPU-equivalents held (a share or MIG slice: its fraction)
+    mem_mib: Mapped[int] = mapped_column(Integer)  # memory the slices allow
+    asked_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[float] = mapped_column(Float)
+    granted_at: Mapped[float] = mapped_column(Float, index=True)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    end_state: Mapped[str] = mapped_column(String(16))
+    queue_wait_s: Mapped[float] = mapped_column(Float)
+    held_s: Mapped[float] = mapped_column(Float)
+    held_gpu_s: Mapped[float] = mapped_column(Float)
+    busy_gpu_s: Mapped[float] = mapped_column(Float)
+    mem_peak_mib: Mapped[int] = mapped_column(Integer)
+    reclaims: Mapped[int] = mapped_column(Integer)
+    suspends: Mapped[int] = mapped_column(Integer)
+    preemptions: Mapped[int] = mapped_column(Integer)
+    devices: Mapped[dict] = mapped_column(JSON)  # per device: busy GPU-seconds, memory peak
+    state: Mapped[dict] = mapped_column(JSON)  # the recorder's baselines (a restarted broker goes on from them)
+
+
+class UsageSampleRow(Base):
+    """A raw usage sample: one interval of one lease (kernel "") or one of its kernels; pruned
+    after the admin's retention (the hourly roll-ups stay)."""
+
+    __tablename__ = "usage_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[str] = mapped_column(String(64), index=True)
+    kernel: Mapped[str] = mapped_column(String(64))
+    notebook: Mapped[str] = mapped_column(Text)
+    t0: Mapped[float] = mapped_column(Float)
+    t1: Mapped[float] = mapped_column(Float, index=True)
+    held_gpu_s: Mapped[float] = mapped_column(Float)
+    busy_gpu_s: Mapped[float] = mapped_column(Float)
+    mem_mib: Mapped[int] = mapped_column(Integer)
+
+
+class UsageHourRow(Base):
+    """GPU-seconds held and busy of one lease (kernel "") or kernel in one hour, with the keys a
+    report groups by; the report reads these (kept for good)."""
+
+    __tablename__ = "usage_hourly"
+
+    hour: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds of the hour's start
+    lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kernel: Mapped[str] = mapped_column(String(64), primary_key=True)
+    notebook: Mapped[str] = mapped_column(Text)
+    user: Mapped[str] = mapped_column(String(255))
+    team: Mapped[str] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(String(128))
+    tier: Mapped[str] = mapped_column(String(64))
+    held_gpu_s: Mapped[float] = mapped_column(Float)
+    busy_gpu_s: Mapped[float] = mapped_column(Float)
+    mem_peak_mib: Mapped[int] = mapped_column(Integer)
+
+
+Index("ix_usage_hourly_kernel_hour", UsageHourRow.kernel, UsageHourRow.hour)
+
 LEASES = LeaseRow.__table__
 EVENTS = EventRow.__table__
 TOTALS = MetricTotalRow.__table__
+USAGE_LEASES = UsageLeaseRow.__table__
+USAGE_SAMPLES = UsageSampleRow.__table__
+USAGE_HOURLY = UsageHourRow.__table__
 # increment the total, keep the first ``created`` (the same statement on SQLite and PostgreSQL)
 _TOTALS_UPSERT = text(
     "INSERT INTO metric_totals (name, labels, value, created) VALUES (:name, :labels, :value, :created) "
