@@ -319,6 +319,11 @@ class BrokerClient:
         """The caller's unleased GPU use: ``findings`` and the ``warnings`` its server shows."""
         return await self._call("GET", "api/unleased", retry_for=0)
 
+    async def usage_suggestions(self, user: str | None = None) -> list[dict]:
+        """Right-sizing suggestions (``GET api/usage/suggestions``): the caller's, or (admins) ``user``'s."""
+        data = await self._call("GET", "api/usage/suggestions", query={"user": user}, retry_for=0)
+        return data.get("suggestions") or [] if isinstance(data, dict) else list(data or [])
+
     async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
         """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one.
         ``since="latest"``: none, at once, with ``last_id`` the newest id (where to follow from)."""

@@ -6,6 +6,9 @@
 * ``admin``: who holds what, the queue with ETAs, the pool, and a Revoke button per lease
   (with the reason its user then reads on the hub's home page); the admin scope only, others
   get a page saying so, with a link back to their own leases.
+* the usage figures (:mod:`.usage_pages`): on ``admin`` where the GPU-hours went (plots, cost,
+  idle holders, right-sizing, ``admin/usage.csv``); on "my leases" the user's own figures and
+  hints (``usage.csv``).
 
 Browsers log in through the hub (HubOAuth); forms carry JupyterHub's xsrf token.
 """
@@ -21,6 +24,7 @@ from tornado import web
 
 from ..core.model import BadRequest, LeaseError, LeaseState
 from ..core.request import SPAWNER_META
+from . import usage_pages
 from .handlers import LEASE_ID_ROUTE, BaseHandler
 from .inputs import parse_number, short_text
 from .present import describe_placement, describe_request, format_duration, local_time
@@ -106,7 +110,23 @@ class MyLeasesPage(PageHandler):
         me = self.caller_name
         live = [_lease_view(m, d, now, me, self.is_admin) for d in m.live(me)]
         ended = [_lease_view(m, d, now, me, self.is_admin) for d in await m.list(user=me, state="ended", limit=HISTORY)]
-        self.page("leases.html", status, user=me, is_admin=self.is_admin, live=live, ended=ended, message=message, error=error, xsrf=self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token, draining=m.draining)
+        usage = await self.usage_figures(me)
+        self.page("leases.html", status, user=me, is_admin=self.is_admin, live=live, ended=ended, message=message, error=error, xsrf=self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token, draining=m.draining, usage=usage)
+
+    async def usage_figures(self, user: str) -> dict | None:
+        """The caller's own usage figures and hints for the period the page asks for (None: no usage records kept)."""
+        source = usage_pages.UsageSource.of(self.broker)
+        if source is None:
+            return None
+        period = self.usage_period()
+        return await usage_pages.my_usage(source, user, period)
+
+    def usage_period(self) -> dict:
+        try:
+            return usage_pages.parse_period(self.get_query_argument("since", None), self.get_query_argument("from", None),
+                                            self.get_query_argument("to", None), self.manager.now())
+        except BadRequest as e:
+            raise web.HTTPError(400, e.message) from None
 
 
 class LeaseFormHandler(MyLeasesPage):
@@ -181,14 +201,46 @@ class AdminPage(PageHandler):
         if not self.is_admin:
             raise web.HTTPError(403, f"The lease admin page is for callers with the {self.admin_scope} scope. Your own leases are on the leases page.")
 
+    usage: dict | None = None  # the usage section, when the page shows it
+
     @web.authenticated
-    def get(self):
+    async def get(self):
         self.check_admin()
+        source = usage_pages.UsageSource.of(self.broker)
+        if source is not None:
+            self.usage = await usage_pages.admin_usage(source, MyLeasesPage.usage_period(self))
         self.show()
 
     def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
-        self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, **admin_context(self.manager, self.caller_name))
+        self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, usage=self.usage,
+                  **admin_context(self.manager, self.caller_name))
+
+
+class UsageCSV(PageHandler):
+    """The pages' CSV download: ``admin/usage.csv`` (admins: everyone's rows) or ``usage.csv``
+    (the caller's own), for the period and grouping asked (``by=user|group|model|tier|notebook``)."""
+
+    def initialize(self, admin: bool = False):
+        self.admin = admin
+
+    @web.authenticated
+    async def get(self):
+        if self.admin:
+            AdminPage.check_admin(self)
+        source = usage_pages.UsageSource.of(self.broker)
+        if source is None:
+            raise web.HTTPError(404, "This broker keeps no usage records.")
+        period = MyLeasesPage.usage_period(self)
+        by = self.get_query_argument("by", "user")
+        if by not in usage_pages.REPORT_BY:
+            raise web.HTTPError(400, f"by is one of {', '.join(usage_pages.REPORT_BY)}, not {by!r}")
+        text = await source.csv(by=by, start=period["start"], end=period["end"], user=None if self.admin else self.caller_name)
+        stamp = time.strftime("%Y%m%d", time.gmtime(period["end"]))
+        self.set_header("Content-Type", "text/csv; charset=utf-8")
+        self.set_header("Content-Disposition", f'attachment; filename="gpu-usage-by-{by}-{stamp}.csv"')
+        self.set_header("Cache-Control", "no-store")
+        self.finish(text)
 
 
 REVOKE_GRACES = ((0, "now"), (300, "in 5 min"), (900, "in 15 min"), (3600, "in 1 h"))  # the admin page's choices
@@ -258,6 +310,8 @@ def page_handlers(prefix: str) -> list[tuple]:
     return [
         (prefix + r"oauth_callback", OAuthCallbackHandler),
         (prefix + r"admin/?", AdminPage),
+        (prefix + r"admin/usage\.csv", UsageCSV, {"admin": True}),
+        (prefix + r"usage\.csv", UsageCSV),
         (prefix + rf"admin/leases/{lease_id}/revoke", AdminRevokeHandler),
         (prefix + rf"leases/{lease_id}/(extend|release)", LeaseFormHandler),
         (prefix + r"?", MyLeasesPage),

@@ -199,6 +199,7 @@ class Choice:
     duration_s: float | None = None  # a preset's fixed duration
     estimates: dict[str, dict] = field(default_factory=dict)  # tier ('' for a preset) -> the estimate shown
     disabled: str = ""  # why it cannot be picked (from the broker's estimate)
+    hints: list[str] = field(default_factory=list)  # right-sizing suggestions that point at this card
 
     @property
     def dom_id(self) -> str:
@@ -375,6 +376,69 @@ def estimate_asks(choices: list[Choice], tiers: list[dict], *, user: str, groups
     return out
 
 
+# --------------------------------------------------------------------------- right-sizing hints
+def suggested_request(suggested: dict | None) -> dict | None:
+    """A suggestion's ``suggested`` card (kind mig/share/whole, with profile/fraction/gpus and model)
+    as the request fields of a card: {'kind': 'mig', 'mig_profile': '1g.10gb', 'model': 'A100…'}."""
+    if not isinstance(suggested, dict):
+        return None
+    kind, model = suggested.get("kind"), suggested.get("model")
+    out: dict[str, Any]
+    if kind == "mig":
+        profile = suggested.get("mig_profile") or suggested.get("profile")
+        if not profile:
+            return None
+        out = {"kind": "mig", "mig_profile": str(profile)}
+    elif kind == "share":
+        share = suggested.get("share", suggested.get("fraction"))
+        if not isinstance(share, (int, float)) or isinstance(share, bool):
+            return None
+        out = {"kind": "share", "share": float(share)}
+    elif kind in ("whole", "gpu"):
+        gpus = suggested.get("gpus", 1)
+        if not isinstance(gpus, int) or isinstance(gpus, bool):
+            return None
+        out = {"kind": "gpu", "gpus": gpus}
+    else:
+        return None
+    if model:
+        out["model"] = model[0] if isinstance(model, list) and len(model) == 1 else model
+    return out
+
+
+def _card_matches(request: dict | None, want: dict) -> bool:
+    if not request or _kind(request) != want["kind"]:
+        return False
+    for k in ("mig_profile", "share", "gpus"):
+        if k in want:
+            have = request.get(k, 1 if k == "gpus" else None)
+            if have is None or (float(have) != float(want[k]) if k == "share" else str(have) != str(want[k])):
+                return False
+    if want.get("model"):
+        models = _models(request)
+        wanted = want["model"] if isinstance(want["model"], list) else [want["model"]]
+        return bool(models) and all(any(_matches(m, [w]) for w in wanted) for m in models)
+    return True
+
+
+def attach_hints(suggestions: list[dict], cards: list[Choice]) -> list[str]:
+    """Put each right-sizing suggestion on the card it suggests (the first that matches, presets
+    first); returns the texts of those that match no card (shown above the cards). The choice the
+    form starts with is not touched: a hint only says."""
+    loose = []
+    for s in suggestions or []:
+        text = (s or {}).get("text") or ""
+        if not text:
+            continue
+        want = suggested_request(s.get("suggested"))
+        card = next((c for c in cards if want and not c.disabled and _card_matches(c.request, want)), None)
+        if card is None:
+            loose.append(text)
+        elif text not in card.hints:
+            card.hints.append(text)
+    return loose
+
+
 # --------------------------------------------------------------------------- the page
 def tier_rows(pool: dict | None) -> list[dict]:
     """The tiers the user may pick, highest priority first, with their limits in words."""
@@ -403,11 +467,14 @@ def render_form(
     previous: dict | None = None,
     error: str = "",
     now: float | None = None,
+    suggestions: list[dict] | None = None,
 ) -> str:
     """The HTML of the spawn form (JupyterHub wraps it in a <form> with the Start button).
 
     ``estimates``: the broker's estimate per (choice value, tier name or '' for a preset); None
-    when the broker gave none (the cards then say only what is free now).
+    when the broker gave none (the cards then say only what is free now). ``suggestions``: the
+    user's right-sizing suggestions (``GET api/usage/suggestions``), each shown on the card it
+    suggests, or above the cards when none matches.
     """
     now = time.time() if now is None else now
     previous = previous or {}
@@ -459,6 +526,8 @@ def render_form(
     if not checked:
         checked = next((c.value for c in custom if c.request is not None and c.free_now), values[0] if values else "")
 
+    loose_hints = attach_hints(list(suggestions or []), cards + custom)
+
     groups: list[tuple[str, list[Choice]]] = []
     for c in custom:
         if not groups or groups[-1][0] != c.group:
@@ -497,6 +566,8 @@ def render_form(
         waits=[{"minutes": m, "words": format_duration(m * 60)} for m in WAIT_CHOICES_MIN],
         prev_wait=str(previous.get("max_wait_min") or ""),
         has_estimates=bool(estimates),
+        hints=loose_hints,
+        custom_hinted=any(c.hints for c in custom),
     )
 
 
@@ -511,15 +582,17 @@ async def render_for(broker, *, user: str, groups: list[str], presets: list[Pres
     from ..client import BrokerError
 
     log = log or logging.getLogger(__name__)
-    pool, queue, estimates, error = None, [], None, ""
+    pool, queue, estimates, error, suggestions = None, [], None, "", []
     if broker is None:
         error = "GPU leases are not configured on this hub (the administrator sets c.GPULeaseSpawner.broker_url)."
     else:
+        hints = asyncio.ensure_future(_suggestions(broker, user, log))
         try:
             pool, queue = await asyncio.gather(broker.pool(user=user, groups=groups), broker.queue())
         except BrokerError as e:
             log.warning("Spawn form for %s without the pool: %s", user, e)
             error = "The GPU lease broker is not answering right now, so availability is unknown."
+        suggestions = await hints
     if pool is not None:
         cards = preset_choices(list(presets), pool, queue)
         if allow_custom:
@@ -535,4 +608,20 @@ async def render_for(broker, *, user: str, groups: list[str], presets: list[Pres
             except BrokerError as e:
                 log.warning("Spawn form for %s without estimates: %s", user, e)
     return render_form(pool, presets=presets, allow_custom=allow_custom, allow_cpu_only=allow_cpu_only, queue=queue,
-                       estimates=estimates, previous=previous, error=error, now=now)
+                       estimates=estimates, previous=previous, error=error, now=now, suggestions=suggestions)
+
+
+async def _suggestions(broker, user: str, log: logging.Logger) -> list[dict]:
+    """``user``'s right-sizing suggestions, or none when the broker has none to give (an older
+    broker, usage records off, not answering): the form never waits long or fails for a hint."""
+    from ..client import BrokerError
+
+    ask = getattr(broker, "usage_suggestions", None)
+    if ask is None:
+        return []
+    try:
+        async with asyncio.timeout(5):
+            return [s for s in await ask(user) if (s or {}).get("user") == user]
+    except (BrokerError, TimeoutError) as e:
+        log.info("Spawn form for %s without right-sizing hints: %s", user, e)
+        return []
