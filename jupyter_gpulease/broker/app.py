@@ -208,6 +208,47 @@ class GPULeaseBroker(PolicyConfig, Application):
     # tiers, quotas and every scheduling setting come from PolicyConfig, declared once in core
 
     # ------------------------------------------------------------------ service
+    # ------------------------------------------------------------------ device figures, alerts, dcgm-exporter
+    device_sample_interval = Float(
+        15.0, min=0.0,
+        help="""Seconds between samples of the pool's devices by the broker's own device backend
+        ('nvml' on the broker's machine, 'simulated'): utilization, memory, temperature against
+        the card's slowdown threshold, power and XID errors, for /metrics and the alert webhooks.
+        0: none. Backends that see no devices from the broker (Kubernetes, Slurm) export none. Example: 15.""",
+    ).tag(config=True)
+    alert_webhooks = List(
+        Dict(per_key_traits={"url": Unicode(), "format": CaselessStrEnum(["json", "slack", "teams"])}),
+        help="""Where the broker POSTs alerts when they start and when they resolve, for admins
+        without Prometheus (the same conditions as the shipped rules in config/gpulease-alerts.yml,
+        but a broker that is down cannot say so). Each entry: ``{"url": ..., "format": "json" |
+        "slack" | "teams"}`` (format default "json"). Example: [{"url":
+        "https://hooks.slack.com/services/T000/B000/XXXX", "format": "slack"}].""",
+    ).tag(config=True)
+    alert_check_interval = Float(30.0, min=1.0, help="Seconds between the broker's checks for its alert webhooks. Example: 30.").tag(config=True)
+    alert_idle_lease_s = Float(7200.0, min=0.0, help="An active lease whose GPUs sat idle this long is alerted (webhooks). Example: 7200.").tag(config=True)
+    alert_hot_margin_c = Float(
+        5.0, min=0.0,
+        help="A GPU this many degrees Celsius below its own slowdown threshold, or hotter, is alerted (webhooks; critical at the threshold). Example: 5.",
+    ).tag(config=True)
+    alert_xid_window_s = Float(600.0, min=0.0, help="Seconds a new critical XID error (not an application's) stays alerted (webhooks). Example: 600.").tag(config=True)
+    alert_queue_wait_p95_s = Float(
+        1800.0, min=0.0,
+        help="The 95th percentile of waits in the queue (the last half hour's and those still waiting) above which the queue is alerted (webhooks). Example: 1800.",
+    ).tag(config=True)
+    alert_retry_s = Float(300.0, min=0.0, help="Seconds a failed webhook delivery is tried again (exponential back-off) before it is dropped. Example: 300.").tag(config=True)
+    public_url = Unicode(
+        "",
+        help="""The hub's address as people reach it, e.g. https://hub.example.org: alert webhooks
+        link to the broker's admin page under it ("": the link is the page's path only).""",
+    ).tag(config=True)
+    dcgm_hpc_job_mapping_dir = Unicode(
+        "",
+        help="""The folder dcgm-exporter reads with ``--hpc-job-mapping-dir``: the broker writes
+        there, per GPU index, the ids of the leases holding the GPU, so DCGM's metrics carry an
+        ``hpc_job`` label with the lease. ``{node}`` in the path stands for the GPU's node (one
+        folder per node on shared storage). "": none. Example: /run/dcgm-job-map.""",
+    ).tag(config=True)
+
     tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
 
     stop_servers_on_end = Bool(
@@ -393,6 +434,23 @@ class GPULeaseBroker(PolicyConfig, Application):
                                              hub_user_exists=self._hub_user_exists, logger=self.log,
                                              show_holders=self.show_preemptor_names)
 
+        self.telemetry = self.alerts = self.dcgm = None
+        if self.device_sample_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
+            from .telemetry import DeviceTelemetry
+
+            self.telemetry = DeviceTelemetry(self.manager, self.backend, interval_s=self.device_sample_interval, logger=self.log)
+        if self.alert_webhooks:
+            from .alerts import BrokerAlerts, Thresholds
+
+            self.alerts = BrokerAlerts(
+                self.manager, self.alert_webhooks, logger=self.log, retry_s=self.alert_retry_s, link=self.public_url.rstrip("/") + self.base_url + "admin",
+                limits=Thresholds(idle_lease_s=self.alert_idle_lease_s, hot_margin_c=self.alert_hot_margin_c, xid_window_s=self.alert_xid_window_s,
+                                  queue_wait_p95_s=self.alert_queue_wait_p95_s))
+        if self.dcgm_hpc_job_mapping_dir:
+            from .dcgm import DcgmJobMap
+
+            self.dcgm = DcgmJobMap(self.manager, self.dcgm_hpc_job_mapping_dir, logger=self.log)
+
     @property
     def limits(self) -> Limits:
         return Limits(body_bytes=self.max_body_bytes, meta_bytes=self.max_meta_bytes, usage_bytes=self.max_usage_bytes, reason_chars=self.max_reason_chars, json_depth=self.max_json_depth)
@@ -561,6 +619,13 @@ class GPULeaseBroker(PolicyConfig, Application):
         if self.unleased is not None:
             self.periodic.append(PeriodicCallback(self._check_unleased, self.unleased_check_interval * 1000))
             self.log.info("Checking for unleased GPU use every %g s (%s; grace %g s)", self.unleased_check_interval, self.unleased.action, self.unleased_grace_s)
+        if self.telemetry is not None:
+            self.periodic.append(PeriodicCallback(self.telemetry.sample, self.device_sample_interval * 1000))
+            self._background(self.telemetry.sample())
+        if self.alerts is not None:
+            self.periodic.append(PeriodicCallback(self.alerts.check, self.alert_check_interval * 1000))
+        if self.dcgm is not None:
+            self.dcgm.start()
         every = self.inventory_interval or float(getattr(self.backend, "inventory_refresh_s", 0) or 0)
         if every > 0:
             self.periodic.append(PeriodicCallback(self._refresh_inventory, every * 1000))
@@ -630,6 +695,8 @@ class GPULeaseBroker(PolicyConfig, Application):
         server = getattr(self, "http_server", None)
         if server is not None:
             server.stop()
+        if getattr(self, "alerts", None) is not None:
+            await self.alerts.close()
         if getattr(self, "unleased", None) is not None:
             await self.unleased.close()
         if getattr(self, "manager", None):

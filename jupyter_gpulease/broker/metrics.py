@@ -133,6 +133,26 @@ def count_events(events: Iterable[Event]) -> dict[tuple[str, tuple[str, ...]], f
     return out
 
 
+def lease_idle_s(d: dict[str, Any], now: float) -> float | None:
+    """Seconds the GPUs of active lease ``d`` have sat idle at ``now`` (broker time), from its
+    server's last heartbeat; None before any. The server's times are taken relative to its own
+    clock (``usage.t``), so a skewed clock does not shift the answer."""
+    if d.get("state") != LeaseState.ACTIVE.value:
+        return None
+    usage = d.get("usage")
+    beat = _number(d.get("last_heartbeat"))
+    if not isinstance(usage, dict) or not usage or beat is None:
+        return None
+    if usage.get("gpu_busy") is True:
+        return 0.0
+    t, last = _number(usage.get("t")), _number(usage.get("last_gpu_activity"))
+    if t is not None and last is not None:
+        since = beat - max(0.0, t - last)
+    else:
+        since = _number(d.get("granted_at")) or beat
+    return max(0.0, now - since)
+
+
 def _group(d: dict[str, Any]) -> str:
     groups = d.get("groups") or ()
     return str(groups[0]) if groups else NO_GROUP
@@ -158,6 +178,8 @@ class _BrokerCollector:
         yield from self._leases(live, tiers)
         yield from self._queue(live, tiers, m.now())
         yield from self._pool(live)
+        yield from self._device_figures()
+        yield from self._lease_idle(live, m.now())
         yield from self._unleased()
         yield from self._counters(tiers)
 
@@ -301,6 +323,68 @@ class _BrokerCollector:
                 mem.add_metric(key, max(0.0, peak) * MIB)
             problem.add_metric(key, 1 if figures.get("health") else 0)
         yield from (healthy, held, busy, mem, problem)
+
+    # ------------------------------------------------------------------ the broker's own device samples
+    def _device_figures(self):
+        """What the broker's device backend samples (broker/telemetry.py): utilization, memory,
+        temperature against the card's own slowdown threshold, power, and XID errors as a
+        counter. Backends that sample nothing on the broker's machine export none of these."""
+        telemetry = getattr(self.manager, "telemetry", None)
+        samples = telemetry.current() if telemetry is not None else {}
+        labels = ["uuid", "node", "model"]
+        util = GaugeMetricFamily("gpulease_device_utilization_ratio", "Compute utilization of the device over the driver's last sample period (0 to 1; GPU or MIG instance)", labels=labels)
+        used = GaugeMetricFamily("gpulease_device_memory_used_bytes", "Memory used on the device now (GPU or MIG instance)", labels=labels)
+        total = GaugeMetricFamily("gpulease_device_memory_total_bytes", "Memory of the device (GPU or MIG instance)", labels=labels)
+        temp = GaugeMetricFamily("gpulease_device_temperature_celsius", "GPU core temperature", labels=labels)
+        slowdown = GaugeMetricFamily("gpulease_device_slowdown_temperature_celsius",
+                                     "The card's own slowdown threshold (NVML): at or above it the driver slows the clocks", labels=labels)
+        power = GaugeMetricFamily("gpulease_device_power_watts", "Power draw of the GPU", labels=labels)
+        limit = GaugeMetricFamily("gpulease_device_power_limit_watts", "Power limit the driver enforces on the GPU", labels=labels)
+        driver_ok = GaugeMetricFamily("gpulease_device_driver_healthy",
+                                      "1 while the broker's own sample of the GPU shows no problem (lost, critical XID, uncorrectable ECC), else 0", labels=labels)
+        xids = CounterMetricFamily("gpulease_device_xid_errors", "Critical XID errors the driver reported, by device, XID code and kind "
+                                   "(application: the holder's program faulted, the GPU is fine; device: the GPU or its driver)", labels=[*labels, "xid", "kind"])
+        known: dict[str, tuple[str, str]] = {}
+        for g in self.manager.inventory():
+            known[g.uuid] = (g.node, g.model)
+            for mig in g.mig:
+                known[mig.uuid] = (g.node, g.model)
+        for uuid, s in sorted(samples.items()):
+            if uuid not in known:
+                continue
+            key = [uuid, *known[uuid]]
+            whole = not s.parent_uuid  # an instance repeats its GPU's temperature, power and health
+            for fam, raw, scale in ((util, s.utilization_pct, 0.01), (used, s.memory_used_mib, MIB), (total, s.memory_total_mib, MIB)):
+                v = _number(raw)
+                if v is not None:
+                    fam.add_metric(key, max(0.0, v) * scale)
+            if not whole:
+                continue
+            for fam, raw in ((temp, s.temperature_c), (slowdown, s.temperature_slowdown_c), (power, s.power_w), (limit, s.power_limit_w)):
+                v = _number(raw)
+                if v is not None:
+                    fam.add_metric(key, v)
+            driver_ok.add_metric(key, 1 if s.health.ok else 0)
+        if telemetry is not None:
+            from .telemetry import xid_kind
+
+            for (uuid, code), n in sorted(telemetry.xids.items()):
+                if uuid in known:
+                    xids.add_metric([uuid, *known[uuid], str(code), xid_kind(code)], n, created=telemetry.started_at)
+        yield from (util, used, total, temp, slowdown, power, limit, driver_ok, xids)
+
+    # ------------------------------------------------------------------ idle leases
+    def _lease_idle(self, live: list[dict[str, Any]], now: float):
+        idle = GaugeMetricFamily("gpulease_lease_idle_seconds", "How long the GPUs of an active lease have sat idle, as its server's heartbeats say "
+                                 "(0 while it computes; no series before the first heartbeat)", labels=["lease", "tier", "model", "node", *(["user"] if self.per_user else [])])
+        for d in live:
+            v = lease_idle_s(d, now)
+            if v is None:
+                continue
+            slices = (d.get("placement") or {}).get("slices") or [{}]
+            labels = [d["id"], d["tier"], str(slices[0].get("model", "")), str(slices[0].get("node", ""))]
+            idle.add_metric([*labels, *([d["user"]] if self.per_user else [])], v)
+        yield idle
 
     # ------------------------------------------------------------------ unleased GPU use
     def _unleased(self):

@@ -1,0 +1,110 @@
+"""The pool's device figures as the broker's own device backend samples them.
+
+Every ``GPULeaseBroker.device_sample_interval`` seconds the backend's :meth:`sample` runs in a
+worker thread (NVML blocks); the event loop keeps the newest sample of every device of the pool
+(:attr:`DeviceTelemetry.samples`) for the metrics, the broker's own alerts and the dcgm-exporter
+mapping. Backends that see no devices from the broker's machine (Kubernetes, Slurm, declared)
+return no samples: then no per-device figure is exported, rather than a made-up one.
+
+Critical XID errors are counted here as they arrive (a counter by device and XID code, with the
+code's class: ``application`` errors are the holder's program's, the others the hardware's or
+the driver's). The driver reports a running count per device; the increase between two samples
+is what is new. A sample older than three intervals is dropped (a backend that stopped answering
+exports nothing rather than stale figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# the XID codes of application errors: the holder's program faulted, the GPU is fine
+# (NVIDIA's XID catalogue: 13 graphics engine exception, 31 memory page fault, 43 GPU stopped
+# processing, 45 preemptive cleanup, 68 video processor exception)
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
+
+
+def xid_kind(code: int | None) -> str:
+    """``application`` for an XID the program caused, else ``device`` (the GPU or its driver)."""
+    return "application" if code in APPLICATION_XIDS else "device"
+
+
+class DeviceTelemetry:
+    """See the module doc. ``manager``: the :class:`LeaseManager`; ``backend``: the device backend."""
+
+    def __init__(self, manager, backend, *, interval_s: float = 15.0, logger: logging.Logger | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.manager = manager
+        self.backend = backend
+        self.interval_s = float(interval_s)
+        self.log = logger or log
+        self.clock = clock
+        self.samples: dict[str, Any] = {}  # device uuid -> DeviceSample (the newest)
+        self.sampled_at: float | None = None  # self.clock() of the newest sample
+        # XID errors seen by this broker: (uuid, xid) -> count; the driver's running count per device
+        self.xids: dict[tuple[str, int], float] = {}
+        self._xid_seen: dict[str, int] = {}
+        self.started_at = time.time()
+        self.last_error = ""
+        self.listeners: list[Callable[[DeviceTelemetry], None]] = []
+        self._busy = False
+        manager.telemetry = self
+
+    def current(self) -> dict[str, Any]:
+        """The newest samples, or {} when the newest is older than three intervals."""
+        if self.sampled_at is None or self.clock() - self.sampled_at > 3 * max(self.interval_s, 1.0):
+            return {}
+        return self.samples
+
+    def observe(self, samples: dict[str, Any]) -> None:
+        """Take one sample of the backend (on the loop): keep it, count the new XIDs."""
+        known = {g.uuid for g in self.manager.inventory()}
+        for g in self.manager.inventory():
+            known.update(m.uuid for m in g.mig)
+        kept = {u: s for u, s in samples.items() if u in known}
+        for uuid, s in kept.items():
+            if getattr(s, "parent_uuid", ""):
+                continue  # an instance repeats its GPU's health
+            h = s.health
+            count = int(getattr(h, "xid_count", 0) or 0)
+            before = self._xid_seen.get(uuid)
+            if before is None and count:
+                new = count  # errors the driver reported before this broker's first look count once
+            elif before is not None and count > before:
+                new = count - before
+            else:
+                new = 0  # the same count, or a count that went back (a driver reload)
+            self._xid_seen[uuid] = count
+            if new and h.xid is not None:
+                key = (uuid, int(h.xid))
+                self.xids[key] = self.xids.get(key, 0.0) + new
+        self.samples = kept
+        self.sampled_at = self.clock()
+        for fn in list(self.listeners):
+            try:
+                fn(self)
+            except Exception:
+                self.log.exception("a listener of the device samples failed")
+
+    async def sample(self) -> None:
+        """One sample, off the loop; a failing backend keeps the previous sample until it is stale."""
+        if self._busy:
+            return
+        self._busy = True
+        try:
+            try:
+                samples = await asyncio.get_running_loop().run_in_executor(None, self.backend.sample)
+            except Exception as e:
+                if str(e) != self.last_error:
+                    self.log.warning("Device figures: the device backend's sample failed: %s", e)
+                self.last_error = str(e)
+                return
+            self.last_error = ""
+            self.observe(samples or {})
+        finally:
+            self._busy = False
