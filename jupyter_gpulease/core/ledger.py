@@ -74,7 +74,7 @@ class LeaseBook:
             self._deadlines.add(max(now, lease.expires_at - self.policy.warn_before_s), Deadline.WARN, lease.id)
 
     # ----------------------------------------------------------------- starts
-    def grant(self, lease: Lease, placement: Placement, now: float, until: float | None = None) -> list[Event]:
+    def grant(self, lease: Lease, placement: Placement, now: float, until: float | None = None, cut_why: str = "") -> list[Event]:
         """The lease starts holding ``placement`` now, until its duration ends (or ``until``, a short grant)."""
         pol = self.policy
         self.pool.take(lease.id, placement, self.preemptible(lease))
@@ -93,7 +93,8 @@ class LeaseBook:
             self._deadlines.add(now + pol.heartbeat_timeout_s, Deadline.HEARTBEAT, lease.id)
         reason = f"granted after waiting {format_duration(now - lease.created_at)}"
         if until is not None:
-            reason += f", for {format_duration(until - now)} instead of {format_duration(lease.duration_s)}: these GPUs are promised to a waiting lease from then"
+            why = cut_why or "these GPUs are promised to a waiting lease from then"
+            reason += f", for {format_duration(until - now)} instead of {format_duration(lease.duration_s)}: {why}"
         return [ev.granted(lease, now, reason, short_grant=until is not None), *self.cancel_preemption(lease.id, now, "the lease it was for started elsewhere")]
 
     def start_preemption(self, waiter: Lease, victims: list[Lease], now: float) -> list[Event]:

@@ -29,6 +29,7 @@ from .preemption import Preemption, VictimSearch
 from .queue import WaitQueue
 from .quota import Quotas
 from .reservations import Reservations
+from .text import format_duration
 from .views import LastPass
 
 INF = math.inf
@@ -50,6 +51,7 @@ class PassState:
     searches: int = 0  # victim searches so far
     failed: dict[tuple, float] = field(default_factory=dict)  # shape -> shortest duration that did not fit now
     failed_short: set[tuple] = field(default_factory=set)  # shapes that did not fit even as a short grant
+    failed_window: set[tuple] = field(default_factory=set)  # shapes that did not fit even shortened before a maintenance window
     no_victims: set[tuple] = field(default_factory=set)  # (shape, tier) with no victims this pass
 
     def exhausted(self) -> bool:
@@ -159,6 +161,16 @@ class SchedulingPass:
                 end = max(now + SHORT_GRANT_MIN_S, min(self.plan.promised_from(sl) for sl in p2.slices))
                 if end < now + lease.duration_s:
                     return p2, end
+        if self.plan.win_from and pol.maintenance_shorten_min_s and key not in st.failed_window:
+            # it would run into a maintenance window: shortened to end when the window begins
+            min_s = pol.maintenance_shorten_min_s
+            p3 = self.place(lease, self.plan.blocker(now + min_s))
+            if p3 is None:
+                st.failed_window.add(key)
+            else:
+                end = min(self.plan.promised_from(sl) for sl in p3.slices)
+                if end == min(self.plan.window_from(sl) for sl in p3.slices) and now + min_s <= end < now + lease.duration_s:
+                    return p3, end
         return None, None
 
     def place(self, lease: Lease, blocker, *, ranked: bool = True) -> Placement | None:
@@ -207,7 +219,13 @@ class SchedulingPass:
         self.found.eta[lease.id] = t
         for u in uuids:
             self.found.promised_to.setdefault(u, lease.id)
+        w = self.plan.window_waits.get(lease.id)
         if lease.id in self.preempting or lease.id in self.preemption.victims_of:
             self.found.waiting_for[lease.id] = f"waiting for {what}: lower-tier leases are being preempted for it"
+        elif w is not None and w.end <= t:
+            because = f": {w.reason}" if w.reason else ""
+            self.found.waiting_for[lease.id] = (f"waiting for {what}: it would run into a maintenance window "
+                                                f"(in {format_duration(max(0.0, w.start - self.now))}, for {format_duration(w.end - w.start)}{because}); "
+                                                "it starts after the window")
         else:
             self.found.waiting_for[lease.id] = f"waiting for {what}"

@@ -162,6 +162,12 @@ class Policy:
         "Let a lease of a preemptible tier that finds no room start on GPUs promised to a waiting lease, with its time limit cut to "
         "when that promise begins (at least 10 minutes). False: it waits like any other lease.",
     )
+    maintenance_shorten_min_s: float | None = setting(
+        None,
+        "A lease that would run into a maintenance window of its GPUs may start shortened to end when the window begins, if that "
+        "leaves it at least this many seconds; 0: never (it waits for a slot after the window). Example: 1800.",
+        unit="seconds", minimum=0, zero_is_off=True, kind=float,
+    )  # fmt: skip
     extend_when_contended: bool = setting(
         False,
         "Allow extensions even while other leases wait for the same GPUs. False: an extension is refused while a lease of the same "

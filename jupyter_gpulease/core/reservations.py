@@ -15,6 +15,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 
+from .maintenance import MaintenanceWindow, WindowIndex
 from .model import Lease, Slice
 from .pool import GPUState, Pool
 from .slices import slice_type
@@ -26,7 +27,8 @@ class Reservations:
     """Pass-local plan. ``lease_end(lease_id)`` says when a live lease's slices free up (None: no
     such lease); ``free_at`` is when each held GPU's last holder leaves, as the scheduler tracks it."""
 
-    def __init__(self, pool: Pool, now: float, lease_end: Callable[[str], float | None], free_at: Mapping[str, float]):
+    def __init__(self, pool: Pool, now: float, lease_end: Callable[[str], float | None], free_at: Mapping[str, float],
+                 windows: WindowIndex | None = None):
         self.pool = pool
         self.now = now
         self._lease_end = lease_end
@@ -44,6 +46,12 @@ class Reservations:
         self.releases: dict[str, list[tuple[float, int, int]]] = {}  # GPU uuid -> (end, milli, mem) of its holders
         self.partial_early: dict[str, list[str]] = {}  # model -> partly used GPUs whose first holder leaves soonest
         self.any = False
+        # maintenance windows: no slice is promised or granted across one (see core/maintenance.py)
+        self.windows = windows
+        self.win_from: dict[str, float] = {u: windows.first_start(u) for u in windows.by_gpu} if windows else {}
+        self.any = bool(self.win_from)
+        self._clash: MaintenanceWindow | None = None  # a window that moved the promise being made
+        self.window_waits: dict[str, MaintenanceWindow] = {}  # lease id -> the window its ETA waits for
 
     # --------------------------------------------------------------- reserving
     def reserve(self, lease: Lease, only: frozenset[str] | None = None) -> tuple[float, list[str]] | None:
@@ -52,12 +60,47 @@ class Reservations:
         models = self.pool.models(req.models, req.min_memory_mib)
         if not models:
             return None
-        got = slice_type(req).reserve(self, req, lease.duration_s, models, only)
+        kind = slice_type(req)
+        got = kind.reserve(self, req, lease.duration_s, models, only)
+        for _ in range(64):  # each retry moves a device past one window: few
+            if self._clash is None:
+                break
+            self.window_waits[lease.id] = self._clash
+            self._clash = None
+            got = kind.reserve(self, req, lease.duration_s, models, only)
+        else:
+            self._clash = None
+            return None
         if got is not None:
             self.any = True
         return got
 
+    def _window_in(self, gpu_uuid: str, t: float, duration_s: float) -> bool:
+        """Whether [t, t + duration) runs into a window of the GPU; if so, the GPU is not free before the window's end."""
+        if not self.win_from or gpu_uuid not in self.win_from:
+            return False
+        w = self.windows.clash(gpu_uuid, t, t + duration_s)
+        if w is None:
+            return False
+        self._clash = w
+        return True
+
+    def _past_window(self, u: str) -> None:
+        st = self.pool.gpus[u]
+        w = self._clash
+        self._ensure()
+        self.avail[u] = max(self.avail[u], w.end)
+        self.whole.add(u)  # a share waits for the GPU past the window too
+        self.fit.pop(u, None)
+        heapq.heappush(self._heap(st.gpu.model), (self.avail[u], u))
+        self.tops.pop(st.gpu.model, None)
+
     def promise_whole(self, uuids: list[str], t: float, duration_s: float) -> None:
+        clashing = [u for u in uuids if self._window_in(u, t, duration_s)]
+        if clashing:
+            for u in clashing:
+                self._past_window(u)
+            return
         for u in uuids:
             self.res_from[u] = min(self.res_from.get(u, INF), t)
             self.avail[u] = self.promised_end[u] = t + duration_s
@@ -68,6 +111,9 @@ class Reservations:
             self.tops.pop(model, None)
 
     def promise_share(self, u: str, t: float, milli: int, mem: int, duration_s: float) -> None:
+        if self._window_in(u, t, duration_s):
+            self._past_window(u)
+            return
         self.res_from[u] = min(self.res_from.get(u, INF), t)
         self.share_res[u].append((t, milli, mem))
         self.promised_end[u] = max(self.promised_end.get(u, self.now), t + duration_s)
@@ -78,6 +124,9 @@ class Reservations:
         self.tops.pop(model, None)
 
     def promise_mig(self, mig_uuid: str, t: float, duration_s: float) -> None:
+        if self._window_in(self.pool.mig_owner[mig_uuid].gpu.uuid, t, duration_s):
+            self.mig_avail[mig_uuid] = max(t, self._clash.end)
+            return
         self.mig_res[mig_uuid] = min(self.mig_res.get(mig_uuid, INF), t)
         self.mig_avail[mig_uuid] = t + duration_s
 
@@ -91,19 +140,26 @@ class Reservations:
 
     def promised_from(self, sl: Slice) -> float:
         """When the first promise on a slice's device begins (inf: none)."""
-        return self.mig_res.get(sl.mig_uuid, INF) if sl.mig_uuid else self.res_from.get(sl.gpu_uuid, INF)
+        promised = self.mig_res.get(sl.mig_uuid, INF) if sl.mig_uuid else self.res_from.get(sl.gpu_uuid, INF)
+        return min(promised, self.win_from.get(sl.gpu_uuid, INF))
+
+    def window_from(self, sl: Slice) -> float:
+        """When the first maintenance window on a slice's GPU begins (inf: none)."""
+        return self.win_from.get(sl.gpu_uuid, INF)
 
     def blocker(self, end: float):
         """A ``blocked`` callback for Pool.place: True where a slice held until ``end`` would overlap a promise."""
         if not self.any:
             return None
         res_from, share_res, mig_res = self.res_from, self.share_res, self.mig_res
-        whole = self.whole
+        whole, win_from = self.whole, self.win_from
 
         def blocked(st: GPUState, milli: int, mem: int, mig_uuid: str) -> bool:
+            u = st.gpu.uuid
+            if win_from and win_from.get(u, INF) < end:  # it would run into a maintenance window
+                return True
             if mig_uuid:
                 return mig_res.get(mig_uuid, INF) < end
-            u = st.gpu.uuid
             if res_from.get(u, INF) >= end:
                 return False
             if u in whole:

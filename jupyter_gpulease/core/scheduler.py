@@ -34,6 +34,7 @@ from .deadlines import Deadline, Deadlines
 from .estimate import DryRun, Estimate
 from .events import Event
 from .ledger import LeaseBook
+from .maintenance import MaintenanceWindow, WindowIndex
 from .model import GPU, BadRequest, Conflict, Lease, LeaseError, LeaseState, NotFound
 from .passes import SchedulingPass
 from .policy import Policy, Tier
@@ -74,6 +75,7 @@ class Scheduler:
         }
         self._seq = 0
         self.draining = False
+        self.windows: tuple[MaintenanceWindow, ...] = ()  # maintenance windows (see set_maintenance)
         self.last_pass_now: float = 0.0
         self.passes = 0
 
@@ -129,7 +131,7 @@ class Scheduler:
             order = self._queued.in_order(now, self._quotas.usage)
             position = 0
             if not self.draining:
-                run = self._pass(now, found, Reservations(self.pool, now, dry.end_of, dry.free_at), grant=dry.grant, preempt=dry.preempt)
+                run = self._pass(now, found, Reservations(self.pool, now, dry.end_of, dry.free_at, self._window_index(now)), grant=dry.grant, preempt=dry.preempt)
                 counted = _Counted(order)
                 run.run(counted, stop=dry.is_target)
                 position = counted.n
@@ -201,6 +203,13 @@ class Scheduler:
         new = until if until is not None else lease.expires_at + by_s
         waiters = [w for sl in lease.placement.slices if (w := self.leases.get(self._found.promised_to.get(sl.mig_uuid or sl.gpu_uuid, ""))) is not None]
         check_extension(lease, new, now, fld, policy=self.policy, quotas=self._quotas, waiters=waiters, aged_cutoff=lambda: self._queued.aged_cutoff(now))
+        idx = self._window_index(now)
+        for sl in lease.placement.slices if idx else ():
+            w = idx.clash(sl.gpu_uuid, lease.expires_at, new)
+            if w is not None:
+                because = f" ({w.reason})" if w.reason else ""
+                raise Conflict(f"a maintenance window of its GPU begins in {format_duration(max(0.0, w.start - now))}{because}: "
+                               "the lease cannot be extended past it", field=fld)
         old = lease.expires_at
         lease.expires_at = new
         lease.warned_at = None
@@ -237,6 +246,38 @@ class Scheduler:
             return [ev.confirmed(lease, now, lease.user)]
         return []
 
+    def set_maintenance(self, windows: Iterable[MaintenanceWindow]) -> None:
+        """The maintenance windows (replacing the previous ones): no lease is granted that would run
+        into a window of its GPUs (see :mod:`.maintenance`); ETAs fall after the windows in the way."""
+        self.windows = tuple(windows)
+        self._windex = None
+        self._book.dirty = True
+
+    _windex: tuple[float, WindowIndex] | None = None
+
+    def _window_index(self, now: float) -> WindowIndex | None:
+        if not self.windows:
+            return None
+        got = self._windex
+        if got is None or got[0] != now:
+            got = self._windex = (now, WindowIndex(self.windows, self.inventory, now))
+        return got[1] or None
+
+    def windows_on(self, gpu_uuid: str, now: float) -> list[MaintenanceWindow]:
+        """The windows still to come (or under way) on a GPU, soonest first."""
+        idx = self._window_index(now)
+        return list(idx.by_gpu.get(gpu_uuid, ())) if idx else []
+
+    def _cut_why(self, placement, until: float | None, now: float) -> str:
+        """Why a grant ends at ``until`` when a maintenance window begins then ("" otherwise)."""
+        idx = self._window_index(now) if until is not None else None
+        for sl in placement.slices if idx else ():
+            for w in idx.by_gpu.get(sl.gpu_uuid, ()):
+                if w.start == until:
+                    because = f" ({w.reason})" if w.reason else ""
+                    return f"a maintenance window of its GPU begins then{because}"
+        return ""
+
     def set_draining(self, draining: bool) -> None:
         """Stop (or resume) granting: while draining, passes grant and preempt nothing; time still ends leases."""
         self.draining = bool(draining)
@@ -245,7 +286,11 @@ class Scheduler:
     # ================================================================== time
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has time-driven work (None: none pending). For simulators."""
-        return self._deadlines.next_time(self.leases.__contains__)
+        t = self._deadlines.next_time(self.leases.__contains__)
+        ends = [w.end for w in self.windows if w.end > self.last_pass_now]
+        if ends and len(self._queued):
+            t = min(ends) if t is None else min(t, *ends)
+        return t
 
     def tick(self, now: float) -> list[Event]:
         """Apply what time brings (expiry, warnings, grace ends, wait limits, timeouts), then schedule."""
@@ -259,6 +304,8 @@ class Scheduler:
             lease = self.leases.get(lid)
             if lease is not None:
                 out += self._on_deadline[kind](lease, now)
+        if self.windows and any(self.last_pass_now < w.end <= now for w in self.windows):
+            self._book.dirty = True  # a maintenance window ended: what waited for it may start
         # a warning alone changes nothing a pass decides on (an extension that follows it does)
         if self._book.dirty or any(e.kind != ev.WARNED for e in out):
             out += self.schedule(now)
@@ -319,8 +366,8 @@ class Scheduler:
             return []
         book = self._book
         run = self._pass(
-            now, self._found, Reservations(self.pool, now, book.live_end, book.free_at),
-            grant=lambda lease, placement, until: book.grant(lease, placement, now, until),
+            now, self._found, Reservations(self.pool, now, book.live_end, book.free_at, self._window_index(now)),
+            grant=lambda lease, placement, until: book.grant(lease, placement, now, until, cut_why=self._cut_why(placement, until, now)),
             preempt=lambda waiter, victims: book.start_preemption(waiter, victims, now),
         )  # fmt: skip
         return run.run(self._queued.in_order(now, self._quotas.usage))
@@ -344,6 +391,7 @@ class Scheduler:
         """Replace the inventory; leases on GPUs that left the pool fail."""
         gpus = list(gpus)
         self.inventory = {g.uuid: g for g in gpus}
+        self._windex = None
         return self._book.set_inventory(gpus, now)
 
     # ================================================================== views
