@@ -11,7 +11,13 @@ trace simulator applies it to each replayed session. Both call the same two piec
   GPU falling idle to its next use), bounded by an admin minimum and maximum.
 
 A *regretted* reclaim is one after which the GPU is needed again within
-:data:`REGRET_WINDOW_S`: the learnt timeout weighs idle holding against those.
+:data:`REGRET_WINDOW_S`: the learnt timeout weighs idle holding against those, and what one
+weighs depends on what the reclaim really does to the kernel (:data:`STATE_KEPT`).
+
+Every parameter an admin sets is declared once, on :class:`IdleSettings`: the server
+extension's options (``c.GPUIdleRule.<name>``, jupyter_gpulease.server.idletimeout) and the
+simulator's policy keys are derived from those declarations, and :meth:`IdleSettings.rule`
+turns them into the :class:`IdleRule` for the reclaim action that will really happen.
 """
 
 from __future__ import annotations
@@ -20,9 +26,17 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .settings import setting, settings_of
 
 REGRET_WINDOW_S = 600.0  # a reclaim is regretted when the GPU is needed again within this
+
+# reclaim actions after which the kernel's state is still there when its user comes back
+# (suspend: restored from host memory; interrupt and notify leave the kernel as it was);
+# every other action (restart, shutdown) throws the kernel's state away
+STATE_KEPT = frozenset({"suspend", "interrupt", "notify"})
 
 # bins of a population gap histogram (seconds); the last bin holds session ends (inf)
 GAP_EDGES: tuple[float, ...] = (30, 60, 90, 120, 180, 240, 300, 420, 600, 780, 900, 1200, 1500, 1800, 2400, 2700, 3000, 3600, 5400,
@@ -155,3 +169,110 @@ class IdleRule:
         if self.timeout_s is None:
             return "never"
         return f"fixed {self.timeout_s / 60:g} min"
+
+
+# CHOICE (benchmarks/sim/idle_defaults.txt): the defaults are the configuration whose replay of
+# the notebook trace, with suspend, reaches the targets (per-session median busy/held >= 0.75, a
+# returning cell's extra delay <= 30 s mean) on the shared window and on the other windows.
+DEFAULT_CANDIDATES_S: tuple[float, ...] = (60.0, 120.0, 180.0, 300.0, 420.0, 600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0)
+
+
+@dataclass(frozen=True)
+class IdleSettings:
+    """The idle rule as an admin sets it: each field declared once (name, unit, default, help, range).
+
+    The server extension has one option per field (same name); a simulator policy file has
+    one key per field (same name). :meth:`rule` gives the :class:`IdleRule` for an action.
+    """
+
+    gpu_idle_threshold: float = setting(
+        5.0, "A kernel's GPU counts as idle while its processes keep under this many percent of the GPU's compute busy "
+        "(NVML per-process SM utilization). Example: 5.", unit="percent", minimum=0, maximum=100,
+    )  # fmt: skip
+    gpu_idle_timeout: float | None = setting(
+        120.0, "Seconds a kernel may hold GPU memory while GPU-idle before it is reclaimed (and a lease no kernel uses, before "
+        "it goes back); 0: never reclaim. With gpu_idle_timeout_learn this is the timeout until the user's first idle gap "
+        "has been seen. Example: 120 (2 min).", unit="seconds", minimum=0, zero_is_off=True,
+    )  # fmt: skip
+    gpu_idle_timeout_learn: bool = setting(
+        True, "Learn the timeout per user from their own earlier idle gaps (the time from the GPU falling idle to its next "
+        "use): the candidate timeout that costs least in idle GPU holding plus the weight of each regretted reclaim (the GPU "
+        "needed again within 10 min), between gpu_idle_timeout_min and gpu_idle_timeout_max. The gaps are kept in the "
+        "user's Jupyter data directory. False: gpu_idle_timeout, fixed.",
+    )  # fmt: skip
+    gpu_idle_regret_suspend: float = setting(
+        120.0, "What a regretted reclaim weighs in the learnt timeout, in seconds of idle GPU holding, when the reclaim keeps "
+        "the kernel's state (suspend; also interrupt and notify): its user waits for a GPU and the restore. Example: 120.",
+        unit="seconds", minimum=0,
+    )  # fmt: skip
+    gpu_idle_regret_restart: float = setting(
+        1800.0, "What a regretted reclaim weighs in the learnt timeout, in seconds of idle GPU holding, when the reclaim throws "
+        "the kernel's state away (restart or shutdown, also when suspend is not available and fallback_action restarts): its "
+        "user reloads data and models. Example: 1800.", unit="seconds", minimum=0,
+    )  # fmt: skip
+    gpu_idle_timeout_candidates: tuple[float, ...] = setting(
+        DEFAULT_CANDIDATES_S, "The timeouts the learnt rule chooses from, seconds (those within gpu_idle_timeout_min and "
+        "gpu_idle_timeout_max). Example: [60, 120, 300, 600, 1800].", unit="seconds", above=0,
+    )  # fmt: skip
+    gpu_idle_timeout_min: float = setting(60.0, "Shortest learnt timeout, seconds (admin bound). Example: 60.", unit="seconds", minimum=0)
+    gpu_idle_timeout_max: float = setting(4 * 3600.0, "Longest learnt timeout, seconds (admin bound). Example: 14400 (4 h).", unit="seconds", minimum=0)
+
+    def __post_init__(self):
+        for s in IDLE_SETTINGS:
+            object.__setattr__(self, s.name, s.check(getattr(self, s.name)))
+        if self.gpu_idle_timeout_min > self.gpu_idle_timeout_max:
+            raise ValueError(f"gpu_idle_timeout_min ({self.gpu_idle_timeout_min:g} s) is above gpu_idle_timeout_max ({self.gpu_idle_timeout_max:g} s)")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IdleSettings:
+        """From a mapping of declared names (others: ValueError naming them)."""
+        unknown = sorted(set(d) - set(IDLE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown idle setting(s) {unknown}; known: {', '.join(IDLE_NAMES)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {s.name: list(v) if isinstance(v := getattr(self, s.name), tuple) else v for s in IDLE_SETTINGS}
+
+    def changed(self, **kw) -> IdleSettings:
+        return replace(self, **kw)
+
+    def regret_cost_s(self, action: str) -> float:
+        """What one regretted reclaim weighs when the reclaim really does ``action``."""
+        return self.gpu_idle_regret_suspend if action in STATE_KEPT else self.gpu_idle_regret_restart
+
+    def rule(self, action: str = "suspend") -> IdleRule:
+        """The idle rule for a reclaim that really does ``action`` (after any fallback)."""
+        t = self.gpu_idle_timeout
+        if t is None:
+            return IdleRule(timeout_s=None)
+        if not self.gpu_idle_timeout_learn:
+            return IdleRule(timeout_s=t)
+        return IdleRule(
+            timeout_s=t,
+            learn=True,
+            regret_cost_s=self.regret_cost_s(action),
+            prior_weight=0.0,
+            candidates_s=self.gpu_idle_timeout_candidates,
+            min_s=self.gpu_idle_timeout_min,
+            max_s=self.gpu_idle_timeout_max,
+            default_s=t,
+        )
+
+    def describe(self, action: str = "suspend") -> str:
+        r = self.rule(action)
+        if r.learn:
+            return (f"learnt per user: the timeout among {_minutes(r.candidates_s, r.min_s, r.max_s)} min minimising idle holding "
+                    f"+ {r.regret_cost_s / 60:g} GPU-min per regretted reclaim ({action}), over their own earlier gaps; "
+                    f"{r.default_s / 60:g} min until the first gap")
+        return r.describe()
+
+
+def _minutes(cands: Sequence[float], lo: float, hi: float) -> str:
+    xs = [c for c in cands if lo <= c <= hi]
+    return f"{xs[0] / 60:g}-{xs[-1] / 60:g}" if xs else "none"
+
+
+IDLE_SETTINGS = settings_of(IdleSettings)
+IDLE_NAMES = tuple(s.name for s in IDLE_SETTINGS)
+assert {f.name for f in fields(IdleSettings)} == set(IDLE_NAMES)

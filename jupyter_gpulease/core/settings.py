@@ -19,7 +19,7 @@ class Setting:
     """One setting. ``name`` is both the :class:`Policy` field and the config option."""
 
     name: str
-    kind: type  # bool, int, float or str
+    kind: type  # bool, int, float, str, or tuple (a list of numbers, each checked like a float)
     default: Any
     help: str  # what it does, with its unit and an example
     unit: str = ""  # 'seconds', or '' for a count or a ratio
@@ -43,12 +43,20 @@ class Setting:
             if not isinstance(value, str) or (self.choices and value.lower() not in self.choices):
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, self.choices))}, got {value!r}" if self.choices else f"{name} must be a string")
             return value.lower() if self.choices else value
+        if self.kind is tuple:
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+                raise ValueError(f"{name} must be a non-empty list of numbers{self._unit_words()}, got {value!r}")
+            return tuple(sorted(set(self._number(v) for v in value)))
+        if self.zero_is_off and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return None
+        return self._number(value)
+
+    def _number(self, value: Any) -> Any:
+        name = self.name
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
             raise ValueError(f"{name} must be a number{self._unit_words()}, got {value!r}")
         if self.kind is int and not float(value).is_integer():
             raise ValueError(f"{name} must be a whole number, got {value!r}")
-        if self.zero_is_off and value == 0:
-            return None
         unit = self._unit_words()
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{name} must be at least {self.minimum:g}{unit}, got {value!r}")
@@ -56,7 +64,7 @@ class Setting:
             raise ValueError(f"{name} must be at most {self.maximum:g}{unit}, got {value!r}")
         if self.above is not None and value <= self.above:
             raise ValueError(f"{name} must be more than {self.above:g}{unit}, got {value!r}")
-        return self.kind(value)
+        return float(value) if self.kind is tuple else self.kind(value)
 
     def _unit_words(self) -> str:
         return f" ({self.unit})" if self.unit else ""
