@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.health import Action, xid_action
 from ..core.model import GPU
 
 log = logging.getLogger(__name__)
@@ -56,18 +57,37 @@ class DeviceHealth:
 
     ``xid`` is the last critical XID error code the driver reported for the device (e.g. 79:
     fallen off the bus, 48: double-bit ECC error) and ``xid_count`` how many were seen since the
-    backend started; ``ecc_uncorrected`` counts uncorrectable memory errors since the last
-    driver reload (None: ECC is off or not reported); ``lost``: the driver answers "GPU is lost".
+    backend started, ``xids`` the count per code ((code, count) pairs); ``ecc_uncorrected`` counts
+    uncorrectable memory errors since the last driver reload (None: ECC is off or not reported);
+    ``lost``: the driver answers "GPU is lost"; ``retired_pages_pending``, ``row_remap_pending``:
+    a memory repair that takes effect at the next reset; ``row_remap_failed``: the GPU ran out of
+    spare rows; ``throttle``: the clock throttle reasons that say something is wrong (names of
+    :data:`jupyter_gpulease.core.health.THROTTLE_WORDS`); ``resets``: the resets (or driver
+    reloads) the backend saw. What each means for the pool: :func:`jupyter_gpulease.core.health.assess`.
     """
 
     lost: bool = False
     xid: int | None = None
     xid_count: int = 0
     ecc_uncorrected: int | None = None
+    xids: tuple[tuple[int, int], ...] = ()
+    retired_pages_pending: bool = False
+    row_remap_pending: bool = False
+    row_remap_failed: bool = False
+    throttle: tuple[str, ...] = ()
+    resets: int = 0
+
+    def xid_counts(self) -> dict[int, int]:
+        """Critical XIDs seen, per code (the last code alone where the backend keeps no more)."""
+        if self.xids:
+            return dict(self.xids)
+        return {int(self.xid): int(self.xid_count)} if self.xid is not None and self.xid_count else {}
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.xid_count and not self.ecc_uncorrected
+        """No hardware problem: an application's own XID (13, 31, …) does not count, nor do heat and throttling."""
+        hw_xid = any(xid_action(c) not in (Action.APPLICATION,) for c in self.xid_counts())
+        return not (self.lost or hw_xid or self.ecc_uncorrected or self.retired_pages_pending or self.row_remap_pending or self.row_remap_failed)
 
     def message(self) -> str:
         """Plain words for a person; "" when healthy."""
@@ -78,17 +98,35 @@ class DeviceHealth:
             parts.append(f"{self.xid_count} critical XID error(s), the last XID {self.xid}")
         if self.ecc_uncorrected:
             parts.append(f"{self.ecc_uncorrected} uncorrectable ECC memory error(s)")
+        if self.row_remap_failed:
+            parts.append("a memory row remap failed")
+        elif self.row_remap_pending or self.retired_pages_pending:
+            parts.append("a memory repair is pending until the next reset")
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "lost": self.lost, "xid": self.xid, "xid_count": self.xid_count,
-                "ecc_uncorrected": self.ecc_uncorrected, "message": self.message()}
+                "ecc_uncorrected": self.ecc_uncorrected, "xids": {str(c): n for c, n in self.xids},
+                "retired_pages_pending": self.retired_pages_pending, "row_remap_pending": self.row_remap_pending,
+                "row_remap_failed": self.row_remap_failed, "throttle": list(self.throttle), "resets": self.resets,
+                "message": self.message()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> DeviceHealth:
         d = d or {}
-        return cls(lost=bool(d.get("lost", False)), xid=d.get("xid"), xid_count=int(d.get("xid_count") or 0),
-                   ecc_uncorrected=d.get("ecc_uncorrected"))
+        xids = d.get("xids") if isinstance(d.get("xids"), dict) else {}
+        pairs = tuple(sorted((int(c), int(n)) for c, n in xids.items() if str(c).isdigit() and _count(n)))
+        return cls(lost=d.get("lost") is True, xid=int(d["xid"]) if _count(d.get("xid")) else None,
+                   xid_count=int(d["xid_count"]) if _count(d.get("xid_count")) else 0,
+                   ecc_uncorrected=int(d["ecc_uncorrected"]) if _count(d.get("ecc_uncorrected")) else None,
+                   xids=pairs, retired_pages_pending=d.get("retired_pages_pending") is True,
+                   row_remap_pending=d.get("row_remap_pending") is True, row_remap_failed=d.get("row_remap_failed") is True,
+                   throttle=tuple(str(t) for t in d.get("throttle") or () if isinstance(t, str)),
+                   resets=int(d["resets"]) if _count(d.get("resets")) else 0)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v >= 0 and v != float("inf")
 
 
 HEALTHY = DeviceHealth()

@@ -30,6 +30,7 @@ is tried again at every sample.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -218,6 +219,45 @@ class SimulatedBackend(DeviceBackend):
             self._devices.setdefault(uuid, {}).update(change)
             self._save()
 
+    def inject_xid(self, uuid: str, code: int, count: int = 1) -> DeviceHealth:
+        """The driver reports critical XID ``code`` on a GPU (``count`` times), as NVML's event set
+        would: counted per code, ``xid`` the last; XID 79 also loses the GPU, 48 counts an
+        uncorrectable ECC error, 63 leaves a row remap pending, 64 a failed one."""
+        if isinstance(code, bool) or not isinstance(code, int) or code <= 0 or isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ValueError(f"an XID is a positive whole number and its count at least 1, got {code!r} x {count!r}")
+        self._check_uuid(uuid)
+        with self._lock:
+            self._reload()
+            d = self._devices.setdefault(uuid, {})
+            h: DeviceHealth = d.get("health", HEALTHY)
+            xids = dict(h.xids) or h.xid_counts()
+            xids[code] = xids.get(code, 0) + count
+            change: dict[str, Any] = {"xid": code, "xid_count": h.xid_count + count, "xids": tuple(sorted(xids.items()))}
+            if code == 79:
+                change["lost"] = True
+            if code == 48:
+                change["ecc_uncorrected"] = (h.ecc_uncorrected or 0) + count
+            if code == 63:
+                change["row_remap_pending"] = True
+            if code == 64:
+                change["row_remap_failed"] = True
+            d["health"] = dataclasses.replace(h, **change)
+            self._save()
+            return d["health"]
+
+    def reset_device(self, uuid: str) -> DeviceHealth:
+        """A GPU reset: the GPU answers again, pending repairs took effect, the volatile ECC count
+        is back to 0; the XID counts stay (they count since the monitor started) and ``resets`` goes up."""
+        self._check_uuid(uuid)
+        with self._lock:
+            self._reload()
+            d = self._devices.setdefault(uuid, {})
+            h: DeviceHealth = d.get("health", HEALTHY)
+            d["health"] = dataclasses.replace(h, lost=False, ecc_uncorrected=0 if h.ecc_uncorrected is not None else None,
+                                              retired_pages_pending=False, row_remap_pending=False, resets=h.resets + 1)
+            self._save()
+            return d["health"]
+
     def reset(self) -> None:
         """Forget every driven figure: all devices idle, no processes."""
         with self._lock:
@@ -283,13 +323,7 @@ class SimulatedBackend(DeviceBackend):
                 continue
             figures: dict[str, Any] = {k: float(d[k]) for k in _DEVICE_FIGURES if _is_number(d.get(k)) and d[k] >= 0}
             if isinstance(d.get("health"), dict):
-                h = d["health"]
-                figures["health"] = DeviceHealth(
-                    lost=h.get("lost") is True,
-                    xid=int(h["xid"]) if _is_number(h.get("xid")) else None,
-                    xid_count=int(h["xid_count"]) if _is_number(h.get("xid_count")) and h["xid_count"] >= 0 else 0,
-                    ecc_uncorrected=int(h["ecc_uncorrected"]) if _is_number(h.get("ecc_uncorrected")) and h["ecc_uncorrected"] >= 0 else None,
-                )
+                figures["health"] = DeviceHealth.from_dict(d["health"])
             devices[uuid] = figures
         return util, procs, devices
 
