@@ -241,9 +241,22 @@ def jp_server_config(broker, lease, sim, checkpoint_dir, ext_config):
         "heartbeat_interval": 1.0,
         "cuda_checkpoint": os.path.join(checkpoint_dir, "cuda-checkpoint"),
         "gaps_file": "",
+        "gpu_idle_timeout_learn": False,  # the fixed timeout the tests wait for
     }
     cfg.update(ext_config)
-    return {"ServerApp": {"jpserver_extensions": {"jupyter_gpulease.server": True}}, "GPULeaseExtension": cfg}
+    return {"ServerApp": {"jpserver_extensions": {"jupyter_gpulease.server": True}}, **extension_config(cfg)}
+
+
+def extension_config(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat extension settings as config sections: each under the part that declares it
+    (``ReclaimActions.reclaim_action``), the rest under ``GPULeaseExtension``."""
+    from jupyter_gpulease.server.controller import PARTS
+
+    out: dict[str, dict[str, Any]] = {"GPULeaseExtension": {}}
+    for name, value in settings.items():
+        owner = next((c.__name__ for c in PARTS if name in c.class_trait_names(config=True)), "GPULeaseExtension")
+        out.setdefault(owner, {})[name] = value
+    return out
 
 
 @pytest.fixture
@@ -262,7 +275,7 @@ async def active_lease(fetch) -> dict:
 
 
 def feed_events(server, kind: str) -> list[dict]:
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     return [e.to_dict() for e in sup.feed.recent((kind,), 256)]
 
 

@@ -206,7 +206,7 @@ async def test_release_and_request_from_the_server_change_what_new_kernels_get_a
 
 
 def kernel_status_sync(server, kid, what):
-    rec = server.web_app.settings["gpulease_supervisor"].kernels.get(kid)
+    rec = server.web_app.settings["gpulease_controller"].kernels.get(kid)
     return rec is not None and rec.gpu is not None and rec.gpu.holds_memory
 
 
@@ -259,7 +259,7 @@ async def test_heartbeats_carry_usage_and_survive_a_broker_restart(server, jp_fe
     assert usage["devices"][gpu]["mem_peak_mib"] >= 2500
     assert len(json.dumps(usage)) < 4096  # the broker's cap
 
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     port = broker.bind_url.rsplit(":", 1)[1]
     # the broker goes away: heartbeats fail and are retried; the server keeps its lease and runs on
     await asyncio.get_running_loop().run_in_executor(None, broker.test_stop)
@@ -292,9 +292,14 @@ async def test_host_pids_that_the_server_cannot_see_fall_back_to_device_figures_
         st = await status(jp_fetch)
         return st if st["telemetry"]["attribution"] == "device" else None
 
-    with caplog.at_level(logging.WARNING, logger="jupyter_gpulease.server.supervisor"):
-        st = await wait_for(device_mode, message="the monitor falls back to device figures")
-        await asyncio.sleep(1.0)
+    log = server.web_app.settings["gpulease_controller"].log  # the server's log (it may not propagate to the root)
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            st = await wait_for(device_mode, message="the monitor falls back to device figures")
+            await asyncio.sleep(1.0)
+    finally:
+        log.removeHandler(caplog.handler)
     assert "cannot see" in st["telemetry"]["attribution_message"]
     ks = kernel_status(st, k.id)
     assert ks["gpu"]["memory_mib"] is None and ks["gpu"]["sm_util_pct"] is None  # unknown, not 0
@@ -326,7 +331,8 @@ async def test_a_kernel_without_a_local_process_is_asked_for_its_pid(server, jp_
     # what a remote provisioner gives the extension: no pid; ipykernel answers a usage_request with its own
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     kernel = server.kernel_manager.get_kernel(k.id)
-    await sup._ask_kernel_pid(kernel)
-    assert kernel.gpulease_reported_pid == k.pid
+    rec = sup.kernels.get(k.id)
+    assert await sup.kernels.ask_kernel_pid(rec, kernel) == k.pid
+    assert rec.reported_pid == k.pid

@@ -86,14 +86,14 @@ async def test_an_idle_kernel_holding_gpu_memory_is_warned_then_reclaimed(server
     st = await wait_for(server_knows, message="the server knows its lease went back")
     assert st["last_lease"]["state"] == "reclaimed" and st["last_lease"]["id"] == lease["id"]
     assert st["kernel_env"]["cuda_visible_devices"] == ""  # kernels started now get no GPU
-    assert server.web_app.settings["gpulease_supervisor"] is not None  # the server keeps running
+    assert server.web_app.settings["gpulease_controller"] is not None  # the server keeps running
 
 
 async def test_a_busy_kernel_is_not_reclaimed(server, jp_fetch, sim, broker, lease):
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
     sim.run(k.pid, 4096, sm=85.0)
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     start = sup.monitor.samples
     await wait_for(lambda: sup.monitor.samples >= start + int(3 * (IDLE_TIMEOUT + WARN_BEFORE) / 0.25), timeout=60,
                    message="three idle timeouts' worth of samples")
@@ -112,7 +112,7 @@ async def test_a_kernel_running_a_cell_is_not_reclaimed_even_at_zero_utilization
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
     await k.execute("import time; time.sleep(8)")  # busy without output, without using the GPU
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     await wait_for(lambda: sup.kernels.get(k.id) and sup.kernels[k.id].executing, message="the kernel is executing")
     sim.run(k.pid, 2048, sm=0.0)
     start = sup.monitor.samples
@@ -125,7 +125,7 @@ async def test_a_kernel_running_a_cell_is_not_reclaimed_even_at_zero_utilization
 async def test_a_kernel_idle_for_less_than_the_timeout_is_not_reclaimed(server, jp_fetch, sim, broker, lease, ext_config):
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     sim.run(k.pid, 4096, sm=0.0)
     await wait_for(lambda: sup.tracker.kernels.get(k.id) and sup.tracker.kernels[k.id].holds_gpu and sup.tracker.kernels[k.id].idle_since,
                    message="the kernel is seen idle, holding GPU memory")
@@ -137,7 +137,7 @@ async def test_a_kernel_idle_for_less_than_the_timeout_is_not_reclaimed(server, 
     await wait_for(lambda: sup.tracker.kernels[k.id].idle_since, message="idle again")
     await wait_for(lambda: sup.clock() - sup.tracker.kernels[k.id].idle_since >= 2.5, message="2.5 s idle again")
     assert not feed_events(server, "reclaim") and not feed_events(server, "warning")
-    assert (sup.gaps and sup.gaps[-1] >= 2.5 - 0.5) or not sup.gaps  # a short gap is learnt only past MIN_GAP_S
+    assert (sup.idle.gaps and sup.idle.gaps[-1] >= 2.5 - 0.5) or not sup.idle.gaps  # a short gap is learnt only past MIN_GAP_S
     assert await lease_state(broker, lease["id"]) == "active"
 
 
@@ -147,7 +147,7 @@ async def test_a_kernel_idle_for_less_than_the_timeout_is_not_reclaimed(server, 
 async def test_keep_postpones_reclaim_but_not_beyond_max_keep(server, jp_fetch, sim, broker, lease, ext_config):
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     with pytest.raises(HTTPClientError) as err:
         await jp_fetch("gpulease", "api", "keep", method="POST", body=json.dumps({"for_s": 3600}))
     assert err.value.code == 400
@@ -204,9 +204,9 @@ async def test_the_reclaimed_lease_goes_back_to_the_broker_and_the_next_in_queue
 
 @pytest.mark.parametrize("ext_config", [{"reclaim_action": "shutdown", "on_reclaim": "stop"}], indirect=True)
 async def test_with_on_reclaim_stop_the_lease_goes_back_without_keep_server_and_the_server_stops(server, jp_fetch, sim, broker, lease, ext_config):
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     stops: list[float] = []
-    sup.stop_server = lambda: stops.append(time.time())  # the test's own server must keep serving
+    sup.actions.stop_server = lambda: stops.append(time.time())  # the test's own server must keep serving
     await active_lease(jp_fetch)
     k = await start_kernel(server, jp_fetch)
     sim.run(k.pid, 8000, sm=0.0)
@@ -232,7 +232,7 @@ async def test_a_warned_kernel_that_computes_again_keeps_its_gpu_and_the_warning
     assert "restarted" in w["message"] and w["action"] == "restart"
     sim.run(k.pid, 4096, sm=70.0)  # the user's cell computes again
     await wait_for(lambda: _not(warned()), sim=sim, message="the warning is gone from the status")
-    sup = server.web_app.settings["gpulease_supervisor"]
+    sup = server.web_app.settings["gpulease_controller"]
     start = sup.monitor.samples
     await wait_for(lambda: sup.monitor.samples >= start + 20, message="5 s of samples past the old deadline")
     assert not [e for e in feed_events(server, "reclaim") if e["kernel_id"] == k.id]

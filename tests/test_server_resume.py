@@ -205,7 +205,7 @@ async def test_before_a_preemption_ends_the_lease_the_kernels_holding_the_gpu_ar
 
 
 def kernel_status_holds(server, kid):
-    rec = server.web_app.settings["gpulease_supervisor"].kernels.get(kid)
+    rec = server.web_app.settings["gpulease_controller"].kernels.get(kid)
     return rec is not None and rec.gpu is not None and rec.gpu.holds_memory
 
 
@@ -267,8 +267,8 @@ async def test_a_short_cell_in_a_suspended_kernel_waits_for_the_resume_and_runs_
     said = await wait_for(lambda: _has(deadline_said(), "idle reclaim: kernel"), message="the idle kernel's deadline is said")
     assert re.search(rf"idle reclaim: kernel {k.id[:8]} \(this kernel\) is suspended \(nothing is lost\) at \d\d:\d\d", said), said
     # the heartbeats tell the broker when the lease goes back if it stays idle (its queue says "or sooner")
-    sup = server.web_app.settings["gpulease_supervisor"]
-    at = sup.usage()["lease_reclaim_at"]
+    sup = server.web_app.settings["gpulease_controller"]
+    at = sup.usage.usage()["lease_reclaim_at"]
     assert at is not None and at >= until - 0.1  # (rounded to 0.1 s)
     assert "restart to see the new GPU" not in out and "resuming" not in out, out
     # not suspended now: the next cell runs at once and asks for nothing

@@ -7,7 +7,10 @@ provisioner plus two things for IPython kernels:
   ``InteractiveShellApp.extra_extensions``, beside (not instead of) whatever the user's own
   ``ipython_kernel_config.py`` lists in ``extensions``: no file of the user is read or written;
 * ``GPULEASE_SERVER_URL`` and ``GPULEASE_SERVER_TOKEN`` in the kernel's environment, so the
-  magics and the widget reach this server's ``/gpulease/`` API without guessing.
+  magics and the widget reach this server's ``/gpulease/`` API without guessing;
+* for every kernel, the GPU environment of the lease the server holds now
+  (``CUDA_VISIBLE_DEVICES`` and the ``GPULEASE_*`` variables), from the server extension's
+  kernel environment: a kernel started or restarted after the lease changed gets the new one.
 
 The server extension makes it the default provisioner with :func:`use_in_server` (a kernel
 spec that names a provisioner of its own keeps it; so does a server whose
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PROVISIONER_NAME = "gpulease-local-provisioner"
 EXTENSION = "jupyter_gpulease"
+KERNEL_ENV_SETTING = "gpulease_kernel_env"  # where the server extension keeps what kernels started now get (server/kernelenv.py)
 
 
 def is_ipykernel(cmd: list[str]) -> bool:
@@ -77,11 +81,17 @@ class GPULeaseKernelProvisioner(LocalProvisioner):
         kwargs = await super().pre_launch(**kwargs)
         cmd = kwargs.get("cmd") or []
         kwargs["cmd"] = with_extension(cmd)
-        if is_ipykernel(cmd):
+        app = _serverapp(self)
+        # the GPU environment of the server's current lease (the server extension's kernel environment)
+        lease_env = getattr(getattr(app, "web_app", None), "settings", {}).get(KERNEL_ENV_SETTING)
+        if lease_env is not None or is_ipykernel(cmd):
             env = kwargs.get("env")
             if env is None:
                 env = kwargs["env"] = dict(os.environ)
-            env.update(server_environment(_serverapp(self)))
+            if lease_env is not None:
+                lease_env.apply(env)
+            if is_ipykernel(cmd):
+                env.update(server_environment(app))
         return kwargs
 
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+from copy import deepcopy
 
-from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Dict, Enum, Float, Unicode, default, validate
 
 from ..client import BrokerClient, default_broker_url
-from ..core.idle import IdleRule
 from ..devices import DeviceUnavailable, get_backend
+from . import kernelenv
 from .checkpoint import CudaCheckpoint, find_cuda_checkpoint, simulated_checkpoint, unavailable_reason
+from .controller import PARTS, GPUController
 from .feed import Feed
-from .handlers import handlers
+from .handlers import CONTROLLER_SETTING, handlers
 from .lease import LeaseKeeper
 from .monitor import Monitor
-from .supervisor import ACTIONS, FALLBACK_ACTIONS, GPUSupervisor, Settings
 
 
 class GPULeaseExtension(ExtensionApp):
@@ -31,6 +31,7 @@ class GPULeaseExtension(ExtensionApp):
 
     name = "jupyter_gpulease"
     load_other_extensions = True
+    classes = list(PARTS)  # each part declares its own settings (c.ReclaimActions.reclaim_action, ...)
 
     enabled = Bool(True, help="""Run the GPU lease extension. False: it loads but does nothing (no sampling, no REST).""").tag(config=True)
 
@@ -104,57 +105,7 @@ class GPULeaseExtension(ExtensionApp):
             raise ValueError(f"{proposal.trait.name} must be more than 0 seconds, got {proposal.value}")
         return proposal.value
 
-    # ------------------------------------------------------------------ idle rule
-    gpu_idle_threshold = Float(
-        5.0, help="""A kernel's GPU counts as idle while its processes keep under this many percent of the GPU's
-        compute busy (NVML per-process SM utilization). Example: 5.""",
-    ).tag(config=True)
-    gpu_idle_timeout = Float(
-        1800.0, help="""Seconds a kernel may hold GPU memory while GPU-idle before it is reclaimed (and a lease no kernel
-        uses, before it goes back); 0: never reclaim. With ``gpu_idle_timeout_learn`` this is the starting value.
-        Example: 1800 (30 min).""",
-    ).tag(config=True)
-    gpu_idle_timeout_learn = Bool(
-        False, help="""Learn the timeout per user from their own earlier idle gaps (the time from the GPU falling idle to
-        its next use), between ``gpu_idle_timeout_min`` and ``gpu_idle_timeout_max``. The gaps are kept in the user's
-        Jupyter data directory.""",
-    ).tag(config=True)
-    gpu_idle_timeout_min = Float(300.0, help="""Shortest learnt timeout, seconds (admin bound). Example: 300.""").tag(config=True)
-    gpu_idle_timeout_max = Float(4 * 3600.0, help="""Longest learnt timeout, seconds (admin bound). Example: 14400.""").tag(config=True)
-    reclaim_busy = Bool(
-        False, help="""Count a kernel that is executing a cell without using the GPU as idle (like jupyter_server's
-        ``cull_busy``). Default False: a running cell protects its kernel's GPU.""",
-    ).tag(config=True)
-
-    # ------------------------------------------------------------------ actions
-    reclaim_action = Enum(
-        list(ACTIONS), "suspend",
-        help="""What happens to an idle kernel's GPU: ``suspend`` (NVIDIA cuda-checkpoint moves its GPU memory to host
-        memory; nothing is lost and its next cell resumes it), ``restart``, ``interrupt``, ``shutdown``, or ``notify``
-        (only tell the user). Where suspend cannot work, ``fallback_action`` is used and the user is told why.""",
-    ).tag(config=True)
-    fallback_action = Enum(
-        list(FALLBACK_ACTIONS), "restart",
-        help="""The action when ``suspend`` cannot be used (no cuda-checkpoint, not x86-64, a MIG slice) or fails.""",
-    ).tag(config=True)
-    warn_before = Float(300.0, help="""Seconds before a reclaim that the warning goes out in the feed. Example: 300.""").tag(config=True)
-    on_reclaim = Enum(
-        ["keep", "stop"], "keep",
-        help="""After the idle lease went back: ``keep`` the server running without a GPU (new kernels get none until a
-        lease comes back), or ``stop`` it.""",
-    ).tag(config=True)
-    max_keep = Float(
-        4 * 3600.0, help="""Longest a user may postpone reclaim ("keep" the idle GPU), seconds past each idle deadline;
-        0: users may not postpone. Example: 14400 (4 h).""",
-    ).tag(config=True)
-    resume_on_execute = Bool(
-        True, help="""When a suspended kernel starts a cell, get it a lease of the same shape (its former GPU first) and
-        restore it; the cell waits meanwhile, with queue position and ETA in the feed.""",
-    ).tag(config=True)
-    resume_max_wait = Float(0.0, help="""Longest a resuming kernel waits in the queue, seconds; 0: as long as it takes.""").tag(config=True)
-    share_grace = Float(
-        60.0, help="""Seconds a process may stay over its share's memory after the warning before it is acted on.""",
-    ).tag(config=True)
+    # ------------------------------------------------------------------ suspend
     cuda_checkpoint = Unicode(
         "cuda-checkpoint", help="""The cuda-checkpoint executable: a name looked up on PATH, or a path; ``simulated``: the
         simulated one for simulated GPUs (jupyter_gpulease.devices.simcheckpoint), which is also what the simulated
@@ -167,19 +118,10 @@ class GPULeaseExtension(ExtensionApp):
         30.0, help="""Seconds between heartbeats to the broker (usage per device and kernel). Keep it well under the
         broker's ``heartbeat_timeout_s``. Example: 30.""",
     ).tag(config=True)
-    report_activity = Bool(
-        True, help="""Report GPU activity as server activity (a ``gpulease_last_activity`` setting), so the hub and its
-        idle culler see a kernel computing silently on the GPU as active.""",
-    ).tag(config=True)
-    gaps_file = Unicode(help="""Where the learnt timeout keeps the user's idle gaps. Default: ``<jupyter data dir>/gpulease/idle-gaps.json``.""").tag(config=True)
-
-    @default("gaps_file")
-    def _gaps_file_default(self):
-        return os.path.join(jupyter_data_dir(), "gpulease", "idle-gaps.json")
 
     # ------------------------------------------------------------------ wiring
     def initialize_settings(self):
-        self.supervisor = None
+        self.controller = None
         if not self.enabled:
             self.log.info("GPU lease extension is disabled (GPULeaseExtension.enabled = False)")
             return
@@ -200,26 +142,15 @@ class GPULeaseExtension(ExtensionApp):
         monitor = Monitor(backend, interval=self.sample_interval, history_s=self.history_seconds, unavailable=unavailable)
         checkpoint, missing = self._checkpoint(backend)
         keeper = LeaseKeeper(client, lease_id=self.lease_id, server_name=self.server_name, heartbeat_interval=self.heartbeat_interval)
-        learn = self.gpu_idle_timeout_learn
-        rule = IdleRule(timeout_s=self.gpu_idle_timeout or None, learn=learn and bool(self.gpu_idle_timeout),
-                        min_s=self.gpu_idle_timeout_min if learn else 0.0,
-                        max_s=self.gpu_idle_timeout_max if learn else float("inf"),
-                        default_s=self.gpu_idle_timeout or 1800.0)
-        settings = Settings(
-            sample_interval=self.sample_interval, history_s=self.history_seconds, threshold_pct=self.gpu_idle_threshold,
-            idle_rule=rule, reclaim_busy=self.reclaim_busy, action=self.reclaim_action, fallback_action=self.fallback_action,
-            warn_before_s=self.warn_before, on_reclaim=self.on_reclaim, max_keep_s=self.max_keep,
-            resume_on_execute=self.resume_on_execute, resume_max_wait_s=self.resume_max_wait or None,
-            share_grace_s=self.share_grace, report_activity=self.report_activity, broker_url=self.broker_url,
-            gaps_file=self.gaps_file,
-        )
-        user = os.environ.get("JUPYTERHUB_USER", "")
-        self.supervisor = GPUSupervisor(
-            kernel_manager=self.serverapp.kernel_manager, monitor=monitor, keeper=keeper, feed=Feed(), settings=settings,
+        self._forward_old_names()
+        self.controller = GPUController(
+            parent=self, kernel_manager=self.serverapp.kernel_manager, session_manager=getattr(self.serverapp, "session_manager", None),
+            monitor=monitor, keeper=keeper, feed=Feed(), sample_interval=self.sample_interval, history_s=self.history_seconds,
             checkpoint=checkpoint, checkpoint_missing=missing, web_settings=self.serverapp.web_app.settings,
-            stop_server=self.serverapp.stop, user=user,
+            stop_server=self.serverapp.stop, user=os.environ.get("JUPYTERHUB_USER", ""), broker_url=self.broker_url,
         )
-        self.settings["gpulease_supervisor"] = self.supervisor
+        self.settings[CONTROLLER_SETTING] = self.controller
+        self.settings[kernelenv.SETTING] = self.controller.kernel_env
         # kernels get the %gpu magics and this server's URL and token (unless a provisioner was chosen on purpose)
         from ..kernel.launch import use_in_server
 
@@ -231,8 +162,10 @@ class GPULeaseExtension(ExtensionApp):
         elif unavailable:
             self.log.warning("GPU leases: lease %s, but no GPU telemetry: %s", self.lease_id, unavailable)
         else:
+            actions = self.controller.actions
             self.log.info("GPU leases: lease %s, %s backend, sampling every %g s, idle reclaim: %s, %s", self.lease_id,
-                          self.device_backend, self.sample_interval, rule.describe(), self.reclaim_action)
+                          self.device_backend, self.sample_interval, self.controller.idle.describe(actions.effective_action()),
+                          actions.reclaim_action)
 
     def _checkpoint(self, backend) -> tuple[CudaCheckpoint | None, str]:
         """(the cuda-checkpoint to suspend with, or None; why there is none). On simulated GPUs
@@ -253,14 +186,42 @@ class GPULeaseExtension(ExtensionApp):
         self.handlers.extend(handlers())
 
     async def _start_jupyter_server_extension(self, serverapp):
-        if self.supervisor is not None:
-            await self.supervisor.start()
+        if self.controller is not None:
+            await self.controller.start()
 
     async def stop_extension(self):
-        if self.supervisor is not None:
-            await self.supervisor.stop()
+        if self.controller is not None:
+            await self.controller.stop()
 
     def current_activity(self):
         """GPU work counts as activity for the server's own idle shutdown."""
-        return self.supervisor is not None and self.supervisor.gpu_busy()
+        return self.controller is not None and self.controller.gpu_busy()
+
+    # ------------------------------------------------------------------ settings that moved to the parts
+    def _forward_old_names(self) -> None:
+        """``c.GPULeaseExtension.<name>`` of a setting that moved to a part (``c.ReclaimActions.reclaim_action``
+        and so on) still works: it is read as the part's, unless the part's own name is set too."""
+        if OLD_SECTION not in self.config:
+            return
+        old = self.config[OLD_SECTION]
+        for cls in PARTS:
+            for name in cls.class_trait_names(config=True):
+                if name in old and name not in self.config[cls.__name__]:
+                    self.config[cls.__name__][name] = old[name]
+                    self.log.info("GPU leases: c.%s.%s is now c.%s.%s (the old name still works)", OLD_SECTION, name, cls.__name__, name)
+
+    def _load_config(self, cfg, section_names=None, traits=None):
+        # the names that moved to a part are that part's (see _forward_old_names): not unknown options here
+        if OLD_SECTION in cfg and any(n in cfg[OLD_SECTION] for n in _moved_names()):
+            cfg = deepcopy(cfg)
+            for n in _moved_names():
+                cfg[OLD_SECTION].pop(n, None)
+        super()._load_config(cfg, section_names=section_names, traits=traits)
+
+
+OLD_SECTION = "GPULeaseExtension"
+
+
+def _moved_names() -> set[str]:
+    return {name for cls in PARTS for name in cls.class_trait_names(config=True)}
 

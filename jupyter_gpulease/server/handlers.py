@@ -24,6 +24,7 @@ from tornado.iostream import StreamClosedError
 from ..client import BrokerError
 
 AUTH_RESOURCE = "gpulease"
+CONTROLLER_SETTING = "gpulease_controller"  # the web_app setting the extension's controller is under
 KEEPALIVE_S = 15.0
 
 
@@ -31,8 +32,8 @@ class GPULeaseAPIHandler(ExtensionHandlerMixin, APIHandler):
     auth_resource = AUTH_RESOURCE
 
     @property
-    def supervisor(self):
-        return self.settings["gpulease_supervisor"]
+    def controller(self):
+        return self.settings[CONTROLLER_SETTING]
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -116,7 +117,7 @@ class StatusHandler(GPULeaseAPIHandler):
                     raise ValueError
             except ValueError:
                 raise _Refusal(400, f"'seconds' must be a positive number, got {seconds!r}", "seconds") from None
-        self.write_json(self.supervisor.status(history=history, history_s=history_s))
+        self.write_json(self.controller.status(history=history, history_s=history_s))
 
 
 class FeedHandler(GPULeaseAPIHandler):
@@ -146,10 +147,10 @@ class FeedHandler(GPULeaseAPIHandler):
         self.set_header("Content-Type", "text/event-stream; charset=utf-8")
         self.set_header("Cache-Control", "no-cache")
         self.set_header("X-Accel-Buffering", "no")  # proxies: do not buffer the stream
-        feed = self.supervisor.feed
+        feed = self.controller.feed
         sub = feed.subscribe()
         try:
-            status = self.supervisor.status(history=history)
+            status = self.controller.status(history=history)
             await self._send(feed.last_id, "status", status)
             if since is not None:
                 for ev in feed.since(since):
@@ -179,8 +180,8 @@ class LeaseRequestHandler(GPULeaseAPIHandler):
     async def post(self):
         body = self.json_body()
         _unknown(body, self.ALLOWED)
-        lease = await self.broker(self.supervisor.request(body))
-        self.write_json(self.supervisor.lease_json(lease), 201 if lease.get("state") == "active" else 202)
+        lease = await self.broker(self.controller.request(body))
+        self.write_json(self.controller.lease_json(lease), 201 if lease.get("state") == "active" else 202)
 
 
 class LeaseActionHandler(GPULeaseAPIHandler):
@@ -193,7 +194,7 @@ class LeaseActionHandler(GPULeaseAPIHandler):
             by_s, until = _number(body, "by_s"), _number(body, "until")
             if (by_s is None) == (until is None):
                 raise _Refusal(400, "give exactly one of 'by_s' (seconds) or 'until' (epoch seconds)", "by_s")
-            lease = await self.broker(self.supervisor.extend(by_s=by_s, until=until))
+            lease = await self.broker(self.controller.extend(by_s=by_s, until=until))
         else:
             _unknown(body, {"reason", "force"})
             reason = body.get("reason", "")
@@ -202,8 +203,8 @@ class LeaseActionHandler(GPULeaseAPIHandler):
             force = body.get("force", False)
             if not isinstance(force, bool):
                 raise _Refusal(400, "'force' must be true or false", "force")
-            lease = await self.broker(self.supervisor.release(reason=reason, force=force))
-        self.write_json(self.supervisor.lease_json(lease))
+            lease = await self.broker(self.controller.release(reason=reason, force=force))
+        self.write_json(self.controller.lease_json(lease))
 
 
 class KeepHandler(GPULeaseAPIHandler):
@@ -216,10 +217,10 @@ class KeepHandler(GPULeaseAPIHandler):
         if for_s is None:
             raise _Refusal(400, "'for_s' is required: how many seconds to keep the GPU although it is idle", "for_s")
         try:
-            until = self.supervisor.keep(for_s)
+            until = self.controller.keep(for_s)
         except BrokerError as e:
             raise _Refusal(e.status, e.message, e.field) from None
-        self.write_json({"keep_until": until, "max_keep_s": self.supervisor.settings.max_keep_s})
+        self.write_json({"keep_until": until, "max_keep_s": self.controller.max_keep_s})
 
 
 class ResumeHandler(GPULeaseAPIHandler):
@@ -229,17 +230,17 @@ class ResumeHandler(GPULeaseAPIHandler):
         body = self.json_body()
         _unknown(body, {"kernel_id"})
         kid = body.get("kernel_id")
-        if kid is not None and (not isinstance(kid, str) or kid not in self.supervisor.kernels):
+        if kid is not None and (not isinstance(kid, str) or kid not in self.controller.kernels):
             raise _Refusal(404, f"no kernel {kid!r} on this server", "kernel_id")
-        started = await self.supervisor.resume_now(kid)
+        started = await self.controller.resume_now(kid)
         if kid is not None and not started:
             raise _Refusal(409, f"kernel {kid} is not suspended", "kernel_id")
         lease = None
         if not started:
             # no suspended kernel, but the unused lease was reclaimed: ask for one like it again
-            lease = await self.broker(self.supervisor.resume_lease())
+            lease = await self.broker(self.controller.resume_lease())
         if lease is not None:
-            self.write_json({"resuming": [], "lease": self.supervisor.lease_json(lease)}, 201 if lease.get("state") == "active" else 202)
+            self.write_json({"resuming": [], "lease": self.controller.lease_json(lease)}, 201 if lease.get("state") == "active" else 202)
             return
         self.write_json({"resuming": started, "lease": None}, 202 if started else 200)
 
@@ -250,7 +251,7 @@ class BrokerReadHandler(GPULeaseAPIHandler):
     @web.authenticated
     @authorized
     async def get(self, what):
-        client = self.supervisor.keeper.client
+        client = self.controller.keeper.client
         if client is None:
             raise _Refusal(409, "this server has no lease broker configured (GPULEASE_BROKER_URL)", None)
         if what == "pool":

@@ -75,8 +75,12 @@ class Monitor:
                 del self.history[u]
 
     async def sample(self, kernels: list[KernelProcess]) -> Snapshot:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._sample_blocking, kernels)
+        return await self.run_blocking(self._sample_blocking, kernels)
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking call (``/proc`` reads and the like) in the monitor's worker thread, after
+        any sample in progress: one thread for all of the extension's blocking work."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _sample_blocking(self, kernels: list[KernelProcess]) -> Snapshot:
         cpu0 = time.thread_time()
