@@ -132,7 +132,7 @@ def test_static_session_holds_its_gpu_from_first_burst_until_the_linger_after_th
 
 
 def test_idle_reclaim_takes_the_gpu_back_and_a_quick_return_counts_as_regretted():
-    sp = P.gpulease(P.IdleRule(timeout_s=300))
+    sp = P.gpulease_release(P.IdleRule(timeout_s=300))  # the kernel's state not modelled: no restore
     r = replay(wl(session([(0, 300), (900, 300), (5000, 60)])), uniform_pool(1, 1), sp, linger_s=3600)
     rec = r.records[0]
     assert rec.reclaims == 3  # after each burst
@@ -144,7 +144,7 @@ def test_idle_reclaim_takes_the_gpu_back_and_a_quick_return_counts_as_regretted(
 
 
 def test_a_returning_session_waits_and_shifts_the_rest_of_its_work():
-    sp = P.gpulease(P.IdleRule(timeout_s=60))
+    sp = P.gpulease_release(P.IdleRule(timeout_s=60))
     # s1 loses its GPU after its first burst; s2 takes it for 1000 s (+60 s idle); s1 comes back at 500
     w = wl(session([(0, 100), (500, 100), (700, 100)], name="s1"), session([(0, 1000)], arrival=200, name="s2"))
     r = replay(w, uniform_pool(1, 1), sp, linger_s=3600)

@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="gpulease: where shares go among the GPUs that fit (Policy.share_placement; default: the core default, best_fit)",
     )
     p.add_argument("--policy-file", action="append", default=[], help="TOML/JSON file of more policies ([[policy]] tables); repeatable")
+    p.add_argument(
+        "--server-config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a jupyter_server_config.py: also replay gpulease with the idle reclaim it configures (c.GPUIdleRule, c.ReclaimActions, "
+        "or the older c.GPULeaseExtension names); repeatable",
+    )
     p.add_argument("--linger-min", type=float, default=60.0, help="notebook: minutes a session keeps its GPU after its last burst (ASSUMPTION; default 60)")
     p.add_argument("--session-gap-min", type=float, default=None, help="notebook: a gap longer than this ends a session (ASSUMPTION; default: the linger)")
     p.add_argument("--culler-timeout-min", type=float, default=30.0, help="static+culler: idle minutes before a server is culled (default 30)")
@@ -113,6 +121,9 @@ def _policies(args, batch: bool = False) -> list[P.SimPolicy]:
             out.append(sp)
     for f in args.policy_file:
         out.extend(P.load_policy_file(f))
+    for f in args.server_config:
+        label = os.path.splitext(os.path.basename(f))[0]
+        out.append(P.from_server_config(f, name="server-config" if len(args.server_config) == 1 else f"server-config:{label}"))
     names = [sp.name for sp in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -139,6 +150,11 @@ def run(args) -> dict[str, Any]:
         pool_note = f"ASSUMPTION: {args.pool_nodes} identical nodes x {args.gpus_per_node} GPUs (the notebook trace has no inventory)"
         wl.assumptions.notes.append(f"ASSUMPTION: a session keeps its GPU {args.linger_min:g} min after its last burst unless an idle rule takes it earlier.")
         wl.assumptions.knobs["linger_s"] = linger_s
+        wl.assumptions.notes.append(
+            "ASSUMPTION: each session stands for a user with no earlier idle gaps (the trace names no users): a learnt idle timeout "
+            "starts from gpu_idle_timeout in each session, as for a new user of the server extension (whose gaps file carries over "
+            "from one session to the next). The trace's bursts are GPU use, its gaps GPU idleness: gpu_idle_threshold has no role."
+        )
     if fmt == ALIBABA_PODS:
         wl.assumptions.notes.append(
             "ASSUMPTION: a pod cut by its time limit is resubmitted by its user for the rest of its work (a new request, it queues again)."
@@ -178,15 +194,16 @@ def run(args) -> dict[str, Any]:
         points = []
         base = P.gpulease()
         for minutes in args.idle_sweep:
-            sp = replace(base, name=f"gpulease-idle{minutes:g}m", idle=P.IdleRule(timeout_s=minutes * 60))
+            fixed = base.idle_settings.changed(gpu_idle_timeout=minutes * 60, gpu_idle_timeout_learn=False)
+            sp = replace(base, name=f"gpulease-idle{minutes:g}m", idle_settings=fixed)
             r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
             s = summarize(r)
             sweep_results.append(s)
             points.append({"kind": "fixed", "label": sp.name, "timeout_s": minutes * 60, **s["notebook"]})
         for s, sp in zip(summaries, sps):
-            if "notebook" in s and sp.idle.learn:
+            if "notebook" in s and sp.idle_learns:
                 points.append({"kind": "learnt", "label": f"{sp.name} (learnt timeout)", "timeout_s": None, **s["notebook"]})
-            elif "notebook" in s and not sp.idle.active:
+            elif "notebook" in s and not sp.idle_active:
                 points.append({"kind": "none", "label": f"{sp.name} (no reclaim)", "timeout_s": None, **s["notebook"]})
         doc["idle_sweep"] = {"points": points, "results": sweep_results}
         if args.plots:

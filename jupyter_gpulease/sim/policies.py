@@ -10,11 +10,14 @@ Built in:
    Kubernetes default scheduler does): no reservations, so large requests can starve.
 3. ``static+culler`` -- static + backfill, and a notebook server is culled after a fixed idle
    time, whatever its GPU does (jupyterhub-idle-culler).
-4. ``gpulease`` -- shares packed onto GPUs, tiers from QoS, time limits with extension, idle
-   reclaim with a timeout learnt per session, preemption of the learning tier, backfill with
-   reservations (cannot starve large requests).
+4. ``gpulease`` -- shares packed onto GPUs, tiers from QoS, time limits with extension,
+   preemption of the learning tier, backfill with reservations (cannot starve large requests),
+   and idle reclaim exactly as the server extension does it by default: the idle rule of
+   :class:`~jupyter_gpulease.core.idle.IdleSettings` with its defaults, the reclaim action of
+   the extension's default (suspend), each session standing for a user with no earlier gaps.
 
-More come from a config file (TOML or JSON), see :func:`load_policy_file`.
+More come from a config file (TOML or JSON), see :func:`load_policy_file`, and from an admin's
+``jupyter_server_config.py``, see :func:`from_server_config`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.idle import IdleRule
+from ..core.idle import IDLE_NAMES, IdleRule, IdleSettings
 from ..core.policy import DEFAULT_TIERS, HOUR, SETTINGS, Policy, Tier
 
 RENAMED = {old: s.name for s in SETTINGS for old in s.renamed_from}
@@ -55,12 +58,15 @@ BATCH_STEP_S = HOUR
 BATCH_MULTI_GPU_AGING = 0.5
 
 
-def describe_idle(rule: IdleRule, action: str = "reclaim") -> str:
+def describe_idle(rule: IdleRule, action: str = "reclaim", *, prior: bool = True) -> str:
     """The idle rule in the words of a replay, where each session stands for a user."""
     if rule.learn and rule.method == "cost":
+        cands = [c for c in rule.candidates_s if rule.min_s <= c <= rule.max_s]
+        among = f" among {cands[0] / 60:g}-{cands[-1] / 60:g} min" if cands else ""
         return (
-            f"learnt per session: T minimising idle holding + {rule.regret_cost_s / 60:g} GPU-min per regretted reclaim, "
-            f"over its own earlier gaps and a prior of {rule.prior_weight:g} pseudo-gaps from sessions seen so far"
+            f"learnt per session: T{among} minimising idle holding + {rule.regret_cost_s / 60:g} GPU-min per regretted reclaim, "
+            + (f"over its own earlier gaps and a prior of {rule.prior_weight:g} pseudo-gaps from sessions seen so far"
+               if prior and rule.prior_weight else f"over its own earlier gaps; {rule.default_s / 60:g} min until its first gap")
         )
     if rule.learn:
         return (
@@ -81,7 +87,13 @@ class SimPolicy:
     description: str = ""
     whole_gpus: bool = False  # round a share up to one whole GPU
     qos_tiers: dict[str, str] = field(default_factory=dict)  # QoS class -> tier (missing: default tier)
-    idle: IdleRule = field(default_factory=IdleRule)  # the core's idle rule, as the server extension applies it
+    idle: IdleRule = field(default_factory=IdleRule)  # a raw core idle rule (used when idle_settings is None)
+    # the idle rule as the server extension is configured (core.idle.IdleSettings): the rule of
+    # each reclaim then follows what the reclaim really does to that session's kernel
+    idle_settings: IdleSettings | None = None
+    # learnt timeouts: also weigh a prior of every session's gaps so far (the server extension
+    # knows only its own user's gaps: False replays it)
+    idle_prior: bool = False
     idle_action: str = "reclaim"  # "reclaim" (GPU taken back, server kept) or "cull" (server stopped)
     # what an idle reclaim does to the session's kernel: "release" (the GPU is taken back; the
     # kernel's state is not modelled), "suspend" (cuda-checkpoint: the state waits in host
@@ -96,6 +108,32 @@ class SimPolicy:
     def tier_for(self, qos: str) -> str:
         return self.qos_tiers.get(qos, self.policy.default_tier)
 
+    def real_action(self, n_gpus: int) -> str:
+        """What an idle reclaim really does to a kernel on ``n_gpus`` GPUs, in the server's words."""
+        if self.reclaim_action == "suspend" and (n_gpus <= 1 or self.suspend_multi_gpu):
+            return "suspend"
+        return "restart"  # restart, a suspend that cannot work, or a release that does not model the kernel
+
+    def idle_rule(self, n_gpus: int = 1) -> IdleRule:
+        """The idle rule of a session whose kernel is on ``n_gpus`` GPUs."""
+        if self.idle_settings is None:
+            return self.idle
+        return self.idle_settings.rule(self.real_action(n_gpus))
+
+    @property
+    def idle_active(self) -> bool:
+        return self.idle_rule().active
+
+    @property
+    def idle_learns(self) -> bool:
+        return self.idle_rule().learn
+
+    def describe_idle(self) -> str:
+        words = describe_idle(self.idle_rule(), self.idle_action, prior=self.idle_prior or self.idle_settings is None)
+        if self.idle_settings is not None and self.idle_learns and self.reclaim_action == "suspend" and not self.suspend_multi_gpu:
+            words += f" (kernels on several GPUs, restarted: {self.idle_settings.regret_cost_s('restart') / 60:g} GPU-min per regretted reclaim)"
+        return words
+
     def to_dict(self) -> dict[str, Any]:
         p = self.policy
         return {
@@ -104,7 +142,9 @@ class SimPolicy:
             "whole_gpus": self.whole_gpus,
             "strict_fcfs": self.strict_fcfs,
             "qos_tiers": dict(self.qos_tiers),
-            "idle": describe_idle(self.idle, self.idle_action),
+            "idle": self.describe_idle(),
+            "idle_settings": self.idle_settings.to_dict() if self.idle_settings is not None else None,
+            "idle_prior": self.idle_prior,
             "reclaim_action": self.reclaim_action,
             "restore_s": self.restore_s,
             "reload_s": self.reload_s,
@@ -161,9 +201,36 @@ def static_culler(timeout_s: float = 1800.0) -> SimPolicy:
     )
 
 
-def gpulease(idle: IdleRule | None = None, *, extend_when_contended: bool = False, preempt_grace_s: float | None = None) -> SimPolicy:
-    """The gpulease policy; ``preempt_grace_s`` (None: the core default of 10 min) replaces
-    the preemption grace of the preemptible (learning) tier."""
+# the server extension's default reclaim action (ReclaimActions.reclaim_action; a test checks it)
+SERVER_RECLAIM_ACTION = "suspend"
+
+# ASSUMPTION: bringing a suspended kernel back (cuda-checkpoint --action restore, then unlock)
+# copies its GPU memory back from host memory over PCIe and re-attaches its CUDA contexts: 10 s
+# stands for ~40 GB at ~5 GB/s including the driver's own work (NVIDIA reports checkpoints and
+# restores of multi-GB processes in seconds; benchmarks/gpu_check.py times it where installed).
+RESTORE_S = 10.0
+# ASSUMPTION: after a restart the kernel's state is gone; its user reruns the cells that load
+# data and models before the interrupted cell can run: 5 minutes.
+RELOAD_S = 300.0
+
+IdleArg = IdleRule | IdleSettings | None
+
+
+def _idle_fields(idle: IdleArg) -> dict[str, Any]:
+    """SimPolicy fields for an idle argument: settings as the server has them (None: its
+    defaults), or a raw core rule (replayed as given, whatever the action)."""
+    if isinstance(idle, IdleRule):
+        return {"idle": idle, "idle_settings": None}
+    return {"idle_settings": idle if idle is not None else IdleSettings()}
+
+
+def gpulease(idle: IdleArg = None, *, reclaim_action: str = SERVER_RECLAIM_ACTION, extend_when_contended: bool = False,
+             preempt_grace_s: float | None = None) -> SimPolicy:
+    """The gpulease policy with the server extension's idle reclaim: by default exactly its
+    default configuration (the :class:`IdleSettings` defaults, reclaim action suspend, kernels on
+    several GPUs suspended too). ``reclaim_action``: ``suspend``, ``restart`` (the state is lost)
+    or ``release`` (the kernel's state is not modelled). ``preempt_grace_s`` (None: the core
+    default of 10 min) replaces the preemption grace of the preemptible (learning) tier."""
     tiers = dict(DEFAULT_TIERS)
     desc = "shares packed, tiers from QoS, time limits with extension, idle reclaim, preemption, backfill with reservations"
     if preempt_grace_s is not None:
@@ -178,32 +245,36 @@ def gpulease(idle: IdleRule | None = None, *, extend_when_contended: bool = Fals
         confirm_timeout_s=None,
         heartbeat_timeout_s=None,
     )
-    idle = idle or IdleRule(learn=True)
-    return SimPolicy("gpulease", pol, desc, qos_tiers=dict(GPULEASE_QOS_TIERS), idle=idle)
+    if reclaim_action == "suspend":
+        desc += (f"; an idle reclaim suspends the kernel (ASSUMPTION: cuda-checkpoint works, kernels on several GPUs too; "
+                 f"restore {RESTORE_S:g} s per kernel, each GPU's memory copied back over its own link); a resume prefers its former GPU")
+    elif reclaim_action == "restart":
+        desc += f"; an idle reclaim restarts the kernel (state lost; ASSUMPTION: reload {RELOAD_S / 60:g} min before the cell runs)"
+    elif reclaim_action == "release":
+        desc += "; an idle reclaim takes the GPU back (the kernel's state is not modelled)"
+    else:
+        raise ValueError(f"reclaim_action must be 'suspend', 'restart' or 'release', got {reclaim_action!r}")
+    return SimPolicy("gpulease", pol, desc, qos_tiers=dict(GPULEASE_QOS_TIERS), reclaim_action=reclaim_action,
+                     restore_s=RESTORE_S if reclaim_action == "suspend" else 0.0, reload_s=RELOAD_S if reclaim_action != "release" else 0.0,
+                     suspend_multi_gpu=True, **_idle_fields(idle))
 
 
-# ASSUMPTION: bringing a suspended kernel back (cuda-checkpoint --action restore, then unlock)
-# copies its GPU memory back from host memory over PCIe and re-attaches its CUDA contexts: 10 s
-# stands for ~40 GB at ~5 GB/s including the driver's own work (NVIDIA reports checkpoints and
-# restores of multi-GB processes in seconds; benchmarks/gpu_check.py times it where installed).
-RESTORE_S = 10.0
-# ASSUMPTION: after a restart the kernel's state is gone; its user reruns the cells that load
-# data and models before the interrupted cell can run: 5 minutes.
-RELOAD_S = 300.0
-# CHOICE: with suspend, a regretted reclaim costs its user a wait for a GPU plus the restore,
-# not a reload: the learnt timeout weighs it as 2 minutes of idle holding (the core default of
-# 30 minutes weighs a reclaim that throws work away). benchmarks/sim/reclaim_actions.txt shows others.
-SUSPEND_REGRET_COST_S = 120.0
+def gpulease_release(idle: IdleArg = None) -> SimPolicy:
+    """gpulease whose idle reclaim only takes the GPU back: the kernel's state is not modelled
+    (the replay before reclaim actions were modelled; its learnt timeout weighs a regretted
+    reclaim as a restart)."""
+    return replace(gpulease(idle, reclaim_action="release"), name="gpulease+release")
 
 
-def gpulease_suspend(idle: IdleRule | None = None, *, multi_gpu: bool = True) -> SimPolicy:
-    """gpulease whose idle reclaim suspends the kernel, brings it back on its former GPU first,
-    and lets a resume go ahead of new requests of its tier.
+def gpulease_suspend(idle: IdleArg = None, *, multi_gpu: bool = True) -> SimPolicy:
+    """gpulease (idle reclaim suspends the kernel) with the broker's ``resume_priority`` on: a
+    resume goes ahead of new requests of its tier.
 
     ``multi_gpu``: ASSUMPTION that a kernel on several GPUs drives them from its own process
     without NCCL communicators (DataParallel-style), which cuda-checkpoint can suspend; False:
-    such kernels use NCCL and are restarted instead (their state is lost)."""
-    sp = gpulease(idle or IdleRule(learn=True, regret_cost_s=SUSPEND_REGRET_COST_S))
+    such kernels use NCCL and are restarted instead (their state is lost, and their learnt
+    timeout weighs a regretted reclaim as a restart)."""
+    sp = gpulease(idle)
     multi = (
         "kernels on several GPUs too (ASSUMPTION: one process, no NCCL)"
         if multi_gpu
@@ -213,26 +284,14 @@ def gpulease_suspend(idle: IdleRule | None = None, *, multi_gpu: bool = True) ->
         sp,
         name="gpulease+suspend" if multi_gpu else "gpulease+suspend-1gpu",
         policy=replace(sp.policy, resume_priority=True),
-        reclaim_action="suspend",
-        restore_s=RESTORE_S,
-        reload_s=RELOAD_S,
         suspend_multi_gpu=multi_gpu,
-        description=sp.description + f"; an idle reclaim suspends the kernel, {multi} (ASSUMPTION: restore {RESTORE_S:g} s per kernel, "
-        "each GPU's memory copied back over its own link); a resume prefers its former GPU and goes ahead of new requests of its tier "
-        "(resume_priority)",
+        description=sp.description + f"; suspended: {multi}; a resume goes ahead of new requests of its tier (resume_priority)",
     )
 
 
-def gpulease_restart(idle: IdleRule | None = None) -> SimPolicy:
+def gpulease_restart(idle: IdleArg = None) -> SimPolicy:
     """gpulease whose idle reclaim restarts the kernel: its state is lost and reloaded."""
-    sp = gpulease(idle)
-    return replace(
-        sp,
-        name="gpulease+restart",
-        reclaim_action="restart",
-        reload_s=RELOAD_S,
-        description=sp.description + f"; an idle reclaim restarts the kernel (state lost; ASSUMPTION: reload {RELOAD_S / 60:g} min before the cell runs)",
-    )
+    return replace(gpulease(idle, reclaim_action="restart"), name="gpulease+restart")
 
 
 def gpulease_batch() -> SimPolicy:
@@ -271,6 +330,7 @@ BUILTIN = {
     "gpulease": gpulease,
     "gpulease+suspend": gpulease_suspend,
     "gpulease+restart": gpulease_restart,
+    "gpulease+release": gpulease_release,
 }
 DEFAULT_POLICIES = ("static", "static+backfill", "static+culler", "gpulease")
 
@@ -286,7 +346,9 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         base = "gpulease"            # a built-in to start from (default: gpulease)
         whole_gpus = false
         backfill = true              # any declared setting of the core Policy (core.policy.SETTINGS)
-        idle_timeout_s = 1800        # or idle_learn = true (+ idle_quantile, idle_factor, idle_min_s, idle_max_s)
+        gpu_idle_timeout = 600       # the server extension's idle settings, same names (core.idle.IdleSettings)
+        gpu_idle_timeout_learn = false
+        reclaim_action = "suspend"   # suspend, restart or release
         [qos_tiers]
         BE = "learning"
         [tiers.learning]             # tiers replace the base's tiers when given
@@ -322,18 +384,7 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         pol = replace(pol, **kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: policy {name!r}: {e}") from None
-    idle = base.idle
-    idle_kw: dict[str, Any] = {}
-    if "idle_timeout_s" in d:
-        v = d.pop("idle_timeout_s")
-        idle_kw.update(timeout_s=None if v in (None, 0, False) else float(v), learn=False)
-    if d.pop("idle_learn", False):
-        idle_kw["learn"] = True
-    for k in ("quantile", "factor", "min_s", "max_s", "min_gaps", "default_s", "method", "regret_cost_s", "prior_weight"):
-        if f"idle_{k}" in d:
-            idle_kw[k] = d.pop(f"idle_{k}")
-    if idle_kw:
-        idle = replace(idle, **idle_kw)
+    idle_fields = _idle_from_dict(d, base, f"{source}: policy {name!r}")
     sp = replace(
         base,
         name=name,
@@ -341,25 +392,57 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
         description=d.pop("description", f"from {os.path.basename(source)} (base {base_name})"),
         whole_gpus=bool(d.pop("whole_gpus", base.whole_gpus)),
         qos_tiers={**base.qos_tiers, **d.pop("qos_tiers", {})},
-        idle=idle,
+        **idle_fields,
         strict_fcfs=bool(d.pop("strict_fcfs", base.strict_fcfs)),
         reclaim_action=d.pop("reclaim_action", base.reclaim_action),
         restore_s=float(d.pop("restore_s", base.restore_s)),
         reload_s=float(d.pop("reload_s", base.reload_s)),
         suspend_multi_gpu=bool(d.pop("suspend_multi_gpu", base.suspend_multi_gpu)),
     )
+    if sp.reclaim_action == "suspend" and not sp.restore_s and base.reclaim_action != "suspend":
+        sp = replace(sp, restore_s=RESTORE_S, reload_s=sp.reload_s or RELOAD_S)
+    elif sp.reclaim_action == "restart" and not sp.reload_s:
+        sp = replace(sp, reload_s=RELOAD_S)
     if sp.reclaim_action not in ("release", "suspend", "restart"):
         raise ValueError(f"{source}: policy {name!r}: reclaim_action must be 'release', 'suspend' or 'restart', got {sp.reclaim_action!r}")
     if d:
         raise ValueError(
             f"{source}: policy {name!r}: unknown setting(s) {sorted(d)}; known: base, description, whole_gpus, strict_fcfs, qos_tiers, tiers, "
-            "reclaim_action, restore_s, reload_s, suspend_multi_gpu, "
-            f"idle_timeout_s, idle_learn, idle_quantile, idle_factor, idle_min_s, idle_max_s, idle_min_gaps, idle_default_s, {', '.join(sorted(_POLICY_KEYS))}"
+            f"reclaim_action, restore_s, reload_s, suspend_multi_gpu, idle_prior, {', '.join(IDLE_NAMES)}, "
+            f"{', '.join(f'idle_{k}' for k in _RAW_IDLE_KEYS)}, {', '.join(sorted(_POLICY_KEYS))}"
         )
     for tier in sp.qos_tiers.values():
         if tier not in pol.tiers:
             raise ValueError(f"{source}: policy {name!r}: qos_tiers names tier {tier!r}, not one of {sorted(pol.tiers)}")
     return sp
+
+
+_RAW_IDLE_KEYS = ("timeout_s", "learn", "quantile", "factor", "min_s", "max_s", "min_gaps", "default_s", "method", "regret_cost_s", "prior_weight")
+
+
+def _idle_from_dict(d: dict[str, Any], base: SimPolicy, where: str) -> dict[str, Any]:
+    """The idle fields of a policy from its keys (popped): the server's settings by their names,
+    or (for experiments) a raw core rule with ``idle_<field>`` keys; not both."""
+    named = {k: d.pop(k) for k in list(d) if k in IDLE_NAMES}
+    raw = {k: d.pop(f"idle_{k}") for k in _RAW_IDLE_KEYS if f"idle_{k}" in d}
+    out: dict[str, Any] = {"idle_prior": bool(d.pop("idle_prior", base.idle_prior))}
+    if named and raw:
+        raise ValueError(f"{where}: give the idle rule either as the server's settings ({', '.join(named)}) or as idle_* keys, not both")
+    if named:
+        try:
+            out["idle_settings"] = replace(base.idle_settings or IdleSettings(), **named)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    elif raw:
+        if "timeout_s" in raw:
+            v = raw["timeout_s"]
+            raw["timeout_s"] = None if v in (None, 0, False) else float(v)
+            raw.setdefault("learn", False)
+        try:
+            out.update(idle=replace(base.idle_rule(), **raw), idle_settings=None)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    return out
 
 
 def load_policy_file(path: str) -> list[SimPolicy]:
@@ -387,3 +470,61 @@ def load_policy_file(path: str) -> list[SimPolicy]:
     if not isinstance(items, list) or not items:
         raise ValueError(f"{os.path.basename(path)}: expected a list of policies ([[policy]] tables in TOML)")
     return [policy_from_dict(it, source=os.path.basename(path)) for it in items]
+
+
+# --------------------------------------------------------------------------- an admin's server config
+# the server extension's reclaim actions, as the replay models them: suspend keeps the kernel's
+# state; restart and shutdown lose it; interrupt and notify leave the GPU held (no reclaim)
+_SERVER_ACTIONS = {"suspend": "suspend", "restart": "restart", "shutdown": "restart"}
+
+
+def from_server_config(path: str, *, name: str = "server-config") -> SimPolicy:
+    """The gpulease policy with the idle reclaim of a ``jupyter_server_config.py``: the file is
+    loaded with traitlets' config loader and the server extension's own classes
+    (:class:`~jupyter_gpulease.server.idletimeout.GPUIdleRule`, ``ReclaimActions``) are
+    configured from it, so its values are checked as the server checks them; the names under
+    ``c.GPULeaseExtension`` that moved to those classes are read too."""
+    from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
+
+    from ..server.idletimeout import OLD_SECTION, GPUIdleRule
+
+    try:
+        cfg = PyFileConfigLoader(os.path.basename(path), path=os.path.dirname(os.path.abspath(path))).load_config()
+    except ConfigFileNotFound:
+        raise ValueError(f"--server-config: {path}: no such file") from None
+    except Exception as e:  # the file is Python: any error in it is the admin's to see
+        raise ValueError(f"--server-config: {path}: could not be loaded: {type(e).__name__}: {e}") from None
+    try:
+        rule = GPUIdleRule(config=cfg, gaps_file="")
+        settings = rule.settings
+        reclaim = _reclaim_settings(cfg, OLD_SECTION)
+    except Exception as e:  # TraitError, ValueError: a value the server would refuse
+        raise ValueError(f"--server-config: {path}: {e}") from None
+    action = reclaim.reclaim_action
+    fallback = reclaim.fallback_action
+    sim_action = _SERVER_ACTIONS.get(action)
+    base = gpulease(settings, reclaim_action=sim_action or "release")
+    if sim_action is None:  # interrupt or notify: the GPU stays with the kernel, nothing is reclaimed
+        base = replace(base, idle_settings=settings.changed(gpu_idle_timeout=0))
+    note = (f"; from {os.path.basename(path)}: reclaim_action {action!r}"
+            + (f" (ASSUMPTION: cuda-checkpoint works for every kernel; where it does not, fallback_action {fallback!r} applies)" if action == "suspend" else "")
+            + (" (the GPU stays with the kernel: replayed as no idle reclaim)" if sim_action is None else ""))
+    return replace(base, name=name, description=base.description + note)
+
+
+def _reclaim_settings(cfg, old_section: str):
+    """The server extension's ReclaimActions options from ``cfg`` (old names under ``old_section`` too)."""
+    from traitlets.config import Config, LoggingConfigurable
+
+    from ..server.actions import ReclaimActions
+
+    class _Options(ReclaimActions):  # its options, without the parts a running server gives it
+        def __init__(self, **kw):
+            LoggingConfigurable.__init__(self, **kw)
+
+    cfg = Config(cfg)
+    if old_section in cfg:
+        for n in ReclaimActions.class_trait_names(config=True):
+            if n in cfg[old_section] and n not in cfg["ReclaimActions"]:
+                cfg["ReclaimActions"][n] = cfg[old_section][n]
+    return _Options(config=cfg)

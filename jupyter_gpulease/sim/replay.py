@@ -396,8 +396,10 @@ class Replay:
         self._gaps.add(gap)
 
     def _idle_timeout(self, rec: JobRecord) -> float | None:
-        """The session's idle timeout, from the core's idle rule (its own gaps, and everyone's as a prior)."""
-        return self.sp.idle.timeout(rec.gaps, self._gaps)
+        """The session's idle timeout, from the core's idle rule for what its reclaim really does
+        (its own gaps; everyone's as a prior where the policy says so)."""
+        n_gpus = max(1, rec.job.gpu_milli // MILLI)
+        return self.sp.idle_rule(n_gpus).timeout(rec.gaps, self._gaps if self.sp.idle_prior else None)
 
     def _idle(self, rec: JobRecord, version: int, what: str, now: float) -> None:
         if what == "ended":
