@@ -373,6 +373,26 @@ class _BrokerCollector:
                     xids.add_metric([uuid, *known[uuid], str(code), xid_kind(code)], n, created=telemetry.started_at)
         yield from (util, used, total, temp, slowdown, power, limit, driver_ok, xids)
 
+        # what takes a device out of new grants besides its health: a cordon, a maintenance window
+        from .alerts import cordons
+
+        cordoned = GaugeMetricFamily("gpulease_device_cordoned", "1 while the GPU takes no new leases because it is cordoned or draining (the admin page says why), else 0",
+                                     labels=labels)
+        maintenance = GaugeMetricFamily("gpulease_device_in_maintenance", "1 while a maintenance window of the GPU is under way, else 0", labels=labels)
+        upcoming = GaugeMetricFamily("gpulease_device_next_maintenance_start_seconds", "When the next maintenance window of the GPU begins (Unix time; no series: none)",
+                                     labels=labels)
+        out = cordons(self.manager)
+        now = self.manager.now()
+        windows_on = getattr(self.manager.scheduler, "windows_on", None)
+        for g in self.manager.inventory():
+            key = [g.uuid, g.node, g.model]
+            cordoned.add_metric(key, 1 if g.uuid in out else 0)
+            ws = windows_on(g.uuid, now) if windows_on is not None else []
+            maintenance.add_metric(key, 1 if ws and ws[0].start <= now else 0)
+            if ws:
+                upcoming.add_metric(key, ws[0].start)
+        yield from (cordoned, maintenance, upcoming)
+
     # ------------------------------------------------------------------ idle leases
     def _lease_idle(self, live: list[dict[str, Any]], now: float):
         idle = GaugeMetricFamily("gpulease_lease_idle_seconds", "How long the GPUs of an active lease have sat idle, as its server's heartbeats say "

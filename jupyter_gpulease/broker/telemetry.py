@@ -21,17 +21,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..core.health import Action, xid_action
+
 log = logging.getLogger(__name__)
 
-# the XID codes of application errors: the holder's program faulted, the GPU is fine
-# (NVIDIA's XID catalogue: 13 graphics engine exception, 31 memory page fault, 43 GPU stopped
-# processing, 45 preemptive cleanup, 68 video processor exception)
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
-
-
 def xid_kind(code: int | None) -> str:
-    """``application`` for an XID the program caused, else ``device`` (the GPU or its driver)."""
-    return "application" if code in APPLICATION_XIDS else "device"
+    """``application`` for an XID the holder's program caused (the XID table in ``core.health``
+    says which), else ``device`` (the GPU or its driver)."""
+    return "application" if code is not None and xid_action(code) is Action.APPLICATION else "device"
 
 
 class DeviceTelemetry:
@@ -48,7 +45,8 @@ class DeviceTelemetry:
         self.sampled_at: float | None = None  # self.clock() of the newest sample
         # XID errors seen by this broker: (uuid, xid) -> count; the driver's running count per device
         self.xids: dict[tuple[str, int], float] = {}
-        self._xid_seen: dict[str, int] = {}
+        self._xid_seen: dict[str, dict[int, int]] = {}
+        self._resets: dict[str, int] = {}
         self.started_at = time.time()
         self.last_error = ""
         self.listeners: list[Callable[[DeviceTelemetry], None]] = []
@@ -70,19 +68,21 @@ class DeviceTelemetry:
         for uuid, s in kept.items():
             if getattr(s, "parent_uuid", ""):
                 continue  # an instance repeats its GPU's health
-            h = s.health
-            count = int(getattr(h, "xid_count", 0) or 0)
+            counts = s.health.xid_counts()
             before = self._xid_seen.get(uuid)
-            if before is None and count:
-                new = count  # errors the driver reported before this broker's first look count once
-            elif before is not None and count > before:
-                new = count - before
-            else:
-                new = 0  # the same count, or a count that went back (a driver reload)
-            self._xid_seen[uuid] = count
-            if new and h.xid is not None:
-                key = (uuid, int(h.xid))
-                self.xids[key] = self.xids.get(key, 0.0) + new
+            resets = int(getattr(s.health, "resets", 0) or 0)
+            if self._resets.get(uuid, resets) != resets:
+                before = None  # reset since the last look: the driver counts from zero again
+            self._resets[uuid] = resets
+            for code, count in counts.items():
+                was = (before or {}).get(code, 0)
+                # errors the driver counted before this broker's first look count once; a count that
+                # went back (a reset, a driver reload) starts again from there
+                new = count - was if count >= was else count
+                if new > 0:
+                    key = (uuid, int(code))
+                    self.xids[key] = self.xids.get(key, 0.0) + new
+            self._xid_seen[uuid] = dict(counts)
         self.samples = kept
         self.sampled_at = self.clock()
         for fn in list(self.listeners):
