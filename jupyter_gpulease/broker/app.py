@@ -45,7 +45,6 @@ from ..core.policy_config import PolicyConfig
 from . import checks, hubapi
 from .checks import ConfigError
 from .inputs import Limits
-from .jsonapi import APIServer
 from .manager import LeaseManager, SystemClock
 from .unleased import BACKENDS_WITH_PROCESSES
 
@@ -456,8 +455,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         return Limits(body_bytes=self.max_body_bytes, meta_bytes=self.max_meta_bytes, usage_bytes=self.max_usage_bytes, reason_chars=self.max_reason_chars, json_depth=self.max_json_depth)
 
     def make_web_app(self) -> WebApplication:
-        """The tornado Application: the pages, and the settings every handler reads (the API's
-        handlers too, which :meth:`make_http_delegate` serves in front of it)."""
+        """The tornado Application: the REST API's routes (:meth:`api_routes`), then the pages."""
         from jupyterhub.services.auth import HubAuth, HubOAuth
 
         from .pages import page_handlers
@@ -479,17 +477,18 @@ class GPULeaseBroker(PolicyConfig, Application):
             "gpulease_authenticate_metrics": self.authenticate_metrics,
             "gpulease_limits": self.limits,
             "log_function": self._log_request,
+            "gpulease_calls": set(),  # the API calls being answered (the stop lets them finish)
         }
-        return WebApplication(page_handlers(self.base_url), **settings)
+        return WebApplication(self.api_routes() + page_handlers(self.base_url), **settings)
 
-    def make_http_delegate(self, web_app: WebApplication) -> APIServer:
-        """What the HTTP server serves: the REST API's routes, then ``web_app`` for the rest."""
+    def api_routes(self) -> list[tuple]:
+        """The REST API's routes; the last one answers any other ``api/`` path 404."""
         from . import unleased
         from .handlers import api_handlers
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
-        return APIServer(web_app, routes, self.base_url, body_limit=self.max_body_bytes)
+        return routes
 
     def _log_request(self, handler) -> None:
         status = handler.get_status()
@@ -603,7 +602,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         url = urlsplit(self.bind_url)
         self._quiet_successes = self.log_level > logging.DEBUG
         # no xheaders: the broker never uses the client's address, and checking it costs a lookup per call
-        self.http_server = HTTPServer(self.make_http_delegate(self.web_app), max_body_size=max(4 * self.max_body_bytes, 1 << 20))
+        self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
         await self._listen(url.port or 80, url.hostname or "127.0.0.1")
         self.ticker = PeriodicCallback(self.manager.tick, self.tick_interval * 1000)
         self.ticker.start()
@@ -707,7 +706,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         if server is not None:
             # the answers of calls already committed go out; then the connections close, so that
             # clients (and the hub's proxy) reconnect to the next broker instead of asking this one
-            calls = set(server.request_callback.calls) if isinstance(server.request_callback, APIServer) else set()
+            calls = set(self.web_app.settings["gpulease_calls"])
             if calls:
                 await asyncio.wait(calls, timeout=2)
             try:

@@ -10,9 +10,13 @@ lease is its committed state (see the manager's contract). Input is bounded and 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
+from jupyterhub.services.auth import HubAuthenticated, UserNotAllowed
 from tornado import web
 from tornado.iostream import StreamClosedError
 
@@ -20,7 +24,6 @@ from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState
 from ..core.request import Ask, parse_ask
 from . import inputs
 from .feed import TooManyStreams
-from .jsonapi import JSONHandler
 from .manager import STOPPING, Unavailable
 
 RELEASE_FIELDS = {"reason", "state", "keep_server", "grace_s"}
@@ -104,42 +107,162 @@ class BaseHandler(BrokerHandler, web.RequestHandler):
     """A tornado.web handler with the broker's plumbing (the pages)."""
 
 
-class APIHandler(BrokerHandler, JSONHandler):
+@web.stream_request_body
+class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
     """JSON in, JSON out; errors as ``{"error", "message", "field"}``.
 
-    Served by :class:`~jupyter_gpulease.broker.jsonapi.APIServer`, not tornado.web: token
-    authentication only (no cookie is trusted, so there is no cross-site forgery to guard
-    against), every answer ``Cache-Control: no-store`` (no ETag)."""
+    A tornado.web handler authenticated by JupyterHub's :class:`HubAuthenticated` with a token
+    only (no cookie is trusted, so there is no cross-site forgery to guard against): the token is
+    checked in :meth:`prepare` without blocking the loop, and a caller without one is answered
+    401 instead of redirected. Every answer is ``Cache-Control: no-store``, so no ETag is hashed.
+
+    The body streams in (``stream_request_body``) so that its size is judged from the headers
+    before it is read: a body over the limit (``Content-Length``, or what a chunked body has
+    reached) is read to its end and dropped as it comes, then answered 413 before any
+    authentication, and the connection serves on (a client or a proxy still sending gets the
+    answer whole instead of a connection closed under it). A body declared larger than
+    :data:`~jupyter_gpulease.broker.inputs.DISCARD_BYTES` is not read: the 413 goes out at once
+    and the connection closes. Handlers read the body with :meth:`json_body` (or :attr:`body`).
+    """
+
+    def initialize(self) -> None:
+        self._chunks: list[bytes] | None = []
+        self._received = 0
+        self._too_large: int | None = None  # the body's size (declared, or read so far) when over the limit
+        self._body: bytes | None = None
+        self._early_error: web.HTTPError | None = None
 
     def set_default_headers(self):
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.set_header("Cache-Control", "no-store")
 
+    def compute_etag(self):
+        return None  # answers are 'Cache-Control: no-store': nothing to hash
+
+    def check_xsrf_cookie(self):
+        return None  # token-authenticated only: no cookie is read, no cross-site forgery to guard against
+
+    @property
+    def hub_auth(self):
+        return self.settings["hub_auth"]
+
+    @hub_auth.setter
+    def hub_auth(self, value):  # HubAuthenticated assigns it in some paths
+        pass
+
+    def get_current_user(self):
+        return None  # the caller is known once prepare() has checked the token (off the loop's back)
+
+    def get_login_url(self):
+        raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
+
+    # -- the body ---------------------------------------------------------------------------------
+    def _check_declared_size(self) -> None:
+        """A ``Content-Length`` over the limit: drop the body as it comes (413 after it), or
+        answer at once when it is not worth reading. A chunked body is counted as it comes."""
+        headers = self.request.headers
+        length = headers.get("Content-Length")
+        limit = self.limits.body_bytes
+        discard = max(inputs.DISCARD_BYTES, limit)
+        if length is None:
+            if "chunked" in headers.get("Transfer-Encoding", "").lower():
+                self.request.connection.set_max_body_size(discard)
+            return
+        if not length.isdigit() or int(length) <= limit:
+            return  # what fits, or a malformed length (tornado's 400)
+        self._refuse_body(int(length))
+        # never tornado's own "Content-Length too long" (a 400 and a dropped connection)
+        self.request.connection.set_max_body_size(int(length))
+        if int(length) > discard:
+            self.set_header("Connection", "close")
+            self._answer_too_large()  # not worth reading: answered now, the connection closes
+
+    def _refuse_body(self, size: int) -> None:
+        self._too_large, self._chunks = size, None
+        self._answer_after_body(self._answer_too_large)
+
+    def _answer_too_large(self) -> None:
+        size = max(self._too_large or 0, self._received)
+        raise inputs.TooLarge(f"the request body is {size} bytes; the broker takes at most {self.limits.body_bytes}", field="body")
+
+    def _answer_after_body(self, answer: Callable[[], None]) -> None:
+        """The call's method (called once the body is in) becomes ``answer``: an answer given
+        while the body is still coming would close the connection under its sender."""
+        setattr(self, (self.request.method or "GET").lower(), lambda *args, **kwargs: answer())
+
+    def data_received(self, chunk: bytes) -> None:
+        self._received += len(chunk)
+        if self._chunks is None:
+            return  # over the limit: dropped as it comes
+        if self._received > self.limits.body_bytes:
+            self._refuse_body(self._received)
+            return
+        self._chunks.append(chunk)
+
+    @property
+    def body(self) -> bytes:
+        """The request body (within the limit: a larger one never reaches a handler's method)."""
+        if self._body is None:
+            self._body = self.request.body = b"".join(self._chunks or ())
+        return self._body
+
+    def decode_argument(self, value: bytes, name: str | None = None) -> str:
+        try:
+            return super().decode_argument(value, name)
+        except web.HTTPError as e:
+            if name is not None:
+                raise  # a query argument: the handler's method is running
+            self._early_error = e  # a path argument: answered after the body (see prepare)
+            return ""
+
+    # -- who calls ----------------------------------------------------------------------------------
     async def prepare(self):
-        if self.request.method in ("POST", "PUT", "PATCH", "DELETE") and len(self.request.body or b"") > self.limits.body_bytes:
-            raise inputs.TooLarge(f"the request body is {len(self.request.body)} bytes, over the limit of {self.limits.body_bytes}", field="body")
-        model = await self.authenticate()
-        if not model:
-            raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
+        """Before the body is read: judge its size, then the caller. An error here is answered
+        once the body is in, so that the connection serves on."""
+        self._track()
+        self._check_declared_size()
+        if self._too_large is not None:
+            return  # answered 413 once the body is in, before any authentication
+        try:
+            if self._early_error is not None:
+                raise self._early_error
+            if not self.needs_token:
+                return
+            model = await self.authenticate()
+            if not model:
+                raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
+        except Exception as e:
+            self._answer_after_body(functools.partial(_raise, e))
+            return
         self.current_user = model
+
+    @property
+    def needs_token(self) -> bool:
+        """Whether a call must bring a hub token (the API's description does not)."""
+        return True
+
+    def _track(self) -> None:
+        """The broker's stop lets the calls it is answering finish (see ``stop_async``)."""
+        calls = self.settings.get("gpulease_calls")
+        task = asyncio.current_task()
+        if calls is not None and task is not None:
+            calls.add(task)
+            task.add_done_callback(calls.discard)
 
     async def authenticate(self) -> dict | None:
         """The caller's hub model, or None. Unit tests override this in a subclass."""
-        hub_auth = self.settings["hub_auth"]
-        self.hub_auth = hub_auth
         try:
-            model = await hub_auth.get_user(self, sync=False)
+            model = await self.hub_auth.get_user(self, sync=False)
         except web.HTTPError as e:
             if e.status_code >= 500:  # the hub did not answer the token check
                 raise HubUnavailable("cannot check the token with the hub right now; try again in a moment") from None
             raise
         if not model:
             return None
-        model.setdefault("kind", "user")
-        scopes = hub_auth.access_scopes
-        if scopes and not hub_auth.check_scopes(scopes, model):
-            raise web.HTTPError(403, f"{model['kind']} {model['name']} may not use this service: it lacks the scope {' or '.join(sorted(scopes))}")
-        return model
+        try:
+            return self.check_hub_user(model)  # the service's access scopes
+        except UserNotAllowed:
+            raise web.HTTPError(403, f"{model['kind']} {model['name']} may not use this service: it lacks the scope {' or '.join(sorted(self.hub_scopes))}") from None
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -163,7 +286,7 @@ class APIHandler(BrokerHandler, JSONHandler):
         self.finish(json.dumps(body))
 
     def allowed_methods(self) -> list[str]:
-        return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower(), None) is not None]
+        return [m for m in ("GET", "POST", "DELETE") if getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
 
     def _handle_request_exception(self, e: BaseException) -> None:
         manager = self.settings.get("gpulease_manager")
@@ -181,7 +304,7 @@ class APIHandler(BrokerHandler, JSONHandler):
         super()._handle_request_exception(e)
 
     def json_body(self) -> dict[str, Any]:
-        return inputs.parse_body(self.request.body, self.limits)
+        return inputs.parse_body(self.body, self.limits)
 
     @property
     def request_key(self) -> str | None:
@@ -467,6 +590,10 @@ class EventsHandler(APIHandler):
         self.write_json({"events": events, "last_id": last})
 
 
+def _raise(e: BaseException) -> None:
+    raise e
+
+
 class HubUnavailable(LeaseError):
     status = 503
 
@@ -487,6 +614,7 @@ class EventStreamHandler(EventsHandler):
         self.set_header("X-Accel-Buffering", "no")
 
     def on_connection_close(self):
+        super().on_connection_close()
         sub = getattr(self, "_sub", None)
         if sub is not None:
             sub.drop("the client went away")
@@ -535,18 +663,16 @@ class EventStreamHandler(EventsHandler):
 
 
 class OpenAPIHandler(APIHandler):
-    async def prepare(self):
-        # the description of the API is public
-        return
+    needs_token = False  # the description of the API is public
 
     def get(self):
         self.write_json(self.settings["gpulease_openapi"])
 
 
 class MetricsHandler(APIHandler):
-    async def prepare(self):
-        if self.settings.get("gpulease_authenticate_metrics", True):
-            await super().prepare()
+    @property
+    def needs_token(self) -> bool:
+        return bool(self.settings.get("gpulease_authenticate_metrics", True))
 
     async def get(self):
         from prometheus_client import CONTENT_TYPE_LATEST

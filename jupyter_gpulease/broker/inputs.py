@@ -18,6 +18,8 @@ from typing import Any
 from ..core.model import BadRequest, LeaseError
 from ..core.request import parse_number  # the one number parser (core's), for query arguments too
 
+DISCARD_BYTES = 64 * 1024 * 1024  # the largest too-large body read to its end (and dropped) before its 413
+
 
 class TooLarge(LeaseError):
     status = 413

@@ -1,9 +1,9 @@
-"""The REST API's own request path (broker/jsonapi.py) at the HTTP level, over raw sockets.
+"""The REST API at the HTTP level, over raw sockets (tornado.web handlers, broker/handlers.py).
 
-In-process broker (the caller named by the token, see brokerutil). What tornado.web did for the
-API before and the lean path must do the same: keep-alive, HTTP/1.0, chunked bodies, HEAD,
-percent-encoded and undecodable paths, headers; a client that hangs up while its call waits for
-the commit; and every other path still reaching the tornado Application (the pages).
+In-process broker (the caller named by the token, see brokerutil): keep-alive, HTTP/1.0, chunked
+bodies, HEAD, percent-encoded and undecodable paths, headers (no ETag on no-store answers); a
+body over the limit answered 413 from its headers; a client that hangs up while its call waits
+for the commit; and the pages beside the API.
 """
 
 import asyncio
@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from brokerutil import ManualClock, make_broker, patch_auth
-from jupyter_gpulease.broker.jsonapi import JSONHandler
+from jupyter_gpulease.broker.handlers import PoolHandler
 
 pytestmark = pytest.mark.timeout(120)
 BASE = "/services/gpulease/"
@@ -98,6 +98,7 @@ def test_one_keep_alive_connection_carries_calls_with_their_headers(tmp_path, er
         assert headers["location"] == f"{BASE}api/leases/{lease['id']}"
         assert headers["content-type"] == "application/json; charset=utf-8" and headers["cache-control"] == "no-store"
         assert headers["content-length"] == str(len(body)) and headers["date"].endswith("GMT")
+        assert "etag" not in headers
         # the same connection: a read, then an unknown lease (404 as JSON), then another user's (403)
         writer.write(request("GET", f"api/leases/{lease['id']}") + request("GET", "api/leases/nosuch") + request("GET", f"api/leases/{lease['id']}", user="bob"))
         (s1, _, b1), (s2, _, b2), (s3, _, b3) = [await read_response(reader) for _ in range(3)]
@@ -203,7 +204,7 @@ def test_other_paths_still_reach_the_tornado_application(tmp_path):
 
 
 def test_a_handler_cannot_inject_a_header():
-    h = JSONHandler.__new__(JSONHandler)
+    h = PoolHandler.__new__(PoolHandler)
     h._headers = {}
     with pytest.raises(ValueError):
         h.set_header("Location", "/x\r\nSet-Cookie: a=b")
