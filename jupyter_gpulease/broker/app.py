@@ -42,6 +42,7 @@ from .. import __version__
 from ..core.events import ENDED
 from ..core.model import LeaseState
 from ..core.policy_config import PolicyConfig
+from ..tasks import BackgroundTasks
 from . import checks, hubapi
 from .checks import ConfigError
 from .inputs import Limits
@@ -385,7 +386,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         """Parse the command line, load the config file, build the parts (``build_manager``:
         the pool, scheduler and store too). A config mistake raises :class:`ConfigError` (one
         line naming the option, the file and the fix)."""
-        self._tasks: set[asyncio.Task] = set()  # background tasks, referenced until done
+        self._tasks = BackgroundTasks(self.log)
         self._stop_waiting = threading.Event()
         try:
             super().initialize(argv)
@@ -547,9 +548,7 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     def _background(self, coro) -> None:
         """Run ``coro`` as a task that is kept referenced until done (the loop holds tasks weakly)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.start(coro, what="a background task of the broker")
 
     RECONCILE_REASON = hubapi.RECONCILE_REASON
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.request import SPAWNER_META
+from ..tasks import BackgroundTasks
 from . import devaccess
 from .devaccess import DeviceNode
 
@@ -326,7 +327,7 @@ class DeviceGuard:
         self._foreign_set: set[str] = set()
         self._ended: deque[str] = deque(maxlen=10000)
         self._learning: set[str] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks(log)
         if self.backend is not None and hasattr(link, "add_event_listener"):
             link.add_event_listener(self._on_event)
 
@@ -346,10 +347,7 @@ class DeviceGuard:
         return self.backend is not None
 
     def _background(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.start(coro, what="GPU device access")
 
     async def _off_loop(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
+from ..tasks import BackgroundTasks
 from .link import BrokerLink
 
 log = logging.getLogger("jupyter_gpulease.hub")
@@ -41,11 +43,36 @@ WITHDRAWN_AT_SHUTDOWN = (
 )
 
 
+def attach_to_running_hub() -> bool:
+    """Attach to the JupyterHub of this process when it runs (its loop is running) and spawns
+    with a lease spawner; True when attached (now or before). Reads only JupyterHub's public
+    singleton (``JupyterHub.initialized()`` / ``instance()``)."""
+    app_module = sys.modules.get("jupyterhub.app")
+    if app_module is None or not app_module.JupyterHub.initialized():
+        return False
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    app = app_module.JupyterHub.instance()
+    if getattr(app, ATTACHED, False):
+        return True
+    if not uses_lease_spawner(app):
+        return False
+    attach(app)
+    return True
+
+
+ATTACHED = "gpulease_attached"  # the marker set on a hub the lease spawner attached to
+
+
 def attach(app) -> None:
-    """Hook the lease spawner into the running JupyterHub ``app`` (once per process)."""
-    if getattr(app, "_gpulease_attached", False):
+    """Hook the lease spawner into the running JupyterHub ``app`` (once per process): its
+    shutdown ends leases first, its start checks the broker and logs device access."""
+    if getattr(app, ATTACHED, False):
         return
-    app._gpulease_attached = True
+    setattr(app, ATTACHED, True)
+    app.spawner_class.log_device_access_at_hub_start(app)
     original_cleanup = app.cleanup
 
     async def cleanup():
@@ -58,15 +85,10 @@ def attach(app) -> None:
         await original_cleanup()
 
     app.cleanup = cleanup
-    asyncio.get_running_loop().call_soon(lambda: _keep(asyncio.ensure_future(check_at_start(app))))
+    asyncio.get_running_loop().call_soon(lambda: _tasks.start(check_at_start(app), what="the GPU lease check at hub start"))
 
 
-_tasks: set = set()
-
-
-def _keep(task: asyncio.Task) -> None:
-    _tasks.add(task)
-    task.add_done_callback(_tasks.discard)
+_tasks = BackgroundTasks(log)
 
 
 def uses_lease_spawner(app) -> bool:
@@ -98,11 +120,15 @@ async def check_at_start(app) -> str | None:
 
 
 def _links() -> list[BrokerLink]:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return []
-    return [link for link in BrokerLink._links.get(loop, {}).values() if not link._closed]
+    return BrokerLink.open_links()
+
+
+async def _until_not_pending(spawners: list, what: str, timeout: float) -> None:
+    """Wait (at most ``timeout`` s) until none of ``spawners`` has the hub's ``pending`` state
+    ``what`` ("spawn": its start still runs)."""
+    deadline = time.monotonic() + timeout
+    while any(getattr(s, "pending", None) == what for s in spawners) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
 
 
 def _lease_servers(app) -> list:
@@ -143,16 +169,11 @@ async def end_leases_at_shutdown(app) -> dict:
     spawners = [s for link in links for s in list(link.spawners)]
     waiting = [s for s in spawners if s.withdraw_for_shutdown(WITHDRAWN_AT_SHUTDOWN)]
     done["withdrawn"] = len(waiting)
-    futures = [s._spawn_future for s in waiting if getattr(s, "_spawn_future", None) is not None]
-    if futures:
-        await asyncio.wait(futures, timeout=10)
+    await _until_not_pending(waiting, "spawn", 10)
     if cleanup_servers:
         # a spawn past the queue (its engine starting) finishes first, then stops like the rest
-        starting = [s._spawn_future for s in spawners if s not in waiting and s._lease_pending
-                    and getattr(s, "_spawn_future", None) is not None and not s._spawn_future.done()]
-        if starting:
-            await asyncio.wait(starting, timeout=15)
-        running = [s for s in _lease_servers(app) if not s._stop_pending and s not in waiting
+        await _until_not_pending([s for s in spawners if s not in waiting and s._lease_pending], "spawn", 15)
+        running = [s for s in _lease_servers(app) if s.pending != "stop" and s not in waiting
                    and getattr(s, "user", None) is not None and hasattr(s.user, "stop")]
         results = await asyncio.gather(*(s.user.stop(s.name) for s in running), return_exceptions=True)
         for s, r in zip(running, results):

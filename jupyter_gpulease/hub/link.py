@@ -36,6 +36,7 @@ from tornado.httpclient import AsyncHTTPClient
 
 from ..client import BrokerClient, BrokerError
 from ..core.request import SPAWNER_META
+from ..tasks import BackgroundTasks
 from .outbox import ReleaseOutbox
 
 log = logging.getLogger("jupyter_gpulease.hub")
@@ -209,7 +210,7 @@ class BrokerLink:
         self._refresh_task: asyncio.Task | None = None
         self._ending: dict[str, asyncio.Task] = {}
         self._ending_why: dict[str, tuple[str, str, str]] = {}  # lease id -> (reason, state, who)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks(log)
         self._closed = False
         self.shutting_down = False  # the hub stops its servers: polls do not ask the broker
         self.outbox = ReleaseOutbox(outbox_path) if outbox_path else None
@@ -227,14 +228,25 @@ class BrokerLink:
             link = links[key] = cls(url, token, **kw)
         return link
 
+    @classmethod
+    def open_links(cls) -> list[BrokerLink]:
+        """The links of the running event loop that are not closed (none outside a loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return []
+        return [link for link in cls._links.get(loop, {}).values() if not link.closed]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __repr__(self) -> str:
         return f"BrokerLink({self.url!r})"
 
-    def _background(self, coro) -> asyncio.Task:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def background(self, coro) -> asyncio.Task:
+        """Run ``coro`` on the hub's loop, referenced until done (its failure is logged)."""
+        return self._tasks.start(coro, what=f"GPU lease link to {self.url}")
 
     # ------------------------------------------------------------------ following leases
     def watch(self, lease_id: str, lease: dict | None = None) -> LeaseWatch:
@@ -290,7 +302,7 @@ class BrokerLink:
         """Read ``lease_id`` again soon (coalesced with other refreshes)."""
         self._refresh.add(lease_id)
         if self._refresh_task is None or self._refresh_task.done():
-            self._refresh_task = self._background(self._run_refresh())
+            self._refresh_task = self.background(self._run_refresh())
 
     async def _run_refresh(self) -> None:
         while self._refresh:
@@ -343,7 +355,7 @@ class BrokerLink:
         if self._closed:
             return
         if self._feed_task is None or self._feed_task.done():
-            self._feed_task = self._background(self._run_feed())
+            self._feed_task = self.background(self._run_feed())
 
     async def _latest_event_id(self) -> int:
         """Where the feed starts: the newest event id, without replaying history."""
@@ -453,7 +465,7 @@ class BrokerLink:
         if self._closed:
             return
         if self._queue_task is None or self._queue_task.done():
-            self._queue_task = self._background(self._run_queue_refresh())
+            self._queue_task = self.background(self._run_queue_refresh())
 
     async def _run_queue_refresh(self) -> None:
         backoff = Backoff(first=self.queue_refresh_interval, cap=max(30.0, self.queue_refresh_interval))
@@ -495,7 +507,7 @@ class BrokerLink:
         task = self._ending.get(lease_id)
         if task is None or task.done():
             self._ending_why[lease_id] = (reason, state, who or lease_id)
-            task = self._ending[lease_id] = self._background(self._end_until_done(lease_id, reason, state, who or lease_id))
+            task = self._ending[lease_id] = self.background(self._end_until_done(lease_id, reason, state, who or lease_id))
             task.add_done_callback(lambda t, lid=lease_id: self._ending_done(lid, t))
         return task
 
@@ -573,7 +585,7 @@ class BrokerLink:
             return
         self._outbox_kick.set()
         if self._outbox_task is None or self._outbox_task.done():
-            self._outbox_task = self._background(self._run_outbox())
+            self._outbox_task = self.background(self._run_outbox())
 
     async def _run_outbox(self) -> None:
         outbox = self.outbox

@@ -285,6 +285,9 @@ class GPULeaseSpawner(Spawner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        from . import lifecycle
+
+        lifecycle.attach_to_running_hub()  # once per hub process; a no-op outside a hub
         self._lease_pending = False
         self._stopping = False
         self._spawn_cancelled = False
@@ -344,7 +347,7 @@ class GPULeaseSpawner(Spawner):
         return await self.broker.pool(user=self.user.name, groups=self._user_groups())
 
     def _background(self, coro) -> asyncio.Future:
-        return self.link._background(coro)
+        return self.link.background(coro)
 
     # ------------------------------------------------------------------ form and options
     @default("options_form")
@@ -1055,32 +1058,20 @@ class GPULeaseSimpleLocalProcessSpawner(GPULeaseSpawner, SimpleLocalProcessSpawn
     enforces_devices = True
 
 
-def _attach_to_running_hub() -> None:
-    """Loaded into a JupyterHub process (its config names this spawner): take part in the hub's
-    start and shutdown (:mod:`.lifecycle`). JupyterHub has no hook for that, and it imports
-    the spawner while it builds its app, before any event loop runs; so the hub's
-    ``init_spawners`` step (run once, at start, on its loop) gets a first action that attaches
-    the lease spawner when the hub's spawner class is one. Anywhere else nothing happens."""
-    import sys
-
-    app_module = sys.modules.get("jupyterhub.app")
-    if app_module is None:
+def _attach_when_loaded_by_hub() -> None:
+    """JupyterHub imports its spawner class while it loads its config, inside its running
+    ``initialize()`` on the hub's event loop: the lease spawner then attaches to that hub
+    (:func:`.lifecycle.attach_to_running_hub`) as the loop's next step, before the hub starts
+    its services. Imported anywhere else (no running loop, no JupyterHub instance) nothing
+    happens; the first lease spawner a hub makes attaches too, in case the module was imported
+    before the hub's loop ran."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
         return
-    hub_class = app_module.JupyterHub
-    if getattr(hub_class, "_gpulease_hooked", False):
-        return
-    init_spawners = hub_class.init_spawners
+    from . import lifecycle
 
-    async def init_spawners_with_leases(self, *args, **kwargs):
-        from . import lifecycle
-
-        if lifecycle.uses_lease_spawner(self):
-            lifecycle.attach(self)
-            self.spawner_class.log_device_access_at_hub_start(self)
-        return await init_spawners(self, *args, **kwargs)
-
-    hub_class.init_spawners = init_spawners_with_leases
-    hub_class._gpulease_hooked = True
+    loop.call_soon(lifecycle.attach_to_running_hub)
 
 
-_attach_to_running_hub()
+_attach_when_loaded_by_hub()
