@@ -249,11 +249,12 @@ async def test_heartbeats_carry_usage_and_survive_a_broker_restart(server, jp_fe
     async def usage_reached():
         _, got = await broker_call_async(url, "GET", f"api/leases/{lease['id']}")
         kernels = (got.get("usage") or {}).get("kernels") or {}
-        return got if kernels.get(k.id[:8], {}).get("mem_peak_mib") == 2500 else None
+        return got if kernels.get(k.id, {}).get("mem_peak_mib") == 2500 else None
 
     got = await wait_for(usage_reached, sim=sim, message="a heartbeat carried the kernel's usage")
     usage = got["usage"]
-    assert usage["gpu_busy"] is True and usage["kernels"][k.id[:8]]["busy_s"] > 0
+    ku = usage["kernels"][k.id]  # keyed by the full kernel id, with its name and notebook path (none: no session)
+    assert usage["gpu_busy"] is True and ku["busy_s"] > 0 and ku["name"] == "python3" and ku["path"] == ""
     assert usage["lease_reclaim_at"] is None  # it computes: no idle reclaim ahead
     gpu = lease["placement"]["slices"][0]["gpu_uuid"]
     assert usage["devices"][gpu]["mem_peak_mib"] >= 2500

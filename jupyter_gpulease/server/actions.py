@@ -19,11 +19,12 @@ from traitlets import Bool, Enum, Float
 from traitlets.config import LoggingConfigurable
 
 from ..client import BrokerError
+from ..core.lease import NoticeKind, WarningKind, lease_devices
 from ..core.text import format_duration as fmt_duration
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason
 from .kernels import ACTING, OK, RECLAIMED, SUSPENDED, KernelRecord, KernelTable, kernel_label
-from .lease import LeaseKeeper, lease_devices, lease_gpus
+from .lease import LeaseKeeper, lease_gpus
 from .monitor import Snapshot
 from .reclaim import Decision, ReclaimTracker
 from .tasks import TaskSet
@@ -146,7 +147,7 @@ class ReclaimActions(LoggingConfigurable):
         action = self.reclaim_action
         if d.kind == "warn":
             rec = self.kernels.get(d.kernel_id)
-            self.announce.warn("reclaim", f"Kernel {kernel_label(rec)} has not used its GPU for {fmt_duration(d.idle_s)}: "
+            self.announce.warn(WarningKind.RECLAIM, f"Kernel {kernel_label(rec)} has not used its GPU for {fmt_duration(d.idle_s)}: "
                                f"{self.action_words(rec)} in {fmt_duration(d.deadline - now)} unless it computes again (or you keep the GPU).",
                                deadline=d.deadline, kernel_id=d.kernel_id, action=action)
         elif d.kind == "act":
@@ -156,7 +157,7 @@ class ReclaimActions(LoggingConfigurable):
                 rec.task = self.tasks.spawn(self.act(rec, action, f"its GPU sat idle for {fmt_duration(d.idle_s)}"))
         elif d.kind == "warn_lease":
             after = "the server then stops" if self.on_reclaim == "stop" else "the server keeps running without a GPU"
-            self.announce.warn("lease_reclaim", f"No kernel has used the GPU for {fmt_duration(d.idle_s)}: the GPU lease goes back "
+            self.announce.warn(WarningKind.LEASE_RECLAIM, f"No kernel has used the GPU for {fmt_duration(d.idle_s)}: the GPU lease goes back "
                                f"to the pool in {fmt_duration(d.deadline - now)} ({after}).", deadline=d.deadline)
         elif d.kind == "return_lease" and not any(k.working for k in self.kernels):
             self.returning = True
@@ -178,7 +179,7 @@ class ReclaimActions(LoggingConfigurable):
             pid, dev, mib = over[0]
             if rec.share_warned_at is None:
                 rec.share_warned_at = now
-                self.announce.warn("share_memory", f"Kernel {rec.label} (process {pid}) uses {mib} MiB of GPU memory, over this server's "
+                self.announce.warn(WarningKind.SHARE_MEMORY, f"Kernel {rec.label} (process {pid}) uses {mib} MiB of GPU memory, over this server's "
                                    f"share of {caps[dev]} MiB: free some within {fmt_duration(self.share_grace)} or "
                                    f"{self.action_words(rec).split(' (')[0]}.",
                                    deadline=now + self.share_grace, kernel_id=rec.id, action=self.reclaim_action)
@@ -296,7 +297,7 @@ class ReclaimActions(LoggingConfigurable):
             self.log.warning("Could not return GPU lease %s as reclaimed: %s", lease["id"], e.message)
             self.returning = False
             self.set_kernel_env(self.keeper.active)
-            self.announce.notice("broker", f"The idle GPU lease could not be returned yet ({e.message}); retrying.")
+            self.announce.notice(NoticeKind.BROKER, f"The idle GPU lease could not be returned yet ({e.message}); retrying.")
             return
         self.returning = False
         self.announce.publish("lease", {"event": "reclaimed", "lease": lease_json(self.keeper.ended, self.clock()),

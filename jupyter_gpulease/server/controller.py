@@ -26,7 +26,8 @@ from typing import Any
 from traitlets.config import LoggingConfigurable
 
 from ..client import BrokerError
-from ..core.unleased import WARNING_KIND as UNLEASED_WARNING
+from ..core.lease import NoticeKind, WarningKind, lease_devices
+from ..core.text import format_duration
 from . import views
 from .actions import ReclaimActions
 from .announce import Announcer
@@ -35,7 +36,7 @@ from .feed import Feed
 from .idletimeout import GPUIdleRule
 from .kernelenv import KernelEnvironment
 from .kernels import KernelTable
-from .lease import LeaseKeeper, lease_devices
+from .lease import LeaseKeeper
 from .monitor import Monitor, Snapshot
 from .preemption import BrokerWarnings
 from .resumer import Resumer
@@ -148,7 +149,7 @@ class GPUController(LoggingConfigurable):
             self.actions.check_shares(snap, now)
         self.warnings.check(now)
         self.resumer.check(now)
-        if self.announce.notice_of("env_stale"):
+        if self.announce.notice_of(NoticeKind.ENV_STALE):
             self.env_notice()  # a stale kernel restarted or went away: say so
         self.warnings.poll(now)
         self.feed.publish("sample", views.sample_json(snap, list(self.kernels), self._idle_since(), now))
@@ -161,7 +162,7 @@ class GPUController(LoggingConfigurable):
         self.usage.attribution_mode = att.mode
         if att.mode == "device":
             self.log.warning("GPU monitor: %s", att.message)
-            self.announce.notice("attribution", att.message)
+            self.announce.notice(NoticeKind.ATTRIBUTION, att.message)
         else:
             self.log.info("GPU monitor: per-kernel attribution works again")
 
@@ -208,16 +209,16 @@ class GPUController(LoggingConfigurable):
         """The standing env_stale notice, said again when what is true changed: it names the
         kernels stale now, against the environment kernels get now (none stale: no notice)."""
         devices, stale = self.kernel_env.stale_kernels(self.kernels, self.kernels.env_of)
-        current = self.announce.notice_of("env_stale")
+        current = self.announce.notice_of(NoticeKind.ENV_STALE)
         ids = [k.id for k in stale]
         if not stale:
-            self.announce.clear_notice("env_stale", kernel_ids=[])
+            self.announce.clear_notice(NoticeKind.ENV_STALE, kernel_ids=[])
             return
         if current is not None and current.get("kernel_ids") == ids and current.get("devices") == devices:
             return
         names = ", ".join(k.label for k in stale)
         what = f"the GPU {devices}" if devices else "no GPU"
-        self.announce.notice("env_stale", f"New kernels get {what}; running kernel(s) {names} keep the devices they started with "
+        self.announce.notice(NoticeKind.ENV_STALE, f"New kernels get {what}; running kernel(s) {names} keep the devices they started with "
                              "until restarted.", kernel_ids=ids, devices=devices)
 
     # ------------------------------------------------------------------ user actions
@@ -245,8 +246,8 @@ class GPUController(LoggingConfigurable):
 
     def keep(self, for_s: float) -> float:
         until = self.actions.keep(for_s)
-        self.feed.publish("notice", {"kind": "keep", "message": f"Idle reclaim postponed until {views.clock_words(until)} "
-                                     f"(at most {views.format_duration(self.actions.max_keep)} past each kernel's idle deadline).",
+        self.feed.publish("notice", {"kind": NoticeKind.KEEP, "message": f"Idle reclaim postponed until {views.clock_words(until)} "
+                                     f"(at most {format_duration(self.actions.max_keep)} past each kernel's idle deadline).",
                                      "until": until})
         return until
 
@@ -296,8 +297,9 @@ class GPUController(LoggingConfigurable):
             "kernels": kernels,
             "reclaim": self._reclaim_json(now, timeout),
             "resume": self.announce.resume,
+            "actions": views.actions_json(lease, list(self.kernels), self.keeper.ended),
             # the broker's unleased-use warnings from one place (heartbeat answers, or the poll without a lease)
-            "warnings": [w for w in standing + list(self.keeper.warnings) if w.get("kind") != UNLEASED_WARNING]
+            "warnings": [w for w in standing + list(self.keeper.warnings) if w.get("kind") != WarningKind.UNLEASED_USE]
             + list(self.warnings.unleased.values()),
             "notices": list(self.announce.notices),
             "heartbeat": dict(self.keeper.heartbeat),

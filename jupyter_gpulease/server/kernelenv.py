@@ -16,7 +16,7 @@ from typing import Any
 
 from traitlets.config import LoggingConfigurable
 
-from ..hub.placement import cpu_only_environment, lease_environment
+from ..core.lease import cpu_only_environment, lease_environment
 from .kernels import RESUMING, SUSPENDED, KernelRecord
 
 SETTING = "gpulease_kernel_env"  # the web_app setting the provisioner finds it under

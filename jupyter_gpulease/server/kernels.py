@@ -22,14 +22,16 @@ from typing import Any
 import psutil
 from traitlets.config import LoggingConfigurable
 
+from ..core.lease import KernelState
 from ..kernel.resume import marker_path
 from .attribution import KernelGPU, KernelProcess
 from .monitor import Snapshot
 from .reclaim import KernelUse
 from .tasks import TaskSet
 
-# a kernel's reclaim state
-OK, ACTING, SUSPENDED, RESUMING, RECLAIMED = "ok", "acting", "suspended", "resuming", "reclaimed"
+# a kernel's reclaim state (the status's kernels[].state)
+OK, ACTING, SUSPENDED, RESUMING, RECLAIMED = (KernelState.OK, KernelState.ACTING, KernelState.SUSPENDED, KernelState.RESUMING,
+                                             KernelState.RECLAIMED)
 PATHS_EVERY_S = 5.0  # how often the notebook paths are read again from the session manager
 
 
@@ -47,7 +49,7 @@ class KernelRecord:
     connections: int = 0
     env_devices: str | None = None  # its CUDA_VISIBLE_DEVICES (None: not known yet)
     gpu: KernelGPU | None = None
-    state: str = OK  # ok | acting | suspended | resuming | reclaimed
+    state: KernelState = OK
     had_gpu: bool = False  # held GPU memory in this process's life
     suspended: dict[str, Any] | None = None  # pids, devices, gpus, memory, lease of a suspended kernel
     message: str = ""

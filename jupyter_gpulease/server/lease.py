@@ -35,12 +35,6 @@ LIVE = ("queued", "active")
 Callback = Callable[[str, dict[str, Any] | None], Awaitable[None]]
 
 
-def lease_devices(lease: dict[str, Any] | None) -> list[str]:
-    """Device ids the lease names for CUDA: MIG instance UUIDs, else GPU UUIDs."""
-    slices = ((lease or {}).get("placement") or {}).get("slices") or []
-    return [s.get("mig_uuid") or s["gpu_uuid"] for s in slices]
-
-
 def lease_gpus(lease: dict[str, Any] | None) -> list[str]:
     """Physical GPU UUIDs of the lease (for a MIG slice: its GPU)."""
     slices = ((lease or {}).get("placement") or {}).get("slices") or []

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..client import BrokerError
+from ..core.lease import NoticeKind, WarningKind
 from ..core.text import format_duration as fmt_duration
-from ..core.unleased import WARNING_KIND as UNLEASED_WARNING
 from .actions import ReclaimActions
 from .announce import Announcer
 from .kernels import ACTING, OK, KernelTable
@@ -40,21 +40,21 @@ class BrokerWarnings:
 
     async def on_warnings(self, warnings: list[dict[str, Any]], lease: dict[str, Any]) -> None:
         """The broker's warnings in a heartbeat's answer (each said once) and the lease's preemption."""
-        self._unleased_now([w for w in warnings if w.get("kind") == UNLEASED_WARNING])
+        self._unleased_now([w for w in warnings if w.get("kind") == WarningKind.UNLEASED_USE])
         for w in warnings:
             key: tuple = (str(w.get("kind")), float(w.get("at") or 0))
-            if w.get("kind") == UNLEASED_WARNING:  # one per process, and again when its deadline moves
-                key = (UNLEASED_WARNING, float(w.get("at") or 0), w.get("pid"), w.get("device_uuid"))
+            if w.get("kind") == WarningKind.UNLEASED_USE:  # one per process, and again when its deadline moves
+                key = (WarningKind.UNLEASED_USE, float(w.get("at") or 0), w.get("pid"), w.get("device_uuid"))
             if key in self._warned:
                 continue
             self._warned.add(key)
-            if w.get("kind") == UNLEASED_WARNING:
-                self.announce.warn(UNLEASED_WARNING, w.get("message") or "A process of yours uses a GPU you do not lease.",
+            if w.get("kind") == WarningKind.UNLEASED_USE:
+                self.announce.warn(WarningKind.UNLEASED_USE, w.get("message") or "A process of yours uses a GPU you do not lease.",
                                    deadline=w.get("deadline"), pid=w.get("pid"), device_uuid=w.get("device_uuid"))
                 continue
-            kind = "preemption" if w.get("kind") == "preemption" else "expiring"
+            kind = WarningKind.PREEMPTION if w.get("kind") == WarningKind.PREEMPTION else WarningKind.EXPIRING
             message = w.get("message") or f"The GPU lease ends at {w.get('at')}."
-            if kind == "preemption":
+            if kind == WarningKind.PREEMPTION:
                 # what this server does about it: the broker cannot know
                 message = message[:1].upper() + message[1:].rstrip(".") + "." + self.saving_words()
             self.announce.warn(kind, message, deadline=w.get("at"))
@@ -62,8 +62,8 @@ class BrokerWarnings:
         if preempt_at and float(preempt_at) != self._noticed:
             preempt_at = self._noticed = float(preempt_at)
             self._suspend_at = preempt_at - max(2 * self.sample_interval, 10.0)
-            if not any(w.get("kind") == "preemption" for w in warnings):  # say it ourselves if the broker did not
-                self.announce.warn("preemption", f"The GPU lease is being preempted for a higher-priority request: it ends in "
+            if not any(w.get("kind") == WarningKind.PREEMPTION for w in warnings):  # say it ourselves if the broker did not
+                self.announce.warn(WarningKind.PREEMPTION, f"The GPU lease is being preempted for a higher-priority request: it ends in "
                                    f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{self.saving_words()}", deadline=preempt_at)
 
     def lease_ended(self) -> None:
@@ -75,7 +75,7 @@ class BrokerWarnings:
         over (the status bar reads the status again and drops its notification)."""
         now_keys = {(w.get("pid"), w.get("device_uuid")) for w in warnings}
         for pid, _dev in sorted(set(self.unleased) - now_keys, key=str):
-            self.announce.publish("notice", {"kind": UNLEASED_WARNING, "message": f"Process {pid} no longer uses a GPU you do not lease."})
+            self.announce.publish("notice", {"kind": NoticeKind.UNLEASED_USE, "message": f"Process {pid} no longer uses a GPU you do not lease."})
         self.unleased = {(w.get("pid"), w.get("device_uuid")): w for w in warnings}
 
     def poll(self, now: float) -> None:

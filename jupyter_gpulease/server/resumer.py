@@ -18,11 +18,12 @@ from traitlets import Bool, Float
 from traitlets.config import LoggingConfigurable
 
 from ..client import BrokerError
+from ..core.lease import lease_devices
 from ..core.text import format_duration as fmt_duration
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint
 from .kernels import OK, RESUMING, SUSPENDED, KernelRecord, KernelTable
-from .lease import LeaseKeeper, lease_devices, same_shape_request
+from .lease import LeaseKeeper, same_shape_request
 from .tasks import TaskSet
 from .views import queue_words
 

@@ -8,24 +8,35 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from ..core.text import format_duration
+from ..core import words
+from ..core.lease import LeaseView, WarningKind, offered_actions
 from .kernels import KernelRecord
-from .lease import lease_devices
 from .monitor import Snapshot
 
 STATUS_VERSION = 1
-LEASE_KEYS = ("id", "state", "tier", "request", "placement", "granted_at", "expires_at", "ended_at", "end_reason", "ended_by",
-              "end_message", "preempt_at", "duration_s", "created_at", "queue")
+# warnings about the active lease: moot once it is gone
+LEASE_WARNINGS = frozenset({WarningKind.PREEMPTION, WarningKind.EXPIRING, WarningKind.LEASE_RECLAIM, WarningKind.RECLAIM,
+                            WarningKind.SHARE_MEMORY})
 
 
 def lease_json(lease: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
-    if not lease:
+    """The lease as the status and the feed show it: its keys, devices, time left, and its
+    sentences (``summary``, ``queue_words``, ``holding``: see :meth:`LeaseView.status_json`)."""
+    view = _view(lease)
+    return None if view is None else view.status_json(now)
+
+
+def _view(lease: dict[str, Any] | None) -> LeaseView | None:
+    try:
+        return LeaseView.maybe(lease)
+    except ValueError:  # a state this server does not know: shown as no lease rather than failing the status
         return None
-    out = {k: lease.get(k) for k in LEASE_KEYS if k in lease}
-    if lease.get("expires_at") and lease.get("state") == "active":
-        out["time_left_s"] = max(0.0, float(lease["expires_at"]) - now)
-    out["devices"] = lease_devices(lease)
-    return out
+
+
+def actions_json(lease: dict[str, Any] | None, kernels: list[KernelRecord], last_lease: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """What the user can do now (extend, keep, resume, release), for the frontends' buttons."""
+    view = _view(lease)
+    return [a.to_json(view) for a in offered_actions(view, [k.state for k in kernels], _view(last_lease))]
 
 
 def device_figures(s: Any) -> dict[str, Any]:
@@ -125,34 +136,26 @@ def standing_warnings(feed_warnings: list[dict[str, Any]], *, now: float, tracke
         if deadline is None or deadline <= now:
             continue
         kid = w.get("kernel_id")
-        if w["kind"] == "reclaim" and (tracker.kernels.get(kid) is None or tracker.kernels[kid].warned_for != deadline):
+        if w["kind"] == WarningKind.RECLAIM and (tracker.kernels.get(kid) is None or tracker.kernels[kid].warned_for != deadline):
             continue  # the kernel computed again (or was kept): no reclaim at that time
-        if w["kind"] == "lease_reclaim" and tracker.lease_warned_for != deadline:
+        if w["kind"] == WarningKind.LEASE_RECLAIM and tracker.lease_warned_for != deadline:
             continue
-        if w["kind"] == "share_memory" and (kid not in kernels or kernels[kid].share_warned_at is None):
+        if w["kind"] == WarningKind.SHARE_MEMORY and (kid not in kernels or kernels[kid].share_warned_at is None):
             continue
-        if w["kind"] in ("preemption", "expiring", "lease_reclaim", "reclaim", "share_memory") and not lease_active:
+        if w["kind"] in LEASE_WARNINGS and not lease_active:
             continue
         out.append(w)
     return out
 
 
 def placement_words(lease: dict[str, Any]) -> str:
-    slices = (lease.get("placement") or {}).get("slices") or []
-    parts = []
-    for s in slices:
-        what = f"MIG {s['mig_profile']} of " if s.get("mig_uuid") else (f"a {float(s.get('share', 1)):g} share of " if float(s.get("share", 1)) < 1 else "")
-        parts.append(f"{what}{s.get('model', 'GPU')} {s.get('mig_uuid') or s['gpu_uuid']}")
-    return ", ".join(parts) or "no devices"
+    """'L4 (GPU-…)', 'a 0.5 share of L4 (GPU-…)', 'MIG 3g.40gb of A100 (MIG-…)'."""
+    return words.placement_words(lease, name="uuid", none="no devices")
 
 
 def queue_words(lease: dict[str, Any], now: float) -> str:
-    q = lease.get("queue") or {}
-    if q.get("position") is None:
-        return "queued for a GPU"
-    eta = q.get("eta")
-    when = f", expected in about {format_duration(max(0.0, eta - now))}" if eta else ""
-    return f"queued for a GPU: number {q['position']} of {q.get('length', '?')}{when}"
+    """'queued for a GPU: position 2 of 5, about 14 min'."""
+    return f"queued for a GPU: {words.queue_words(lease, now)}" if (lease.get("queue") or {}).get("position") is not None else "queued for a GPU"
 
 
 def clock_words(t: float) -> str:

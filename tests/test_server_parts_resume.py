@@ -1,0 +1,73 @@
+"""Resume: a suspended kernel that starts a cell gets a GPU back (a new lease of the same shape
+when none is held) and is restored; one that cannot be is restarted and told why."""
+
+from __future__ import annotations
+
+import pytest
+
+from partsutil import child_process, lease_json, rig, run
+
+
+@pytest.fixture
+def proc():
+    p = child_process()
+    yield p
+    p.kill()
+    p.wait()
+
+
+async def suspended_kernel(r, pid: int, kid: str = "k-resume-01"):
+    k = r.km.add(kid, pid, connection_file=f"/nonexistent/kernel-{kid}.json")
+    r.sim.add_process(r.uuid, pid, 3000, sm_util_pct=0.0)
+    await r.tick(62)
+    rec = r.ctrl.kernels[kid]
+    assert rec.state == "suspended" and r.keeper.active is None  # the lease went back
+    return k, rec
+
+
+@run
+async def test_a_suspended_kernel_that_starts_a_cell_gets_a_lease_like_its_former_one_and_is_restored(tmp_path, proc):
+    r = rig(tmp_path)
+    k, rec = await suspended_kernel(r, proc.pid)
+    other = r.sim.inventory()[1].uuid
+    r.keeper.grant = lease_json("L2", other, now=r.clock())
+    k.execution_state = "busy"
+    await r.tick()  # busy for a moment only: not yet
+    assert not r.keeper.requested
+    await r.tick(2)
+    body = r.keeper.requested[0]
+    assert body["gpus"] == 1 and body["tier"] == "standard" and body["prefer_gpus"] == [r.uuid]
+    assert body["meta"] == {"resume_of": "L1", "kernel": rec.id}
+    assert rec.state == "ok" and rec.suspended is None
+    restore = next(c for c in r.checkpoint.calls if c[0] == "restore")
+    assert restore[2] == {r.uuid: other}  # onto the GPU granted
+    assert rec.env_devices == other  # restored in place: it uses the new lease's device
+    stages = [e["stage"] for e in r.events("resume")]
+    assert stages == ["waiting", "restoring", "done"]
+    assert "has its GPU back" in r.events("resume")[-1]["message"]
+
+
+@run
+async def test_without_restore_onto_another_gpu_the_former_one_is_required_and_another_fails_into_a_restart(tmp_path, proc):
+    r = rig(tmp_path)
+    r.checkpoint.device_map = False
+    _k, rec = await suspended_kernel(r, proc.pid)
+    r.keeper.grant = lease_json("L2", r.sim.inventory()[1].uuid, now=r.clock())
+    assert await r.ctrl.resume_now(rec.id) == [rec.id]
+    for _ in range(3):
+        await r.tick()
+    assert r.keeper.requested[0]["require_gpus"] == [r.uuid]
+    failed = r.events("resume")[-1]
+    assert failed["stage"] == "failed" and "cannot restore onto another GPU" in failed["message"] and "was restarted" in failed["message"]
+    assert ("restart", rec.id) in r.km.calls and rec.state == "ok"
+
+
+@run
+async def test_resume_of_a_server_whose_unused_lease_was_reclaimed_asks_for_the_same_shape(tmp_path):
+    r = rig(tmp_path)
+    await r.tick(62)  # no kernel: the lease itself goes back after the timeout
+    assert r.keeper.released and r.keeper.ended["state"] == "reclaimed"
+    r.keeper.grant = lease_json("L3", r.uuid, now=r.clock())
+    got = await r.ctrl.resume_lease()
+    assert got["id"] == "L3" and r.keeper.requested[-1]["meta"] == {"resume_of": "L1"}
+    assert await r.ctrl.resume_lease() is None  # a lease is held now: nothing to resume
