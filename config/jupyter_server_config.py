@@ -7,6 +7,11 @@
 # CUDA_VISIBLE_DEVICES, JUPYTERHUB_API_TOKEN) needs no configuration.
 
 c = get_config()  # noqa: F821 - provided by Jupyter
+#
+# Each part of the extension has its own settings: c.GPULeaseExtension (where things are, the
+# monitor, heartbeats, cuda-checkpoint), c.GPUIdleRule (when a GPU is idle), c.ReclaimActions
+# (what reclaim does), c.Resumer (resume), c.GPUUsage (activity). The older
+# c.GPULeaseExtension.<name> of a setting that moved still works.
 
 # ------------------------------------------------------------------ the monitor
 # Where GPU figures come from: "nvml" on GPU machines; the demo uses "simulated" (set through
@@ -19,7 +24,7 @@ c.GPULeaseExtension.history_seconds = 600  # what the GPU panel draws
 # A kernel's GPU is idle while its processes keep under 5% of the GPU's compute busy and it
 # runs no cell (reclaim_busy = True: a cell that does not use the GPU does not protect it).
 c.GPULeaseExtension.gpu_idle_threshold = 5.0
-c.GPULeaseExtension.reclaim_busy = False
+c.ReclaimActions.reclaim_busy = False
 # Reclaim after 30 idle minutes; 0 turns idle reclaim off.
 c.GPULeaseExtension.gpu_idle_timeout = 1800
 # Or learn the timeout per user from their own idle gaps, within bounds:
@@ -31,24 +36,24 @@ c.GPULeaseExtension.gpu_idle_timeout = 1800
 # "suspend" moves an idle kernel's GPU memory to host memory with NVIDIA's cuda-checkpoint
 # (driver >= 550, x86-64, no MIG): nothing is lost, the next cell gets a GPU back and goes on.
 # Where it cannot work, fallback_action is used and the user is told why.
-c.GPULeaseExtension.reclaim_action = "suspend"  # suspend | restart | interrupt | shutdown | notify
-c.GPULeaseExtension.fallback_action = "restart"  # restart | interrupt | shutdown | notify
+c.ReclaimActions.reclaim_action = "suspend"  # suspend | restart | interrupt | shutdown | notify
+c.ReclaimActions.fallback_action = "restart"  # restart | interrupt | shutdown | notify
 # c.GPULeaseExtension.cuda_checkpoint = "/usr/bin/cuda-checkpoint"
 # On simulated GPUs (the demo) the suspend is simulated (jupyter_gpulease.devices.simcheckpoint)
 # unless cuda_checkpoint is set; the status and the messages say so. Never used with real GPUs.
-c.GPULeaseExtension.warn_before = 300  # seconds of warning in the notebook before the action
+c.ReclaimActions.warn_before = 300  # seconds of warning in the notebook before the action
 # When no kernel holds GPU memory, the lease goes back to the pool as "reclaimed"; the server
 # keeps running without a GPU ("keep"), or stops ("stop").
-c.GPULeaseExtension.on_reclaim = "keep"
+c.ReclaimActions.on_reclaim = "keep"
 # Users may postpone reclaim ("%gpu keep 2h", the widget's Keep button) by at most this much.
-c.GPULeaseExtension.max_keep = 4 * 3600
+c.ReclaimActions.max_keep = 4 * 3600
 # A suspended kernel that starts a cell asks for a GPU again (its former GPU first).
-c.GPULeaseExtension.resume_on_execute = True
+c.Resumer.resume_on_execute = True
 # A process over its share's memory is warned, then acted on after this many seconds.
-c.GPULeaseExtension.share_grace = 60
+c.ReclaimActions.share_grace = 60
 
 # ------------------------------------------------------------------ reporting
 # Heartbeats with usage to the broker; keep it well under the broker's heartbeat_timeout_s.
 c.GPULeaseExtension.heartbeat_interval = 30
 # GPU work counts as server activity for the hub and jupyterhub-idle-culler.
-c.GPULeaseExtension.report_activity = True
+c.GPUUsage.report_activity = True
