@@ -23,14 +23,24 @@ c.GPULeaseExtension.history_seconds = 600  # what the GPU panel draws
 # ------------------------------------------------------------------ when is a GPU idle
 # A kernel's GPU is idle while its processes keep under 5% of the GPU's compute busy and it
 # runs no cell (reclaim_busy = True: a cell that does not use the GPU does not protect it).
-c.GPULeaseExtension.gpu_idle_threshold = 5.0
+c.GPUIdleRule.gpu_idle_threshold = 5.0
 c.ReclaimActions.reclaim_busy = False
-# Reclaim after 30 idle minutes; 0 turns idle reclaim off.
-c.GPULeaseExtension.gpu_idle_timeout = 1800
-# Or learn the timeout per user from their own idle gaps, within bounds:
-# c.GPULeaseExtension.gpu_idle_timeout_learn = True
-# c.GPULeaseExtension.gpu_idle_timeout_min = 300
-# c.GPULeaseExtension.gpu_idle_timeout_max = 4 * 3600
+# How long a GPU may sit idle: learnt per user from their own idle gaps (the time from the GPU
+# falling idle to its next use), 2 minutes until the first gap; 0 turns idle reclaim off. These
+# values are the defaults: `jupyter gpulease simulate --trace notebook` replays them as its
+# gpulease row, and `--server-config` replays this file. (The older c.GPULeaseExtension.gpu_idle_*
+# names still work.)
+c.GPUIdleRule.gpu_idle_timeout = 120
+c.GPUIdleRule.gpu_idle_timeout_learn = True  # False: gpu_idle_timeout, fixed
+# The learnt timeout is the candidate that costs least in idle GPU holding plus this much per
+# regretted reclaim (the GPU needed again within 10 min), in seconds of idle holding: little when
+# the reclaim suspends (the state waits in host memory), a lot when it restarts the kernel
+# (also where suspend cannot work and fallback_action restarts).
+c.GPUIdleRule.gpu_idle_regret_suspend = 120
+c.GPUIdleRule.gpu_idle_regret_restart = 1800
+c.GPUIdleRule.gpu_idle_timeout_candidates = [60, 120, 180, 300, 420, 600, 900, 1200, 1800, 2700, 3600]
+c.GPUIdleRule.gpu_idle_timeout_min = 60  # admin bounds of the learnt timeout, seconds
+c.GPUIdleRule.gpu_idle_timeout_max = 4 * 3600
 
 # ------------------------------------------------------------------ what reclaim does
 # "suspend" moves an idle kernel's GPU memory to host memory with NVIDIA's cuda-checkpoint

@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import replace
 
-from jupyter_gpulease.core.idle import IdleRule
+from jupyter_gpulease.core.idle import IdleRule, IdleSettings
 from jupyter_gpulease.sim import policies as P
 from jupyter_gpulease.sim.replay import replay
 from jupyter_gpulease.sim.report import summarize
@@ -30,16 +30,20 @@ LINGER_S = 3600.0
 
 def policies() -> list[P.SimPolicy]:
     fixed = lambda make, minutes, tag: replace(make(IdleRule(timeout_s=minutes * 60)), name=f"{tag} fixed {minutes:g} min")  # noqa: E731
+    server = IdleSettings()
+    with_prior = lambda sp, name: replace(sp, name=name, idle_prior=True)  # noqa: E731
     return [
         P.static(),
-        P.gpulease(),  # the reclaim as replayed in notebook_24x8: the kernel's state is not modelled
-        P.gpulease_restart(),
+        P.gpulease(),  # the server extension's default configuration (learnt, suspend)
+        P.gpulease_release(),  # the GPU taken back, the kernel's state not modelled
+        P.gpulease_restart(),  # the default idle settings with reclaim_action = "restart": a regret weighs 30 min
         *(fixed(P.gpulease_restart, m, "restart") for m in (2, 5, 10, 30)),
-        P.gpulease_suspend(),
-        replace(P.gpulease_suspend(IdleRule(learn=True, regret_cost_s=600)), name="gpulease+suspend, regret 10 min"),
-        *(fixed(P.gpulease_suspend, m, "suspend") for m in (2, 5, 10)),
+        P.gpulease_suspend(),  # the default, and the broker's resume_priority on
+        replace(P.gpulease(server.changed(gpu_idle_regret_suspend=600)), name="gpulease, regret 10 min"),
+        replace(P.gpulease(server.changed(gpu_idle_timeout=1800)), name="gpulease, 30 min until first gap"),
+        with_prior(P.gpulease(), "gpulease + population prior"),
+        *(fixed(P.gpulease, m, "suspend") for m in (1, 2, 5, 10, 30)),
         P.gpulease_suspend(multi_gpu=False),
-        replace(P.gpulease_suspend(), name="gpulease+suspend, no resume priority", policy=replace(P.gpulease_suspend().policy, resume_priority=False)),
     ]
 
 
@@ -50,10 +54,10 @@ def main() -> int:
     multi = sum(1 for j in wl.jobs if j.gpu_milli > 1000)
     print(f"notebook trace: {len(wl.jobs)} sessions ({multi} on more than one GPU), pool 24 x 8 GPUs, linger {LINGER_S / 60:g} min (as notebook_24x8)")
     print(f"ASSUMPTION: restore after a suspend {P.RESTORE_S:g} s per kernel; reload after a restart {P.RELOAD_S / 60:g} min (state lost)")
-    print(f"CHOICE: the learnt timeout with suspend weighs a regretted reclaim as {P.SUSPEND_REGRET_COST_S / 60:g} min of idle holding "
-          "(restart and the release-only replay keep the core default of 30 min)")
+    print("gpulease: the server extension's default configuration (" + IdleSettings().describe() + "); "
+          "its learnt timeout weighs a regretted reclaim by what the reclaim really does (suspend 2 min, restart 30 min)")
     for sp in policies():
-        print(f"policy {sp.name}: idle {P.describe_idle(sp.idle)}; reclaim {sp.reclaim_action}"
+        print(f"policy {sp.name}: idle {sp.describe_idle()}; reclaim {sp.reclaim_action}"
               + (f", multi-GPU kernels {'suspended' if sp.suspend_multi_gpu else 'restarted'}" if sp.reclaim_action == "suspend" else "")
               + ("; resume priority" if sp.policy.resume_priority else ""))
     print()
