@@ -79,7 +79,7 @@ def test_every_subcommand_against_a_real_broker_and_server(stack):
         bob = as_user(broker, "bob")
         asyncio.run(bob.request_lease({"gpus": 2, "model": ["L4"]}))
         r = k.execute("%gpu queue")
-        assert "2 GPUs of L4" in r["stdout"], r
+        assert "2 × L4" in r["stdout"], r
 
         r = k.execute("%gpu release --force")
         assert r["stdout"].startswith(f"released lease {lease['id'][:8]}: the GPU went back to the pool.\n"), r
@@ -101,7 +101,7 @@ def test_a_waiting_request_shows_its_place_and_an_interrupt_withdraws_it(stack):
         wait_for(lambda: (server.status()["lease"] or {}).get("state") == "queued", 30, "the request never queued")
         k.interrupt()
         r = k.collect(msg_id)
-        assert re.search(r"waits for 1 GPU of A100\*: position 1 of 1", r["stdout"]), r
+        assert re.search(r"waits for 1 × A100\*: position 1 of 1", r["stdout"]), r
         assert "interrupted: lease" in r["stderr"] and "withdrawn from the queue" in r["stderr"], r
         wait_for(lambda: lease_states(broker, "alice") == ["withdrawn"], 30, "the interrupted request was not withdrawn")
     finally:
@@ -118,11 +118,11 @@ def test_a_waiting_request_is_named_in_words_when_kept_or_asked_again(stack):
         lease_id = server.status()["lease"]["id"]
         # nothing granted: nothing to keep, and no GPU is said to be kept
         r = k.execute("%gpu keep 1h")
-        assert r["stdout"].startswith("nothing to keep yet: your request for 1 GPU of A100* waits (position 1 of 1"), r
+        assert r["stdout"].startswith("nothing to keep yet: your request for 1 × A100* waits (position 1 of 1"), r
         assert "kept" not in r["stdout"] and server.status()["reclaim"]["keep_until"] is None
         # asking again says what waits, with a short id, and no field of the API
         r = k.execute("%gpu request --gpus 99")
-        assert re.fullmatch(rf"gpulease: a request of this server already waits: lease {lease_id[:8]} for 1 GPU of A100\*, "
+        assert re.fullmatch(rf"gpulease: a request of this server already waits: lease {lease_id[:8]} for 1 × A100\*, "
                             r"position 1 of 1, [^;]+; %gpu release withdraws it, then ask again\n", r["stderr"]), r
         assert lease_id not in r["stderr"]
         r = k.execute("%gpu release")

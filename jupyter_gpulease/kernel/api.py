@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from ..core.lease import LeaseState
 from .endpoint import NoServer, ServerAPI, ServerError, find_server
 
 NO_SERVER = (
@@ -97,7 +98,7 @@ class BrokerLease:
 
     def _live(self) -> dict[str, Any] | None:
         leases = self._call("list_leases", state="live")
-        active = [x for x in leases if x["state"] == "active"]
+        active = [x for x in leases if x["state"] == LeaseState.ACTIVE]
         return (active or leases or [None])[0]
 
     def status(self, *, history_s: float | None = None) -> dict[str, Any]:

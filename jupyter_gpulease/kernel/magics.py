@@ -17,6 +17,7 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from ..core.lease import LeaseState, LeaseView, lease_environment
 from ..core.text import format_duration
 from . import args as gpu_args
 from . import text
@@ -40,19 +41,6 @@ def cuda_initialised() -> bool:
         except Exception as e:
             log.debug("torch.cuda.is_initialized() failed: %s", e)
     return any(name in sys.modules for name in _CUDA_USERS)
-
-
-def lease_environment(lease: dict[str, Any]) -> dict[str, str]:
-    """The variables that make CUDA in this process see exactly the lease's devices."""
-    slices = (lease.get("placement") or {}).get("slices") or []
-    env = {
-        "CUDA_VISIBLE_DEVICES": ",".join(s.get("mig_uuid") or s["gpu_uuid"] for s in slices),
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "GPULEASE_LEASE_ID": str(lease.get("id") or ""),
-    }
-    if lease.get("expires_at") is not None:
-        env["GPULEASE_EXPIRES_AT"] = f"{float(lease['expires_at']):.0f}"
-    return env
 
 
 def this_kernel_id() -> str | None:
@@ -162,7 +150,7 @@ class GPUMagics(Magics):
         elif cmd.name == "release":
             ans = api.release(force=cmd.force)
             lease = _lease_of(ans)
-            if lease and lease.get("state") == "withdrawn":
+            if lease and lease.get("state") == LeaseState.WITHDRAWN:
                 self._out(f"withdrawn: lease {text.short_id(lease['id'])} no longer waits")
             else:
                 self._out((f"released lease {text.short_id(lease['id'])}: " if lease else "released: ") + "the GPU went back to the pool."
@@ -176,11 +164,11 @@ class GPUMagics(Magics):
     def _nothing_to_keep(self, api) -> bool:
         """Say so when there is no granted GPU to keep (idle reclaim only watches a granted one)."""
         lease = (api.status(history_s=None) or {}).get("lease")
-        if lease and lease.get("state") == "queued":
+        if lease and lease.get("state") == LeaseState.QUEUED:
             self._out(f"nothing to keep yet: your request for {text.describe_request(lease.get('request') or {})} waits "
                       f"({text.queue_words(lease, self._now())}); idle reclaim only watches a GPU once it is granted")
             return True
-        if not lease or lease.get("state") != "active":
+        if not lease or lease.get("state") != LeaseState.ACTIVE:
             self._out("nothing to keep: this server holds no GPU lease (ask for one with %gpu request)")
             return True
         return False
@@ -197,7 +185,7 @@ class GPUMagics(Magics):
         if lease is None:
             self._out("requested")
             return None
-        if lease["state"] == "queued":
+        if lease["state"] == LeaseState.QUEUED:
             self._out(text.lease_line(lease, self._now()))
             if not wait:
                 self._out("Not granted yet: %gpu status (or the status bar) shows when it is; %gpu release withdraws it.")
@@ -205,7 +193,7 @@ class GPUMagics(Magics):
             lease = self._wait(api, lease)
             if lease is None:
                 return None
-        if lease["state"] == "active":
+        if lease["state"] == LeaseState.ACTIVE:
             self._granted(lease)
         else:
             self._out(text.lease_line(lease, self._now()))
@@ -217,7 +205,7 @@ class GPUMagics(Magics):
         if not lease:
             return None
         asks = text.describe_request(lease.get("request") or {})
-        if lease.get("state") == "queued":
+        if lease.get("state") == LeaseState.QUEUED:
             return (f"a request of this server already waits: lease {text.short_id(lease['id'])} for {asks}, "
                     f"{text.queue_words(lease, self._now())}; %gpu release withdraws it, then ask again")
         return (f"this server already holds {text.lease_line(lease, self._now())}; "
@@ -234,7 +222,7 @@ class GPUMagics(Magics):
                 if not current or current.get("id") != lid:
                     self._out(f"lease {text.short_id(lid)} is no longer waiting" + (f"; now: {text.lease_line(current, self._now())}" if current else ""))
                     return current
-                if current["state"] != "queued":
+                if current["state"] != LeaseState.QUEUED:
                     return current
                 words = text.queue_words(current, self._now())
                 if words.split(",")[0] != last.split(",")[0]:  # the position moved: say so
@@ -250,9 +238,11 @@ class GPUMagics(Magics):
 
     def _granted(self, lease: dict[str, Any]) -> None:
         self._out("granted: " + text.lease_line(lease, self._now()))
-        env = lease_environment(lease)
-        if not env["CUDA_VISIBLE_DEVICES"]:
+        view = LeaseView.from_json(lease)
+        if not view.slices:
             return
+        # the whole lease environment (one copy: the spawner gives a server the same), with this kernel's broker URL
+        env = lease_environment(view, broker_url=os.environ.get("GPULEASE_BROKER_URL", ""))
         if cuda_initialised():
             self._out("This kernel started CUDA before the grant: restart it to use the GPU (new kernels get it by themselves).")
         else:
@@ -283,15 +273,15 @@ class GPUMagics(Magics):
         api = self._connect()
         current = (api.status(history_s=None) or {}).get("lease")
         took = None
-        if current and current.get("state") == "active":
+        if current and current.get("state") == LeaseState.ACTIVE:
             self._out("running on " + text.lease_line(current, self._now()))
         else:
-            if current and current.get("state") == "queued":
+            if current and current.get("state") == LeaseState.QUEUED:
                 self._out("already waiting: " + text.lease_line(current, self._now()))
                 lease = self._wait(api, current)
             else:
                 lease = self._request(api, cmd.request, wait=True)
-            if not lease or lease.get("state") != "active":
+            if not lease or lease.get("state") != LeaseState.ACTIVE:
                 self._err("the cell did not run: no GPU lease")
                 return
             took = lease

@@ -1,14 +1,19 @@
 """`%gpu` answers as text: the same words in a notebook, in IPython and in a terminal.
 
-Pure functions of the server's JSON (docs/server-api.md) and ``now``.
+Pure functions of the server's JSON (docs/server-api.md) and ``now``. A lease is said with the
+one lease view's words (:mod:`jupyter_gpulease.core.words`); what is here lays out the tables
+and the status.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from ..core.text import format_duration, format_gpus, format_table, format_time_left, usage_words
+from ..core.lease import KernelState, LeaseView
+from ..core.lease import current_warnings as _current_warnings
+from ..core.text import format_duration, format_gpus, format_table, usage_words
+from ..core.words import SUSPENDED_WORDS, lease_line, queue_words, sooner_words
+from ..core.words import request_words as describe_request
 
 
 def _mib(v: float | None) -> str:
@@ -30,71 +35,8 @@ def short_id(lease_id: Any) -> str:
     return str(lease_id or "")[:8]
 
 
-def describe_request(r: dict[str, Any]) -> str:
-    models = r.get("model") or []
-    if isinstance(models, str):
-        models = [models]
-    of = f" of {'|'.join(models)}" if models else ""
-    if r.get("kind") == "share":
-        return f"a {float(r.get('share') or 0):g} share{of}"
-    if r.get("kind") == "mig":
-        return f"MIG {r.get('mig_profile')}{of}"
-    n = int(r.get("gpus") or 1)
-    return f"{n} GPU{'s' if n != 1 else ''}{of}"
-
-
-def describe_slices(lease: dict[str, Any]) -> str:
-    parts = []
-    for s in (lease.get("placement") or {}).get("slices") or []:
-        if s.get("mig_profile"):
-            parts.append(f"MIG {s['mig_profile']} of {s['model']} #{s['index']}")
-        elif float(s.get("share", 1)) < 1:
-            parts.append(f"a {float(s['share']):g} share of {s['model']} #{s['index']}")
-        else:
-            parts.append(f"{s['model']} #{s['index']}")
-    return ", ".join(parts) or "-"
-
-
-def queue_words(lease: dict[str, Any], now: float) -> str:
-    """'position 2 of 5, about 14 min' (or 'no estimate yet')."""
-    q = lease.get("queue") or {}
-    pos = f"position {q.get('position', '?')} of {q.get('length', '?')}"
-    eta = q.get("eta")
-    if eta is None:
-        return f"{pos}, no estimate yet"
-    left = float(eta) - now
-    return f"{pos}, {'any moment now' if left < 60 else 'about ' + format_duration(left)}{_sooner(q, now, long=True)}"
-
-
-def _sooner(q: dict[str, Any], now: float, *, long: bool = False) -> str:
-    """The broker's may_start_sooner_at: what the queued lease waits for sits idle and goes back by then."""
-    at = q.get("may_start_sooner_at")
-    if at is None or float(at) <= now:
-        return ""
-    hhmm = time.strftime("%H:%M", time.localtime(float(at)))
-    if long:
-        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm} if it stays idle"
-    return f", or sooner: by {hhmm}"
-
-
-def lease_line(lease: dict[str, Any] | None, now: float) -> str:
-    """One line about the lease: what, state, time left or queue position, or how it ended."""
-    if not lease:
-        return "no GPU lease (ask for one with %gpu request)"
-    lid = short_id(lease.get("id"))
-    state = lease.get("state")
-    if state == "queued":
-        return f"lease {lid} waits for {describe_request(lease.get('request') or {})}: {queue_words(lease, now)}"
-    if state == "active":
-        left = ""
-        if lease.get("expires_at") is not None:
-            left = f", {format_time_left(float(lease['expires_at']) - now)} left"
-        tier = f" (tier {lease['tier']})" if lease.get("tier") else ""
-        return f"lease {lid}: {describe_slices(lease)}{tier}{left}"
-    if lease.get("end_message"):  # a sentence that names the state itself ('Released from the notebook.')
-        return f"lease {lid}: {lease['end_message']}"
-    why = lease.get("end_reason") or ""
-    return f"lease {lid} {state}" + (f": {why}" if why else "")
+__all__ = ["current_warnings", "describe_request", "device_label", "lease_line", "pool_text", "queue_text", "queue_words",
+           "short_id", "status_text", "suspended_kernels"]
 
 
 def device_label(d: dict[str, Any], lease: dict[str, Any] | None) -> str:
@@ -114,19 +56,14 @@ def device_label(d: dict[str, Any], lease: dict[str, Any] | None) -> str:
 
 
 def current_warnings(status: dict[str, Any], now: float) -> list[dict[str, Any]]:
-    """The status's warnings that still stand, the latest of each kind (per kernel): a warning
-    whose deadline passed has come true or gone, and a repeated one replaces the earlier."""
-    latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for w in status.get("warnings") or []:
-        if w.get("deadline") is not None and float(w["deadline"]) < now:
-            continue
-        latest.pop((w.get("kind", ""), w.get("kernel_id") or ""), None)
-        latest[(w.get("kind", ""), w.get("kernel_id") or "")] = w
-    return list(latest.values())
+    """The status's warnings that still stand (:func:`jupyter_gpulease.core.lease.current_warnings`)."""
+    return _current_warnings(status.get("warnings") or [], now)
 
 
 def suspended_kernels(status: dict[str, Any]) -> list[dict[str, Any]]:
-    return [k for k in status.get("kernels") or [] if k.get("state") in ("suspended", "resuming")]
+    """The kernels whose GPU memory is put aside now: suspended, or resuming."""
+    known = {k.value for k in KernelState}
+    return [k for k in status.get("kernels") or [] if k.get("state") in known and KernelState(k["state"]).put_aside]
 
 
 def kernel_row(k: dict[str, Any], kernel_id: str | None) -> list[str]:
@@ -134,8 +71,8 @@ def kernel_row(k: dict[str, Any], kernel_id: str | None) -> list[str]:
     me = " (this kernel)" if kernel_id and kid == kernel_id else ""
     gpu = k.get("gpu") or {}
     idle = k.get("idle") or {}
-    state = k.get("state") or "ok"
-    if state == "ok":
+    state = k.get("state") or KernelState.OK.value
+    if state == KernelState.OK:
         state = k.get("execution_state") or "-"
         if idle.get("idle_s") is not None:
             state = f"GPU idle {format_duration(float(idle['idle_s']))}"
@@ -150,14 +87,14 @@ def status_text(status: dict[str, Any], now: float | None = None, *, kernel_id: 
     """`%gpu status`: lease, devices, kernels (this one marked), warnings."""
     now = float(status.get("now") or 0) if now is None else now
     lease = status.get("lease")
-    lines = [lease_line(lease, now)]
+    lines = [lease_line(LeaseView.maybe(lease), now)]
     if not lease and status.get("last_lease"):
-        lines.append("last: " + lease_line(status["last_lease"], now))
+        lines.append("last: " + lease_line(LeaseView.from_json(status["last_lease"]), now))
     if status.get("message"):
         lines.append(status["message"])
     kernels = status.get("kernels") or []
-    if any(k.get("state") == "suspended" for k in kernels):
-        lines.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it (or %gpu resume)")
+    if any(k.get("state") == KernelState.SUSPENDED for k in kernels):
+        lines.append(f"{SUSPENDED_WORDS} (or %gpu resume)")
     devices = status.get("devices") or []
     if devices:
         rows = []
@@ -187,11 +124,11 @@ def queue_text(queue: list[dict[str, Any]], now: float) -> str:
         q = x.get("queue") or {}
         eta = q.get("eta")
         when = "-" if eta is None else ("any moment" if float(eta) - now < 60 else f"~{format_duration(float(eta) - now)}")
-        when += _sooner(q, now)
+        when += sooner_words(q, now, long=False)
         rows.append([q.get("position", i), x.get("user", "-"), x.get("tier", "-"), describe_request(x.get("request") or {}), when,
                      q.get("waiting_for") or ""])
     out = table(["#", "USER", "TIER", "ASKS FOR", "ETA", "WAITING FOR"], rows)
-    if any(_sooner(x.get("queue") or {}, now) for x in queue):
+    if any(sooner_words(x.get("queue") or {}, now) for x in queue):
         out += "\n(or sooner: the GPU it waits for is idle, and idle reclaim gives it back by then if it stays idle)"
     return out
 

@@ -20,7 +20,9 @@ from typing import Any, ClassVar
 
 import ipywidgets as W
 
+from ..core.lease import ACTIONS, KernelState, LeaseView, offered_actions
 from ..core.text import format_duration, format_time_left
+from ..core.words import SUSPENDED_WORDS, hhmm, lease_line, queue_words
 from . import text
 from .endpoint import ServerError
 from .feed import StatusFeed, shared_feed
@@ -28,12 +30,9 @@ from .feed import StatusFeed, shared_feed
 log = logging.getLogger(__name__)
 
 HISTORY = 300  # samples kept per device for the sparkline (5 min at one a second)
-EXTEND_S = 1800
-KEEP_S = 3600
-
-# what each button does, as the error line names it ("Extending the GPU lease failed: …")
-ACTION_WORDS = {"extend": "Extending the GPU lease", "keep": "Keeping the GPU", "resume": "Resuming",
-                "release": "Giving the GPU lease back"}
+EXTEND_S = int(ACTIONS["extend"].body["by_s"])
+KEEP_S = int(ACTIONS["keep"].body["for_s"])
+ICONS = {"extend": "clock", "keep": "lock", "resume": "play", "release": "times"}
 
 
 def sparkline(values: list[float | None], width: int = 120, height: int = 24) -> str:
@@ -116,11 +115,11 @@ class LeaseWidget(W.VBox):
         self.devices = W.VBox()
         self.warnings = W.HTML()
         self.message = W.HTML()
+        # the one action table's buttons (label, tooltip); what each is offered for: offered_actions()
         self.buttons = {
-            "extend": W.Button(description=f"Extend {format_duration(EXTEND_S)}", icon="clock", tooltip="ask the broker for more time"),
-            "keep": W.Button(description=f"Keep {format_duration(KEEP_S)}", icon="lock", tooltip="no idle reclaim for a while"),
-            "resume": W.Button(description="Resume", icon="play", tooltip="bring the kernel back onto a GPU"),
-            "release": W.Button(description="Release", icon="times", button_style="warning", tooltip="give the GPU back now"),
+            name: W.Button(description=a.label, icon=ICONS.get(name, ""), tooltip=a.tooltip,
+                           button_style="warning" if name == "release" else "")
+            for name, a in ACTIONS.items()
         }
         for name, b in self.buttons.items():
             b.on_click(lambda _b, name=name: self.act(name))
@@ -147,52 +146,48 @@ class LeaseWidget(W.VBox):
 
     def _render(self, status: dict[str, Any]) -> None:
         now = float(status.get("now") or status.get("received_at") or 0)
-        lease = status.get("lease")
-        state = (lease or {}).get("state") or "none"
+        lease = LeaseView.maybe(status.get("lease"))
+        last = LeaseView.maybe(status.get("last_lease"))
+        state = lease.state.value if lease else "none"
         suspended = bool(text.suspended_kernels(status))
-        head = text.lease_line(lease, now)
-        if not lease and status.get("last_lease"):
-            head += " — last: " + text.lease_line(status["last_lease"], now)
+        head = lease_line(lease, now)
+        if lease is None and last is not None:
+            head += " — last: " + lease_line(last, now)
         _set(self.header, "value", f"<b>GPU</b> {html.escape(head)}")
         countdown = ""
-        if lease and state == "active" and lease.get("expires_at") is not None:
-            countdown = format_time_left(float(lease["expires_at"]) - now) + " left"
-            ends = time.strftime("%H:%M", time.localtime(float(lease["expires_at"])))
-            _set(self.countdown, "value", f'<span class="gpulease-countdown">Time left: <b>{countdown[:-5]}</b> (ends at {ends})</span>')
+        if lease is not None and lease.active and lease.expires_at is not None:
+            countdown = format_time_left(lease.expires_at - now) + " left"
+            _set(self.countdown, "value", f'<span class="gpulease-countdown">Time left: <b>{countdown[:-5]}</b> (ends at {hhmm(lease.expires_at)})</span>')
         else:
             _set(self.countdown, "value", "")
-        queue = text.queue_words(lease, now) if state == "queued" else ""
+        queue = queue_words(lease, now) if lease is not None and lease.queued else ""
         _set(self.queue, "value", f"queue: {html.escape(queue)}" if queue else "")
+        lease_json = status.get("lease")
         devices = status.get("devices") or []
         for d in devices:
-            uuid = d.get("uuid") or text.device_label(d, lease)
+            uuid = d.get("uuid") or text.device_label(d, lease_json)
             row = self._rows.get(uuid)
             if row is None:
                 row = self._rows[uuid] = DeviceRow(uuid)
-            row.update(d, lease)
-        wanted = tuple(self._rows[d.get("uuid") or text.device_label(d, lease)] for d in devices)
+            row.update(d, lease_json)
+        wanted = tuple(self._rows[d.get("uuid") or text.device_label(d, lease_json)] for d in devices)
         if tuple(self.devices.children) != wanted:
             self.devices.children = wanted
         warnings = [w.get("message") or w.get("kind", "") for w in text.current_warnings(status, now)]
         if suspended and not any("suspend" in w for w in warnings):
-            warnings.append("suspended: the GPU state of an idle kernel was put aside; its next cell resumes it")
+            warnings.append(SUSPENDED_WORDS)
         if status.get("message"):
             warnings.append(status["message"])
         if status.get("error"):
             warnings.append(f"cannot read the lease: {status['error']}")
         _set(self.warnings, "value", "".join(f'<div class="gpulease-warning">⚠ {html.escape(w)}</div>' for w in warnings))
-        show = {
-            "extend": state == "active",
-            "keep": state == "active",
-            "resume": suspended or (not lease and (status.get("last_lease") or {}).get("state") == "reclaimed"),
-            "release": state in ("active", "queued"),
-        }
+        offered = [a.name for a in offered_actions(lease, [str(k.get("state") or KernelState.OK) for k in status.get("kernels") or []], last)]
         for name, b in self.buttons.items():
-            _set(b.layout, "display", None if show[name] else "none")
-        _set(self.buttons["release"], "description", "Withdraw" if state == "queued" else "Release")
+            _set(b.layout, "display", None if name in offered else "none")
+            _set(b, "description", ACTIONS[name].label_for(lease))
         self.state = {
-            "header": head, "lease_id": (lease or {}).get("id"), "lease_state": state, "countdown": countdown, "queue": queue,
-            "warnings": warnings, "suspended": suspended, "buttons": [n for n, v in show.items() if v],
+            "header": head, "lease_id": lease.id if lease else None, "lease_state": state, "countdown": countdown, "queue": queue,
+            "warnings": warnings, "suspended": suspended, "buttons": offered,
             "utilization": {r.uuid: r.util.value for r in wanted}, "memory_mib": {r.uuid: r.mem.value for r in wanted},
         }
 
@@ -216,17 +211,17 @@ class LeaseWidget(W.VBox):
                 if n:
                     msg = f"resuming {n} kernel{'s' if n != 1 else ''}: a GPU is being found and the memory restored"
                 elif lease is not None:
-                    msg = "asked for a GPU again: " + text.lease_line(lease, time.time())
+                    msg = "asked for a GPU again: " + lease_line(lease, time.time())
                 else:
                     msg = "nothing to resume: no kernel is suspended and the GPU lease was not reclaimed"
             elif name == "release":
-                ans = self.api.release("released with the widget's button", force=True)
+                ans = self.api.release("released with the widget's button", force=bool(ACTIONS["release"].body.get("force")))
                 msg = "released: the GPU went back to the pool"
             else:
                 raise ValueError(f"unknown action {name!r}")
             _set(self.message, "value", html.escape(msg))
         except ServerError as e:
-            _set(self.message, "value", f'<span class="gpulease-error">{html.escape(ACTION_WORDS.get(name, name))} failed: {html.escape(e.message)}</span>')
+            _set(self.message, "value", f'<span class="gpulease-error">{html.escape(ACTIONS[name].doing if name in ACTIONS else name)} failed: {html.escape(e.message)}</span>')
             ans = None
         self.feed.refresh()
         return ans
