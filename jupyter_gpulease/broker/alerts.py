@@ -45,7 +45,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from ..core.events import GRANTED
 from ..core.model import LeaseState
 from ..core.text import format_duration
-from .metrics import lease_idle_s
+from .metrics import backend_healthy, lease_idle_s
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
     ``xid_since``: device uuid -> broker time of its last new device-kind XID."""
     out: list[Alert] = []
     gpus = {g.uuid: g for g in manager.inventory()}
+    sound = backend_healthy(manager)
     live = list(manager.committed.values())
     for d in live:
         idle = lease_idle_s(d, now)
@@ -109,10 +110,10 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
         if s.temperature_c is not None and slow is not None and s.temperature_c >= slow - limits.hot_margin_c:
             severity = "critical" if s.temperature_c >= slow else "warning"
             out.append(Alert("GPULeaseGPUHot", uuid, severity, f"{name} is at {s.temperature_c:.0f} °C; it slows down at {slow:.0f} °C", where))
-        if not s.health.ok and g.healthy:
+        if not s.health.ok and sound.get(uuid, g.healthy):
             out.append(Alert("GPULeaseDeviceUnhealthy", uuid, "critical", f"{name}: {s.health.message()}", where))
     for g in gpus.values():
-        if not g.healthy:
+        if not sound.get(g.uuid, g.healthy):
             out.append(Alert("GPULeaseDeviceUnhealthy", g.uuid, "critical", f"GPU {g.index} ({g.model}) on {g.node} is reported unhealthy by the device backend",
                              {"uuid": g.uuid, "node": g.node, "model": g.model}))
     for uuid, reason in sorted(cordons(manager).items()):
@@ -149,14 +150,17 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
 
 
 def cordons(manager) -> dict[str, str]:
-    """Device uuid -> why it takes no new grants, from the broker's cordon state where it keeps one."""
-    get = getattr(manager, "cordoned_devices", None)
-    if get is None:
+    """Device uuid -> why it takes no new grants: its cordon (its own or its node's), from the
+    broker's health keeper (broker/health.py) where it runs."""
+    health = getattr(manager, "health", None)
+    if health is None:
         return {}
-    try:
-        return {str(k): str(v) for k, v in (get() or {}).items()}
-    except Exception:
-        return {}
+    out = {}
+    for g in manager.inventory():
+        row = health.cordon_of(g)
+        if row is not None:
+            out[g.uuid] = str(row.get("reason") or row.get("mode") or "cordoned")
+    return out
 
 
 # ---------------------------------------------------------------------- payloads

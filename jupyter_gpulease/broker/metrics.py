@@ -153,6 +153,14 @@ def lease_idle_s(d: dict[str, Any], now: float) -> float | None:
     return max(0.0, now - since)
 
 
+def backend_healthy(manager) -> dict[str, bool]:
+    """Device uuid -> whether its device backend reports it healthy. The scheduler's pool marks a
+    cordoned GPU unhealthy too (no new grants); the health series keep the two apart."""
+    health = getattr(manager, "health", None)
+    raw = getattr(health, "raw", None)
+    return {g.uuid: g.healthy for g in raw} if raw is not None else {}
+
+
 def _group(d: dict[str, Any]) -> str:
     groups = d.get("groups") or ()
     return str(groups[0]) if groups else NO_GROUP
@@ -263,6 +271,7 @@ class _BrokerCollector:
     # ------------------------------------------------------------------ the pool's devices
     def _pool(self, live: list[dict[str, Any]]):
         gpus = self.manager.inventory()
+        sound = backend_healthy(self.manager)  # a cordon is not ill health: gpulease_device_cordoned says it
         models = _Tally(g.model for g in gpus)
         total = GaugeMetricFamily("gpulease_gpus_total", "GPUs in the pool by model", labels=["model"])
         unhealthy = GaugeMetricFamily("gpulease_gpus_unhealthy", "GPUs of the pool its device backend reports unhealthy, by model", labels=["model"])
@@ -287,7 +296,7 @@ class _BrokerCollector:
                         reports[uuid] = (at, figures)
         for model, n in sorted(models.items()):
             total.add_metric([model], n)
-            unhealthy.add_metric([model], sum(1 for g in gpus if g.model == model and not g.healthy))
+            unhealthy.add_metric([model], sum(1 for g in gpus if g.model == model and not sound.get(g.uuid, g.healthy)))
         for model, n in sorted(held_model.items()):
             allocated.add_metric([model], n)
         yield total
@@ -295,7 +304,8 @@ class _BrokerCollector:
         yield allocated
 
         labels = ["uuid", "node", "model"]
-        healthy = GaugeMetricFamily("gpulease_device_healthy", "1 while the device backend reports the GPU healthy, 0 when not (then nothing new is granted on it)", labels=labels)
+        healthy = GaugeMetricFamily("gpulease_device_healthy", "1 while the device backend reports the GPU healthy, 0 when not (then nothing new is granted on it; a cordon: gpulease_device_cordoned)",
+                                    labels=labels)
         held = GaugeMetricFamily("gpulease_device_held", "Share of the GPU held by active leases (0 to 1; a MIG instance counts by its share)", labels=labels)
         busy = GaugeMetricFamily("gpulease_device_busy_ratio", "Share of the time since the grant the holder's server saw the device busy (last heartbeat; GPU or MIG instance)",
                                  labels=labels)
@@ -308,7 +318,7 @@ class _BrokerCollector:
             known[g.uuid] = (g.node, g.model)
             for mig in g.mig:
                 known[mig.uuid] = (g.node, g.model)
-            healthy.add_metric(key, 1 if g.healthy else 0)
+            healthy.add_metric(key, 1 if sound.get(g.uuid, g.healthy) else 0)
             held.add_metric(key, min(1.0, held_gpu.get(g.uuid, 0.0)))
         # only devices of the pool: a heartbeat cannot add series
         for uuid, (_, figures) in sorted(reports.items()):
