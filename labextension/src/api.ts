@@ -5,7 +5,9 @@
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
+import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
+import type { ActionName, KernelState, LeaseState, NoticeKind, WarningKind } from './kinds';
 
 export interface ISlice {
   gpu_uuid: string;
@@ -19,7 +21,7 @@ export interface ISlice {
 
 export interface ILease {
   id: string;
-  state: string;
+  state: LeaseState;
   tier?: string;
   expires_at?: number | null;
   granted_at?: number | null;
@@ -32,7 +34,12 @@ export interface ILease {
     waiting_for?: string;
   };
   end_reason?: string;
+  end_message?: string;
   request?: Record<string, unknown>;
+  // the lease in words, from the server (the one lease view's words): what does not change by the second
+  summary?: string; // 'Lease 0123abcd · tier standard', 'Waiting: position 2 of 5', an ended lease's end
+  queue_words?: string; // 'position 2 of 5' while queued
+  holding?: string; // 'L4 ×2', 'A100 3g.40gb'
 }
 
 export interface IDevice {
@@ -48,7 +55,7 @@ export interface IDevice {
 export interface IKernel {
   id: string;
   name?: string;
-  state?: string; // ok | acting | suspended | resuming | reclaimed
+  state?: KernelState;
   execution_state?: string;
   gpu?: { memory_mib?: number | null; sm_util_pct?: number | null };
   memory_mib?: number | null; // in feed samples
@@ -57,7 +64,7 @@ export interface IKernel {
 
 export interface IWarning {
   id?: number;
-  kind: string; // reclaim | lease_reclaim | share_memory | expiring | preemption
+  kind: WarningKind;
   message: string;
   deadline?: number | null;
   at?: number | null;
@@ -83,7 +90,16 @@ export interface IStatus {
   devices?: IDevice[];
   kernels?: IKernel[];
   warnings?: IWarning[];
-  notices?: { kind: string; message: string }[];
+  notices?: { kind: NoticeKind; message: string }[];
+  actions?: IOfferedAction[]; // what the user can do now, from the server's action table
+}
+
+/** An action the server offers now: a row of the action table (kinds.ts) with its label for this lease. */
+export interface IOfferedAction {
+  name: ActionName;
+  label: string;
+  path: string;
+  body: Record<string, unknown>;
 }
 
 /** An answer of the server extension that was not 2xx: its JSON message, for a person. */
@@ -163,33 +179,42 @@ export function feedUrl(since?: number): string {
   return url('feed') + URLExt.objectToQueryString(query);
 }
 
-/** Seconds before the n-th attempt to open the feed again (n = 1, 2, …): 2, 4, 8, … up to 60. */
-export function reconnectDelay(attempt: number): number {
-  return Math.min(60, 2 ** Math.max(1, attempt));
-}
-
 /**
  * The live feed: the server's server-sent events (docs/server-api.md). The first event is the
  * whole status; `sample` events refresh the devices' and kernels' figures; any other event
  * (lease, warning, reclaim, resume, notice) is passed on and the status read again.
  *
  * EventSource reconnects by itself (with `Last-Event-ID`) after a dropped connection. When it
- * gives up (the server refused the stream, or is down), the feed asks for the status every few
- * seconds and opens the stream again after 2, 4, 8, … up to 60 s, with `since` set to the last
- * event it saw so that nothing in between is lost; once the stream is open, polling stops.
+ * gives up (the server refused the stream, or is down), two `Poll`s take over: one asks for the
+ * status every 2 s, the other opens the stream again after 2 s, then after growing waits up to
+ * 60 s, with `since` set to the last event it saw so that nothing in between is lost; both stand
+ * by while the stream is open.
  */
 export class LeaseFeed {
   private _changed = new Signal<this, IStatus>(this);
   private _events = new Signal<this, IFeedEvent>(this);
   private _status: IStatus | null = null;
   private _source: EventSource | null = null;
-  private _timer: number | null = null;
-  private _poller: number | null = null;
   private _disposed = false;
   private _offset = 0; // server clock minus browser clock, in seconds
   private _lastId = 0; // the newest event id seen on the stream
-  private _failures = 0; // attempts to open the stream since it was last open
   private _open = false;
+  // the status, asked for while the stream is not open
+  private _statusPoll = new Poll({
+    name: 'gpulease:status',
+    auto: false,
+    factory: async () => this._update(await getStatus()),
+    frequency: { interval: 2000, backoff: false, max: 2000 },
+    standby: () => this._open
+  });
+  // the stream, opened again when it was given up on: a rejected attempt waits longer before the next
+  private _streamPoll = new Poll({
+    name: 'gpulease:stream',
+    auto: false,
+    factory: () => this._connect(),
+    frequency: { interval: 2000, backoff: 2, max: 60000 },
+    standby: () => this._open || this._source !== null
+  });
 
   get changed(): ISignal<this, IStatus> {
     return this._changed;
@@ -215,7 +240,8 @@ export class LeaseFeed {
   }
 
   start(): void {
-    this._connect();
+    void this._streamPoll.start();
+    void this._statusPoll.start();
   }
 
   /** Ask for the status now (after an action), without waiting for the feed. */
@@ -231,11 +257,8 @@ export class LeaseFeed {
     this._disposed = true;
     this._source?.close();
     this._source = null;
-    this._stopPolling();
-    if (this._timer !== null) {
-      window.clearTimeout(this._timer);
-      this._timer = null;
-    }
+    this._statusPoll.dispose();
+    this._streamPoll.dispose();
   }
 
   private _update(status: IStatus): void {
@@ -274,94 +297,64 @@ export class LeaseFeed {
     }
   }
 
-  private _connect(): void {
-    this._timer = null;
+  /** Open the stream: resolves once it is open, rejects when EventSource gives up on it. */
+  private _connect(): Promise<void> {
     if (this._disposed) {
-      return;
+      return Promise.resolve();
     }
-    let source: EventSource;
-    try {
-      source = new EventSource(feedUrl(this._lastId), { withCredentials: true });
-    } catch {
-      this._down();
-      return;
-    }
-    this._source = source;
-    source.onopen = () => {
-      this._open = true;
-      this._failures = 0;
-      this._stopPolling();
-    };
-    const parse = (ev: MessageEvent): any => {
-      this._seen(ev);
+    return new Promise<void>((resolve, reject) => {
+      let source: EventSource;
       try {
-        return JSON.parse(ev.data);
-      } catch {
-        return null;
-      }
-    };
-    source.addEventListener('status', (ev: MessageEvent) => {
-      const data = parse(ev);
-      if (data) {
-        this._update(data as IStatus);
-      }
-    });
-    source.addEventListener('sample', (ev: MessageEvent) => {
-      const data = parse(ev);
-      if (data) {
-        this._sample(data);
-      }
-    });
-    for (const kind of ['lease', 'warning', 'reclaim', 'resume', 'notice']) {
-      source.addEventListener(kind, (ev: MessageEvent) => {
-        const data = parse(ev);
-        if (data) {
-          this._events.emit({ kind, ...data } as IFeedEvent);
-        }
-        void this.refresh();
-      });
-    }
-    source.onerror = () => {
-      // a dropped connection: EventSource tries again by itself (with Last-Event-ID) while it
-      // is CONNECTING; CLOSED means it gave up (a refusal such as 403, or the server is gone)
-      this._open = false;
-      if (source.readyState === EventSource.CLOSED && this._source === source) {
-        this._source = null;
-        this._down();
-      }
-    };
-  }
-
-  /** The stream is down: keep the figures coming by asking, and open it again after a while. */
-  private _down(): void {
-    if (this._disposed) {
-      return;
-    }
-    this._failures += 1;
-    this._startPolling();
-    if (this._timer === null) {
-      this._timer = window.setTimeout(() => this._connect(), reconnectDelay(this._failures) * 1000);
-    }
-  }
-
-  private _startPolling(): void {
-    if (this._poller !== null) {
-      return;
-    }
-    void this.refresh();
-    this._poller = window.setInterval(() => {
-      if (this._disposed || this._open) {
-        this._stopPolling();
+        source = new EventSource(feedUrl(this._lastId), { withCredentials: true });
+      } catch (e) {
+        reject(e);
         return;
       }
-      void this.refresh();
-    }, 2000);
-  }
-
-  private _stopPolling(): void {
-    if (this._poller !== null) {
-      window.clearInterval(this._poller);
-      this._poller = null;
-    }
+      this._source = source;
+      source.onopen = () => {
+        this._open = true;
+        resolve();
+      };
+      const parse = (ev: MessageEvent): any => {
+        this._seen(ev);
+        try {
+          return JSON.parse(ev.data);
+        } catch {
+          return null;
+        }
+      };
+      source.addEventListener('status', (ev: MessageEvent) => {
+        const data = parse(ev);
+        if (data) {
+          this._update(data as IStatus);
+        }
+      });
+      source.addEventListener('sample', (ev: MessageEvent) => {
+        const data = parse(ev);
+        if (data) {
+          this._sample(data);
+        }
+      });
+      for (const kind of ['lease', 'warning', 'reclaim', 'resume', 'notice']) {
+        source.addEventListener(kind, (ev: MessageEvent) => {
+          const data = parse(ev);
+          if (data) {
+            this._events.emit({ kind, ...data } as IFeedEvent);
+          }
+          void this.refresh();
+        });
+      }
+      source.onerror = () => {
+        // a dropped connection: EventSource tries again by itself (with Last-Event-ID) while it
+        // is CONNECTING; CLOSED means it gave up (a refusal such as 403, or the server is gone):
+        // the polls ask for the status meanwhile and open the stream again
+        this._open = false;
+        if (source.readyState === EventSource.CLOSED && this._source === source) {
+          this._source = null;
+          void this._statusPoll.refresh();
+          reject(new Error('the event stream was closed'));
+        }
+      };
+    });
   }
 }

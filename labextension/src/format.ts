@@ -1,7 +1,11 @@
 /**
  * Words and numbers for the status bar and the panel: pure functions of the server's status JSON.
+ *
+ * The lease's sentences come from the server (`summary`, `queue_words`, `holding`: the one lease
+ * view's words); what is formatted here is what changes every second: the countdown, an ETA.
  */
-import { IDevice, ILease, IStatus, IWarning } from './api';
+import type { IDevice, ILease, IStatus, IWarning } from './api';
+import { WARNING_TITLE_DEFAULT, WARNING_TITLES } from './kinds';
 
 /** Seconds -> "1:12" (hours:minutes) for an hour or more, "14 min" / "40 s" below. */
 export function clock(seconds: number): string {
@@ -38,25 +42,6 @@ export function hhmm(t: number): string {
   return `${d.getHours().toString().padStart(2, '0')}:${d.getMinutes().toString().padStart(2, '0')}`;
 }
 
-/** "A100" from "A100-SXM4-80GB": the model's first word, short enough for a status bar. */
-export function shortModel(model: string): string {
-  return (model || 'GPU').split(/[-\s]/)[0];
-}
-
-/** What the lease holds, in a few characters: "A100 ×1", "L4 ×0.5", "A100 3g.40gb". */
-export function holding(status: IStatus): string {
-  const slices = status.lease?.placement?.slices ?? [];
-  if (!slices.length) {
-    return '';
-  }
-  const first = slices[0];
-  if (first.mig_profile) {
-    return `${shortModel(first.model)} ${first.mig_profile}`;
-  }
-  const share = slices.reduce((a, s) => a + (s.share ?? 1), 0);
-  return `${shortModel(first.model)} ×${Number(share.toFixed(2))}`;
-}
-
 /** Mean utilization over the lease's devices, or null when none reports it. */
 export function utilization(devices: IDevice[]): number | null {
   const vals = devices.map(d => d.utilization_pct).filter((v): v is number => typeof v === 'number');
@@ -68,7 +53,7 @@ export function utilization(devices: IDevice[]): number | null {
 
 /** True when a kernel of this server is suspended (its GPU memory put aside while idle). */
 export function suspended(status: IStatus): boolean {
-  return (status.kernels ?? []).some(k => k.state === 'suspended' || k.state === 'resuming');
+  return (status.kernels ?? []).some(k => k.state === 'suspended' || k.state === 'resuming'); // put aside
 }
 
 /**
@@ -105,7 +90,7 @@ export function statusLine(status: IStatus | null, now: number): string {
     return `GPU queue ${pos}${eta}${sooner}`.replace(/\s+$/, '');
   }
   if (lease.state === 'active') {
-    const parts = [`GPU ${holding(status)}`.trim()];
+    const parts = [`GPU ${lease.holding ?? ''}`.trim()];
     const u = utilization(status.devices ?? []);
     if (u !== null) {
       parts.push(`${Math.round(u)}%`);
@@ -118,29 +103,9 @@ export function statusLine(status: IStatus | null, now: number): string {
   return `GPU ${lease.state}`;
 }
 
-/** The warning's kind in a few words, for a notification's title line. */
+/** The warning's kind in a few words, for a notification's title line (the server's table, kinds.ts). */
 export function warningTitle(w: IWarning): string {
-  switch (w.kind) {
-    case 'expiring':
-      return 'GPU lease ends soon';
-    case 'reclaim':
-    case 'lease_reclaim':
-      return 'Idle GPU will be reclaimed';
-    case 'preemption':
-      return 'GPU lease preempted';
-    case 'share_memory':
-      return 'GPU share over its memory';
-    case 'reclaimed':
-      return 'GPU reclaimed';
-    case 'suspended':
-      return 'Kernel suspended';
-    case 'expired':
-      return 'GPU lease ended';
-    case 'unleased_use':
-      return 'GPU used without a lease';
-    default:
-      return 'GPU lease';
-  }
+  return WARNING_TITLES[w.kind] ?? WARNING_TITLE_DEFAULT;
 }
 
 /** MiB -> "12.0 GiB" / "512 MiB". */

@@ -4,29 +4,8 @@
 import { Notification } from '@jupyterlab/apputils';
 import { IFeedEvent, IStatus, IWarning, LeaseFeed } from './api';
 import { currentWarnings, warningTitle } from './format';
+import { ACTIONS, WARNING_ACTIONS } from './kinds';
 import { runAction } from './panel';
-
-const ACTIONS: Record<string, { label: string; path: string; body: Record<string, unknown> }> = {
-  extend: { label: 'Extend 30 min', path: 'lease/extend', body: { by_s: 1800 } },
-  keep: { label: 'Keep 1 h', path: 'keep', body: { for_s: 3600 } },
-  resume: { label: 'Resume', path: 'resume', body: {} },
-  release: { label: 'Release', path: 'lease/release', body: { reason: 'released from a JupyterLab notification', force: true } }
-};
-
-/** Which actions answer a warning, when the server does not say. */
-function defaultActions(w: IWarning): string[] {
-  switch (w.kind) {
-    case 'expiring':
-      return ['extend', 'release'];
-    case 'reclaim':
-    case 'lease_reclaim':
-      return ['keep', 'release'];
-    case 'preemption':
-      return ['release'];
-    default:
-      return [];
-  }
-}
 
 /** One notification per kind of warning (and kernel); a warning with a new deadline replaces it. */
 function key(w: IWarning): string {
@@ -58,8 +37,8 @@ export class WarningNotifier {
       Notification.success(message, { autoClose: 6000 });
     } else if (e.kind === 'reclaim') {
       const actions = e.action === 'suspend' && e.outcome === 'done'
-        ? [{ label: 'Resume', caption: 'Resume (GPU lease)', displayType: 'accent' as const,
-             callback: () => void runAction(this.feed, 'resume', e.kernel_id ? { kernel_id: e.kernel_id } : {}) }]
+        ? [{ label: ACTIONS.resume.label, caption: `${ACTIONS.resume.label} (GPU lease)`, displayType: 'accent' as const,
+             callback: () => void runAction(this.feed, 'resume', e.kernel_id ? { kernel_id: e.kernel_id } : undefined) }]
         : [];
       Notification.warning(message, { autoClose: false, actions });
     } else if (e.kind === 'resume' && e.stage === 'done') {
@@ -89,14 +68,13 @@ export class WarningNotifier {
       if (shown) {
         Notification.dismiss(shown.id);
       }
-      const actions = defaultActions(w)
-        .filter(a => a in ACTIONS)
-        .map(a => ({
-          label: ACTIONS[a].label,
-          caption: `${ACTIONS[a].label} (GPU lease)`,
-          displayType: 'accent' as const,
-          callback: () => void runAction(this.feed, ACTIONS[a].path, ACTIONS[a].body)
-        }));
+      // the actions that answer this kind of warning (the server's table, kinds.ts)
+      const actions = (WARNING_ACTIONS[w.kind] ?? []).map(a => ({
+        label: ACTIONS[a].label,
+        caption: `${ACTIONS[a].label} (GPU lease)`,
+        displayType: 'accent' as const,
+        callback: () => void runAction(this.feed, a)
+      }));
       const id = Notification.warning(text, { autoClose: false, actions });
       this._shown.set(k, { id, deadline, text });
     }

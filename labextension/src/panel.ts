@@ -3,35 +3,31 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 import { Popup, showPopup } from '@jupyterlab/statusbar';
+import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
-import { act, IDevice, ILease, IStatus, LeaseFeed } from './api';
-import { about, clock, currentWarnings, deviceLabel, mib, statusLine, suspended } from './format';
+import { act, LeaseFeed } from './api';
+import { currentWarnings, statusLine, suspended } from './format';
+import { ActionName, ACTIONS } from './kinds';
+import { panelView } from './view';
 
-const DONE: Record<string, string> = {
-  'lease/extend': 'GPU lease extended',
-  keep: 'Idle reclaim postponed',
-  resume: 'Resuming: the kernels get a GPU back',
-  'lease/release': 'GPU lease released'
-};
-
-/** What each action is called when it fails ("Extending the GPU lease failed: …"), in words, not the API's path. */
-const DOING: Record<string, string> = {
-  'lease/extend': 'Extending the GPU lease',
-  keep: 'Keeping the idle GPU',
-  resume: 'Resuming the kernels',
-  'lease/release': 'Releasing the GPU lease'
-};
-
-/** Run one action and tell the user how it went. */
-export async function runAction(feed: LeaseFeed, action: string, body: Record<string, unknown> = {}): Promise<void> {
+/**
+ * Run one action of the action table (its REST path and body; `body` replaces the table's) and
+ * tell the user how it went, in words ("Extending the GPU lease failed: …"), not the API's path.
+ */
+export async function runAction(feed: LeaseFeed, name: ActionName, body?: Record<string, unknown>): Promise<void> {
+  const a = ACTIONS[name];
   try {
-    await act(action, body);
-    const message = DONE[action] ?? 'GPU lease: done';
-    Notification.success(message, { autoClose: 4000 });
+    await act(a.path, body ?? a.body);
+    Notification.success(a.done, { autoClose: 4000 });
   } catch (e: any) {
-    Notification.error(`${DOING[action] ?? 'The GPU lease action'} failed: ${e?.message ?? e}`, { autoClose: 8000 });
+    Notification.error(`${a.doing} failed: ${e?.message ?? e}`, { autoClose: 8000 });
   }
   await feed.refresh();
+}
+
+/** A tick every second while the page is shown: the countdown moves between feed messages too. */
+function everySecond(name: string, render: () => void): Poll {
+  return new Poll({ name, factory: async () => render(), frequency: { interval: 1000, backoff: false, max: 1000 }, standby: 'when-hidden' });
 }
 
 /** The one line in JupyterLab's status bar; a click opens the panel, a click on it again or elsewhere closes it. */
@@ -44,8 +40,7 @@ export class LeaseStatusItem extends Widget {
     this.node.textContent = statusLine(null, feed.now());
     feed.changed.connect(this._render, this);
     this.node.addEventListener('click', () => this.toggle());
-    // the countdown moves between feed messages too
-    this._timer = window.setInterval(() => this._render(), 1000);
+    this._ticks = everySecond('gpulease:status-item', () => this._render());
   }
 
   /** Open the panel above the item, or close it. JupyterLab's popup closes it on a click elsewhere or Escape. */
@@ -60,7 +55,7 @@ export class LeaseStatusItem extends Widget {
   }
 
   dispose(): void {
-    window.clearInterval(this._timer);
+    this._ticks.dispose();
     this._popup?.dispose();
     super.dispose();
   }
@@ -74,7 +69,7 @@ export class LeaseStatusItem extends Widget {
     this.node.classList.toggle('jp-gpulease-warn', currentWarnings(s, this.feed.now()).length > 0);
   }
 
-  private _timer: number;
+  private _ticks: Poll;
   private _popup: Popup | null = null;
 }
 
@@ -95,66 +90,6 @@ function bar(label: string, pct: number | null, text: string): HTMLElement {
   value.textContent = text;
   row.append(name, track, value);
   return row;
-}
-
-/** What the panel shows, as plain data: the panel changes the page only where this changes. */
-export interface IPanelView {
-  title: string;
-  info: string;
-  devices: { name: string; label: string; util: number | null; utilText: string; mem: number | null; memText: string }[];
-  messages: string[];
-  buttons: { label: string; action: string; body: Record<string, unknown> }[];
-}
-
-/** The panel's content for a status at ``now`` (a pure function: the countdown is in ``title`` and ``info``). */
-export function panelView(s: IStatus | null, now: number): IPanelView {
-  const lease = s?.lease;
-  let info: string;
-  if (!lease) {
-    // the broker's end_message names the state itself ("Released from the notebook."): said once
-    const last = s?.last_lease as (ILease & { end_message?: string }) | null | undefined;
-    const ended = last?.end_message ? `Last lease: ${last.end_message} ` :
-      last ? `Last lease ${last.state}${last.end_reason ? `: ${last.end_reason}` : ''}. ` : 'No GPU lease. ';
-    info = ended + 'Ask for one with %gpu request in a notebook.';
-  } else if (lease.state === 'queued') {
-    const q = lease.queue ?? {};
-    info = `Waiting: position ${q.position ?? '?'} of ${q.length ?? '?'}` +
-      (typeof q.eta === 'number' ? `, ${about(q.eta - now)}` : '') + (q.waiting_for ? ` (${q.waiting_for})` : '');
-  } else {
-    info = `Lease ${lease.id.slice(0, 8)} · tier ${lease.tier ?? '–'} · ` +
-      (typeof lease.expires_at === 'number' ? `${clock(lease.expires_at - now)} left` : 'no time limit');
-  }
-  const devices = (s?.devices ?? []).map((d: IDevice) => {
-    const extra = [
-      typeof d.temperature_c === 'number' ? `${Math.round(d.temperature_c)} °C` : '',
-      typeof d.power_w === 'number' ? `${Math.round(d.power_w)} W` : ''
-    ].filter(Boolean).join(' · ');
-    const u = typeof d.utilization_pct === 'number' ? d.utilization_pct : null;
-    const used = d.memory_used_mib;
-    const total = d.memory_total_mib;
-    const name = deviceLabel(d, lease);
-    return {
-      name,
-      label: `${name}${extra ? ` — ${extra}` : ''}`,
-      util: u,
-      utilText: u === null ? '–' : `${Math.round(u)}%`,
-      mem: typeof used === 'number' && typeof total === 'number' && total > 0 ? (100 * used) / total : null,
-      memText: `${mib(used)} / ${mib(total)}`
-    };
-  });
-  const messages = [...(s?.message ? [s.message] : []), ...currentWarnings(s, now).map(w => w.message)];
-  const buttons: IPanelView['buttons'] = [];
-  if (lease?.state === 'active') {
-    buttons.push({ label: 'Extend 30 min', action: 'lease/extend', body: { by_s: 1800 } });
-    buttons.push({ label: 'Keep 1 h', action: 'keep', body: { for_s: 3600 } });
-  }
-  if (s && suspended(s)) {
-    buttons.push({ label: 'Resume', action: 'resume', body: {} });
-  }
-  if (lease && (lease.state === 'active' || lease.state === 'queued')) {
-    buttons.push({ label: lease.state === 'queued' ? 'Withdraw' : 'Release', action: 'lease/release', body: { reason: 'released from JupyterLab', force: true } });
-  }
-  return { title: statusLine(s, now), info, devices, messages, buttons };
 }
 
 function setText(el: HTMLElement, text: string): void {
@@ -195,12 +130,12 @@ export class LeasePanel extends Widget {
     this._messages = part('jp-gpulease-panel-messages');
     this._buttons = part('jp-gpulease-panel-actions');
     feed.changed.connect(() => this.render(), this);
-    this._timer = window.setInterval(() => this.render(), 1000); // the countdown
+    this._ticks = everySecond('gpulease:panel', () => this.render());
     this.render();
   }
 
   dispose(): void {
-    window.clearInterval(this._timer);
+    this._ticks.dispose();
     super.dispose();
   }
 
@@ -240,7 +175,7 @@ export class LeasePanel extends Widget {
         el.className = 'jp-mod-styled jp-gpulease-action';
         el.dataset.action = b.action;
         el.textContent = b.label;
-        el.addEventListener('click', () => void runAction(this.feed, b.action, b.body));
+        el.addEventListener('click', () => void runAction(this.feed, b.name, b.body));
         this._buttons.appendChild(el);
       }
     }
@@ -254,7 +189,7 @@ export class LeasePanel extends Widget {
   private _deviceKey = '';
   private _messageKey = '';
   private _buttonKey = '';
-  private _timer: number;
+  private _ticks: Poll;
 }
 
 function deviceBlock(): HTMLElement {
