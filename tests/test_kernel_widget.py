@@ -46,7 +46,7 @@ def stack(tmp_path, monkeypatch):
         server = JupyterServer(
             tmp_path, broker_url(broker),
             extra_args=[f"--GPULeaseExtension.cuda_checkpoint={checkpoint}", f"--GPULeaseExtension.gpu_idle_timeout={IDLE_TIMEOUT_S}",
-                        "--GPULeaseExtension.warn_before=2", "--GPULeaseExtension.gaps_file="],
+                        "--GPULeaseExtension.gpu_idle_timeout_learn=False", "--GPULeaseExtension.warn_before=2", "--GPULeaseExtension.gaps_file="],
             extra_env={"STANDIN_CUDA_CHECKPOINT_DIR": str(standin_dir), "STANDIN_CUDA_CHECKPOINT_SIM_STATE": str(state_file),
                        "STANDIN_CUDA_CHECKPOINT_REMAP": "1"},
         )

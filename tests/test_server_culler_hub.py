@@ -71,6 +71,7 @@ def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs]:
         "c.GPULeaseExtension.sample_interval = 0.25\n"
         "c.GPULeaseExtension.heartbeat_interval = 1\n"
         "c.GPULeaseExtension.gpu_idle_timeout = 3600\n"  # the server's own idle reclaim stays out of this
+        "c.GPULeaseExtension.gpu_idle_timeout_learn = False\n"
     )
     bport = free_port()
     spawner_token = secrets.token_hex(16)

@@ -299,7 +299,7 @@ def gpulease_batch() -> SimPolicy:
     grace of :data:`BATCH_GRACE_S` instead of the 10 minutes meant for notebook users, and the
     non-preemptible tiers run in steps of :data:`BATCH_STEP_S` (renewed while nobody entitled
     to their GPUs waits) instead of up to 24 h."""
-    sp = gpulease(preempt_grace_s=BATCH_GRACE_S)
+    sp = gpulease(preempt_grace_s=BATCH_GRACE_S, reclaim_action="release")  # pods are never idle: no kernel to model
     tiers = {
         n: t if t.preemptible else replace(t, max_duration_s=BATCH_STEP_S, default_duration_s=min(BATCH_STEP_S, t.default_duration_s))
         for n, t in sp.policy.tiers.items()
