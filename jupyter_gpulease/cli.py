@@ -47,6 +47,10 @@ register("leases", "jupyter_gpulease.broker.cli", "leases_main", "list leases (y
 register("queue", "jupyter_gpulease.broker.cli", "queue_main", "show the queue with positions and ETAs")
 register("extend", "jupyter_gpulease.broker.cli", "extend_main", "extend a lease")
 register("release", "jupyter_gpulease.broker.cli", "release_main", "release (or withdraw) a lease")
+register("cordon", "jupyter_gpulease.broker.health_cli", "cordon_main", "admins: no new grants on a GPU or a node, with a reason")
+register("drain", "jupyter_gpulease.broker.health_cli", "drain_main", "admins: cordon a GPU or a node and move its leases to healthy GPUs")
+register("uncordon", "jupyter_gpulease.broker.health_cli", "uncordon_main", "admins: put a cordoned GPU or node back into the pool")
+register("maintenance", "jupyter_gpulease.broker.health_cli", "maintenance_main", "cordons and maintenance windows; admins add or remove windows")
 register("simulate", "jupyter_gpulease.sim.cli", "main", "replay a GPU-cluster trace through the scheduler, policy against policy")
 
 if __name__ == "__main__":

@@ -324,6 +324,24 @@ class BrokerClient:
         data = await self._call("GET", "api/usage/suggestions", query={"user": user}, retry_for=0)
         return data.get("suggestions") or [] if isinstance(data, dict) else list(data or [])
 
+    async def health(self) -> dict:
+        """Cordoned GPUs and nodes (with their reasons) and the maintenance windows to come."""
+        return await self._call("GET", "api/health")
+
+    async def cordon(self, kind: str, name: str, reason: str, *, drain: bool = False) -> dict:
+        """Admins: no new grants on a GPU (``kind='device'``, its UUID) or a node (``drain``: and move its holders)."""
+        return await self._call("POST", "api/health/cordon", {"kind": kind, "name": name, "reason": reason, "drain": drain})
+
+    async def uncordon(self, kind: str, name: str) -> dict:
+        return await self._call("POST", "api/health/uncordon", {"kind": kind, "name": name})
+
+    async def add_maintenance(self, *, start: float | str, end: float | str, reason: str, devices: list[str] = (), nodes: list[str] = ()) -> dict:
+        """Admins: a maintenance window (times: epoch seconds or ISO 8601 with a zone)."""
+        return await self._call("POST", "api/maintenance", {"start": start, "end": end, "reason": reason, "devices": list(devices), "nodes": list(nodes)})
+
+    async def delete_maintenance(self, window_id: str) -> dict:
+        return await self._call("DELETE", f"api/maintenance/{window_id}")
+
     async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
         """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one.
         ``since="latest"``: none, at once, with ``last_id`` the newest id (where to follow from)."""

@@ -249,6 +249,25 @@ class GPULeaseBroker(PolicyConfig, Application):
         folder per node on shared storage). "": none. Example: /run/dcgm-job-map.""",
     ).tag(config=True)
 
+    # ------------------------------------------------------------------ GPU health, cordons, maintenance
+    health_drain_action = CaselessStrEnum(
+        ["suspend", "restart"], "suspend",
+        help="""What happens to a lease on a GPU that must be drained now (XID 79, 48, a lost GPU…, see
+        the XID table in README): 'suspend': its server suspends its kernels during
+        health_drain_grace_s, then the lease ends and the next cell resumes them on a healthy GPU
+        (first in its tier); 'restart': the lease ends at once (the kernels' GPU state is lost) and
+        the next request goes first in its tier. Example: 'restart'.""",
+    ).tag(config=True)
+    health_drain_grace_s = Float(
+        60.0, min=15.0,
+        help="Seconds a lease on a GPU drained now keeps it, for its server to suspend its kernels ('suspend'). Example: 60.",
+    ).tag(config=True)
+    health_settle_s = Float(
+        300.0, min=0.0,
+        help="""Seconds a GPU cordoned by its health must stay healthy after a reset before it comes back
+        into the pool by itself (an admin's cordon stays until an admin uncordons it). Example: 300.""",
+    ).tag(config=True)
+
     tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
 
     stop_servers_on_end = Bool(
@@ -446,6 +465,12 @@ class GPULeaseBroker(PolicyConfig, Application):
                 self.manager, self.alert_webhooks, logger=self.log, retry_s=self.alert_retry_s, link=self.public_url.rstrip("/") + self.base_url + "admin",
                 limits=Thresholds(idle_lease_s=self.alert_idle_lease_s, hot_margin_c=self.alert_hot_margin_c, xid_window_s=self.alert_xid_window_s,
                                   queue_wait_p95_s=self.alert_queue_wait_p95_s))
+        from .health import HealthKeeper
+
+        self.health = HealthKeeper(self.manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
+                                   drain_grace_s=self.health_drain_grace_s, logger=self.log)
+        if self.telemetry is not None:
+            self.telemetry.listeners.append(self.health.on_samples)
         if self.dcgm_hpc_job_mapping_dir:
             from .dcgm import DcgmJobMap
 
@@ -486,9 +511,11 @@ class GPULeaseBroker(PolicyConfig, Application):
         """The REST API's routes; the last one answers any other ``api/`` path 404."""
         from . import unleased
         from .handlers import api_handlers
+        from .health_handlers import api_handlers as health_api_handlers
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
+        routes[-1:-1] = health_api_handlers(self.base_url)
         return routes
 
     def _log_request(self, handler) -> None:
@@ -597,6 +624,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         if not await self.wait_for_leadership():
             return False
         await self.manager.start()
+        await self.health.start()
         self.web_app = self.make_web_app()
         url = urlsplit(self.bind_url)
         self._quiet_successes = self.log_level > logging.DEBUG

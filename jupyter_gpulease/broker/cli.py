@@ -174,7 +174,7 @@ def pool_main(argv: list[str] | None = None) -> int:
         print(table(["MODEL", "GPUS", "FREE", "FREE COMPUTE", "MEMORY/GPU", "MIG FREE/TOTAL"], rows))
         print()
         devs = [[d["node"], str(d["index"]), d["model"], f"{d['memory_mib']} MiB", ", ".join(m["profile"] for m in d.get("mig", [])) or "-",
-                 "yes" if d.get("healthy", True) else "NO"] for d in pool.get("devices", [])]
+                 "yes" if d.get("healthy", True) else ("no: " + d["cordon"]["reason"] if d.get("cordon") else "NO")] for d in pool.get("devices", [])]
         print(table(["NODE", "INDEX", "MODEL", "MEMORY", "MIG", "HEALTHY"], devs))
         print()
         u = pool.get("usage") or {}

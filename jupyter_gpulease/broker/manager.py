@@ -121,6 +121,7 @@ class LeaseManager:
         self.unleased: list[dict[str, Any]] = []
         self.unleased_action: str | None = None  # None: nothing checks
         self.unleased_warnings: Callable[[str], list[dict[str, Any]]] | None = None
+        self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on
 
     # ------------------------------------------------------------------ plumbing
     def now(self) -> float:
@@ -441,6 +442,10 @@ class LeaseManager:
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None, actor: str = "", key: str | None = None) -> dict[str, Any]:
         return await self._change(lease_id, lambda now: self.scheduler.extend(lease_id, now, by_s=by_s, until=until, actor=actor), key=key)
 
+    async def drain(self, lease_id: str, *, grace_s: float, reason: str, device: str, actor: str = "broker (GPU health)") -> dict[str, Any]:
+        """Move a lease off a sick GPU (see Scheduler.drain)."""
+        return await self._change(lease_id, lambda now: self.scheduler.drain(lease_id, now, grace_s=grace_s, reason=reason, device=device, actor=actor))
+
     async def confirm(self, lease_id: str, *, actor: str = "", key: str | None = None) -> dict[str, Any]:
         return await self._change(lease_id, lambda now: self.scheduler.confirm(lease_id, now, actor=actor), key=key)
 
@@ -460,6 +465,8 @@ class LeaseManager:
         await self._stage(events, tick=False)
 
     async def set_inventory(self, gpus) -> list[Event]:
+        if self.health is not None:
+            gpus = self.health.apply(gpus)  # cordoned GPUs take no new grants
         events = self.scheduler.set_inventory(gpus, self.now())
         await self._stage(events)
         return events
@@ -575,8 +582,10 @@ class LeaseManager:
 
     def pool(self) -> dict[str, Any]:
         sched = self.scheduler
+        health = self.health
         return {
-            "devices": [g.to_dict() for g in sched.inventory.values()],
+            "devices": [g.to_dict() | ((health.device_note(g) or {}) if health else {}) for g in sched.inventory.values()],
+            **({"health": health.state_json()} if health else {}),
             "capacity": sched.capacity(),
             "queue_length": sched.queue_length(),
             "default_tier": sched.policy.default_tier,
@@ -632,7 +641,9 @@ class LeaseManager:
         if d["state"] != LeaseState.ACTIVE.value:
             return out
         revoke = (d.get("meta") or {}).get(REVOKE_META) if not d.get("preempted_for") else None
-        if d.get("preempt_at") and isinstance(revoke, dict):
+        if d.get("preempt_at") and isinstance(revoke, dict) and revoke.get("drain"):
+            pass  # moved off a sick GPU: the health warning says so
+        elif d.get("preempt_at") and isinstance(revoke, dict):
             out.append({"kind": "preemption", "at": d["preempt_at"],
                         "message": f"an admin ends this lease in {format_duration(d['preempt_at'] - now)}: {revoke.get('reason') or 'no reason given'}"})
         elif d.get("preempt_at"):
@@ -643,6 +654,8 @@ class LeaseManager:
             out.append({"kind": "expiring", "at": exp, "message": f"this lease expires in {format_duration(exp - now)}"})
         if self.unleased_warnings is not None:
             out += self.unleased_warnings(d["user"])
+        if self.health is not None:
+            out += self.health.warnings(d)
         return out
 
 

@@ -164,11 +164,15 @@ def admin_context(m, viewer: str) -> dict[str, Any]:
     now = m.now()
     active = [_lease_view(m, d, now, viewer, True) for d in m.live() if d["state"] == LeaseState.ACTIVE.value]
     queue = [_lease_view(m, d, now, viewer, True) for d in m.queue()]
+    from .health_pages import health_view
+
+    keeper = getattr(m, "health", None)
     pool = [
-        {"node": g.node, "index": g.index, "model": g.model, "memory": f"{g.memory_mib} MiB", "mig": ", ".join(x.profile for x in g.mig), "healthy": g.healthy, "uuid": g.uuid}
+        {"node": g.node, "index": g.index, "model": g.model, "memory": f"{g.memory_mib} MiB", "mig": ", ".join(x.profile for x in g.mig), "healthy": g.healthy, "uuid": g.uuid,
+         **((keeper.device_note(g) or {}) if keeper is not None else {})}
         for g in sorted(m.inventory(), key=lambda g: (g.node, g.index))
     ]
-    return dict(active=active, queue=queue, pool=pool, now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining,
+    return dict(active=active, queue=queue, pool=pool, health=health_view(m, now), now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining,
                 unleased=[_unleased_view(u, now) for u in getattr(m, "unleased", None) or ()], unleased_action=getattr(m, "unleased_action", None))
 
 
@@ -214,6 +218,7 @@ class AdminPage(PageHandler):
     def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
         self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, usage=self.usage,
+                  health_confirm=getattr(self, "confirmation", None),
                   **admin_context(self.manager, self.caller_name))
 
 
@@ -306,8 +311,10 @@ class OAuthCallbackHandler(HubOAuthCallbackHandler):
 
 
 def page_handlers(prefix: str) -> list[tuple]:
+    from .health_pages import page_handlers as health_page_handlers
+
     lease_id = LEASE_ID_ROUTE
-    return [
+    return [*health_page_handlers(prefix),
         (prefix + r"oauth_callback", OAuthCallbackHandler),
         (prefix + r"admin/?", AdminPage),
         (prefix + r"admin/usage\.csv", UsageCSV, {"admin": True}),

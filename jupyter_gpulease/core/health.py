@@ -24,6 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+HEALTH_META = "health"  # lease.meta: what happened to the lease's GPU and why (device, reason, at, action)
+MOVED_META = "moved"  # lease.meta of a request from a server whose lease was drained off a sick GPU: it goes first in its tier
+
 
 class Action(str, enum.Enum):
     """What the broker does about a finding (strongest last)."""
@@ -119,11 +122,11 @@ def assess(health: Mapping[str, Any], *, temperature_c: float | None = None, slo
     card's own slowdown threshold (no fixed figure: cards differ).
     """
     out: list[Finding] = []
-    if health.get("lost"):
-        out.append(Finding(Action.DRAIN_NOW, "the driver reports the GPU as lost (it needs a reset)", "lost"))
-    for code, n in sorted((xids or {}).items()):
+    for code, n in sorted((xids or {}).items()):  # first: the driver's own words for what happened
         times = f" ({n} times)" if n > 1 else ""
         out.append(Finding(xid_action(code), xid_words(code) + times, f"xid:{code}"))
+    if health.get("lost"):
+        out.append(Finding(Action.DRAIN_NOW, "the driver reports the GPU as lost (it needs a reset)", "lost"))
     if ecc_new > 0:
         out.append(Finding(Action.DRAIN_NOW, f"{ecc_new} uncorrectable (double-bit) ECC memory error(s)", "ecc_dbe"))
     if health.get("row_remap_failed"):
@@ -163,4 +166,4 @@ def xid_table_markdown() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["XID_TABLE", "Action", "Finding", "Xid", "assess", "new_xids", "strongest", "xid_action", "xid_table_markdown", "xid_words"]
+__all__ = ["HEALTH_META", "MOVED_META", "XID_TABLE", "Action", "Finding", "Xid", "assess", "new_xids", "strongest", "xid_action", "xid_table_markdown", "xid_words"]

@@ -19,6 +19,7 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 
+from .health import MOVED_META
 from .model import Lease, LeaseState
 from .policy import Policy
 
@@ -161,10 +162,13 @@ class WaitQueue:
         tiers = sorted((t for t in self.policy.tiers.values() if self._by_tier.get(t.name)), key=lambda t: -t.priority)
         for t in tiers:
             per_user = self._by_tier[t.name]
-            resuming = self._resuming.get(t.name) if self.policy.resume_priority else None
+            resuming = self._resuming.get(t.name)
+            if resuming and not self.policy.resume_priority:  # only those moved off a sick GPU go ahead
+                resuming = [x for x in resuming if MOVED_META in x.meta]
             if resuming:
+                ahead = {x.id for x in resuming}
                 yield from list(resuming)
-                yield from (x for x in self._within_tier(per_user, now, usage) if not x.resuming)
+                yield from (x for x in self._within_tier(per_user, now, usage) if x.id not in ahead)
             else:
                 yield from self._within_tier(per_user, now, usage)
 

@@ -33,6 +33,7 @@ from .admission import check_ask, check_extension, lease_for
 from .deadlines import Deadline, Deadlines
 from .estimate import DryRun, Estimate
 from .events import Event
+from .health import HEALTH_META, MOVED_META
 from .ledger import LeaseBook
 from .maintenance import MaintenanceWindow, WindowIndex
 from .model import GPU, BadRequest, Conflict, Lease, LeaseError, LeaseState, NotFound
@@ -76,6 +77,8 @@ class Scheduler:
         self._seq = 0
         self.draining = False
         self.windows: tuple[MaintenanceWindow, ...] = ()  # maintenance windows (see set_maintenance)
+        # (user, server) whose lease was drained off a sick GPU -> what happened: their next request goes first in its tier
+        self.moved: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_pass_now: float = 0.0
         self.passes = 0
 
@@ -102,6 +105,10 @@ class Scheduler:
         lease.seq = self._seq
         lease.state = LeaseState.QUEUED
         lease.resuming = (lease.user, lease.server) in self._book.reclaimed_from
+        moved = self.moved.pop((lease.user, lease.server), None)
+        if moved is not None:
+            lease.resuming = True
+            lease.meta = {**lease.meta, MOVED_META: moved}
         self.leases[lease.id] = lease
         self._queued.add(lease, self.pool.gpu_milli_of(lease.request))
         self.pool.note_request(lease.request)
@@ -123,6 +130,9 @@ class Scheduler:
         target = lease_for(ask, tier, duration_s, now, "(estimate)")
         target.seq = self._seq + 1
         target.resuming = (target.user, target.server) in self._book.reclaimed_from
+        if (target.user, target.server) in self.moved:
+            target.resuming = True
+            target.meta = {**target.meta, MOVED_META: self.moved[(target.user, target.server)]}
         book = self._book
         dry = DryRun(target, self.pool, book.preemptible, lambda v: self.policy.tier(v.tier).grace_s, now, book.live_end, book.free_at)
         found = LastPass()
@@ -186,6 +196,30 @@ class Scheduler:
         lease.meta = {**lease.meta, REVOKE_META: {"reason": reason, "actor": actor}}
         self._book.revoke_at(lease, at)
         return [ev.revoke_warned(lease, now, f"an admin ends this lease in {format_duration(grace_s)}: {reason}; save your work", actor)]
+
+    def drain(self, lease_id: str, now: float, *, grace_s: float, reason: str, device: str, actor: str = "broker") -> list[Event]:
+        """Move an active lease off a sick GPU: it ends as revoked after ``grace_s`` (its holder's
+        kernels are suspended meanwhile; 0: at once), and the next request of its server goes first
+        in its tier, onto a healthy GPU. ``lease.meta['health']`` keeps what happened and why."""
+        lease = self.get(lease_id)
+        if lease.state is not LeaseState.ACTIVE:
+            return []
+        info = {"device": device, "reason": reason, "at": now, "action": "drain_now"}
+        lease.meta = {**lease.meta, HEALTH_META: info}
+        key = (lease.user, lease.server)
+        if grace_s <= 0:
+            self.moved[key] = info
+            return self._book.end(lease, LeaseState.REVOKED, now, f"moved off its GPU: {reason}", actor)
+        at = now + grace_s
+        if (lease.preempt_at is not None and lease.preempt_at <= at) or lease.expires_at <= at:
+            self.moved[key] = info  # it ends within the grace anyway
+            return [ev.revoke_warned(lease, now, f"its GPU is failing ({reason}); this lease ends in {format_duration(min(lease.preempt_at or INF, lease.expires_at) - now)}", actor)]
+        if lease.preempted_for:
+            self._preemption.victim_ended(lease)
+        lease.meta = {**lease.meta, REVOKE_META: {"reason": f"moved off its GPU: {reason}", "actor": actor, "drain": True}}
+        self._book.revoke_at(lease, at)
+        return [ev.revoke_warned(lease, now, f"its GPU is failing ({reason}): this lease moves to a healthy GPU in {format_duration(grace_s)}; "
+                                             "its kernels are suspended first and resume there", actor)]
 
     def extend(self, lease_id: str, now: float, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> list[Event]:
         """Move ``expires_at`` later, within the tier's limits."""
@@ -325,7 +359,9 @@ class Scheduler:
     def _preempt_ends(self, lease: Lease, now: float) -> list[Event]:
         if lease.state is LeaseState.ACTIVE and lease.preempt_at is not None and lease.preempt_at <= now:
             revoke = lease.meta.get(REVOKE_META) if not lease.preempted_for else None
-            if isinstance(revoke, dict):  # an admin's revoke whose grace is over
+            if isinstance(revoke, dict):  # an admin's revoke (or a drain) whose grace is over
+                if revoke.get("drain") and isinstance(lease.meta.get(HEALTH_META), dict):
+                    self.moved[(lease.user, lease.server)] = lease.meta[HEALTH_META]
                 return self._book.end(lease, LeaseState.REVOKED, lease.preempt_at, str(revoke.get("reason") or "revoked by an admin"),
                                       str(revoke.get("actor") or "admin"))
             w = self.leases.get(lease.preempted_for)
