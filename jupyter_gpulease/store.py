@@ -226,9 +226,27 @@ class Batch:
     # increments of counter totals, (name, label values) -> amount, counted at ``at``
     totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
     at: float = 0.0
+    usage: UsageBatch | None = None  # usage records written in the same transaction
 
     def __bool__(self) -> bool:
-        return bool(self.leases or self.events)
+        return bool(self.leases or self.events or self.usage)
+
+
+@dataclass
+class UsageBatch:
+    """Usage records to write (see :mod:`jupyter_gpulease.broker.usage`): accounting rows of
+    leases (whole rows, upserted), raw samples (inserted) and increments of hourly roll-ups."""
+
+    leases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # (lease_id, kernel, notebook, t0, t1, held_gpu_s, busy_gpu_s, mem_mib)
+    samples: list[tuple] = field(default_factory=list)
+    # (hour, lease_id, kernel) -> [notebook, user, team, model, tier, held_gpu_s, busy_gpu_s, mem_peak_mib]
+    hours: dict[tuple[int, str, str], list] = field(default_factory=dict)
+    # increments of the metrics' durable counters (the manager adds them to the batch's totals)
+    totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases or self.samples or self.hours)
 
 
 def _row_values(d: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +286,12 @@ def _event_values(e: dict[str, Any]) -> dict[str, Any]:
 # JSON columns are serialised as SQLAlchemy's JSON type does (json.dumps; None is 'null')
 _LEASE_COLS = ("id", "user", "server", "tier", "state", "seq", "created_at", "granted_at", "expires_at", "ended_at", "end_reason", "request", "placement", "data")
 _EVENT_COLS = ("id", "lease_id", "time", "kind", "from_state", "to_state", "actor", "reason", "data", "request_key")
+_USAGE_LEASE_COLS = ("lease_id", "user", "team", "groups", "tier", "model", "slice_kind", "slice", "gpus", "fraction", "mem_mib", "asked_s",
+                     "created_at", "granted_at", "ended_at", "end_state", "queue_wait_s", "held_s", "held_gpu_s", "busy_gpu_s", "mem_peak_mib",
+                     "reclaims", "suspends", "preemptions", "devices", "state")
+_USAGE_JSON = ("groups", "devices", "state")
+_USAGE_SAMPLE_COLS = ("lease_id", "kernel", "notebook", "t0", "t1", "held_gpu_s", "busy_gpu_s", "mem_mib")
+_USAGE_HOUR_COLS = ("hour", "lease_id", "kernel", "notebook", "user", "team", "model", "tier", "held_gpu_s", "busy_gpu_s", "mem_peak_mib")
 # parameters a statement may have: 32,766 since SQLite 3.32, 999 before
 _SQLITE_MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 _SQLITE_ROWS_LEASES = _SQLITE_MAX_PARAMS // len(_LEASE_COLS)
@@ -626,6 +650,8 @@ class LeaseStore:
                     ids = self._write_sql(conn, batch)
                 if batch.totals:
                     self._add_totals(conn, batch)
+                if batch.usage:
+                    self._write_usage(conn, batch.usage)
         except Exception:
             self._next_event_id = None  # read it again from the database
             if self.dialect != "postgresql" and self._wconn is not None:
@@ -696,6 +722,65 @@ class LeaseStore:
             key = (TOTALS.c.name == r["name"]) & (TOTALS.c.labels == r["labels"])
             if not conn.execute(update(TOTALS).where(key).values(value=TOTALS.c.value + r["value"])).rowcount:
                 conn.execute(insert(TOTALS).values(**r))
+
+    # ------------------------------------------------------------------ usage records
+    def write_usage(self, usage: UsageBatch) -> None:
+        """Write usage records in their own transaction (the simulator; the broker writes them
+        with its event batches)."""
+        if not usage:
+            return
+        conn = self._writer_conn()
+        with conn.begin():
+            self._write_usage(conn, usage)
+
+    def _write_usage(self, conn: Connection, usage: UsageBatch) -> None:
+        pg = self.dialect == "postgresql"
+        if usage.leases:
+            cols = _USAGE_LEASE_COLS
+            rows = [tuple(json.dumps(r[c]) if c in _USAGE_JSON else r[c] for c in cols) for r in usage.leases.values()]
+            self._multi_insert(conn, "usage_leases", cols, rows, conflict=("lease_id",), update={c: f'excluded."{c}"' for c in cols if c != "lease_id"})
+        if usage.samples:
+            self._multi_insert(conn, "usage_samples", _USAGE_SAMPLE_COLS, usage.samples)
+        if usage.hours:
+            rows = [(h, lid, k, *v) for (h, lid, k), v in usage.hours.items()]
+            greatest = "GREATEST" if pg else "max"
+            self._multi_insert(conn, "usage_hourly", _USAGE_HOUR_COLS, rows, conflict=("hour", "lease_id", "kernel"), update={
+                "notebook": "excluded.notebook",
+                "held_gpu_s": "usage_hourly.held_gpu_s + excluded.held_gpu_s",
+                "busy_gpu_s": "usage_hourly.busy_gpu_s + excluded.busy_gpu_s",
+                "mem_peak_mib": f"{greatest}(usage_hourly.mem_peak_mib, excluded.mem_peak_mib)",
+            })
+
+    def _multi_insert(self, conn: Connection, table: str, cols: tuple[str, ...], rows: list[tuple], *, conflict: tuple[str, ...] = (),
+                      update: dict[str, str] | None = None) -> None:
+        """Multi-row INSERT statements (… ON CONFLICT … DO UPDATE): a few statements per batch
+        instead of one per row (see :meth:`_write_sqlite`); the same SQL on SQLite and PostgreSQL."""
+        names = ", ".join(f'"{c}"' for c in cols)
+        tail = ""
+        if conflict:
+            sets = ", ".join(f'"{c}" = {v}' for c, v in (update or {}).items())
+            tail = f" ON CONFLICT ({', '.join(conflict)}) DO UPDATE SET {sets}"
+        per = max(1, (_SQLITE_MAX_PARAMS if self.dialect == "sqlite" else 30000) // len(cols))
+        ph = "?" if self.dialect == "sqlite" else "%s"
+        one = "(" + ", ".join([ph] * len(cols)) + ")"
+        for chunk in _chunks(rows, per):
+            conn.exec_driver_sql(f"INSERT INTO {table} ({names}) VALUES {', '.join([one] * len(chunk))}{tail}", tuple(v for r in chunk for v in r))
+
+    def load_live_usage(self) -> list[dict[str, Any]]:
+        """The accounting rows of leases not ended yet (a restarted broker's recorder goes on from them)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(USAGE_LEASES).where(USAGE_LEASES.c.ended_at.is_(None))).mappings().all()
+        return [dict(r) for r in rows]
+
+    def prune_usage_samples(self, before: float, limit: int = 20000) -> int:
+        """Delete at most ``limit`` raw usage samples that ended before ``before`` (the hourly
+        roll-ups stay); the number deleted."""
+        conn = self._writer_conn()
+        with conn.begin():
+            ids = list(conn.scalars(select(USAGE_SAMPLES.c.id).where(USAGE_SAMPLES.c.t1 < before).order_by(USAGE_SAMPLES.c.id).limit(limit)))
+            if ids:
+                conn.execute(delete(USAGE_SAMPLES).where(USAGE_SAMPLES.c.id.in_(ids)))
+        return len(ids)
 
     def load_totals(self) -> dict[tuple[str, tuple[str, ...]], list[float]]:
         """Every counter total: (name, label values) -> [value, created]."""

@@ -444,6 +444,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
         self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
         self.metrics = BrokerMetrics(self.manager, per_user=self.metrics_per_user)
+        self.init_usage()
         self.manager.listeners.append(self._on_events)
         self.unleased = None
         if self.unleased_check_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
@@ -475,6 +476,16 @@ class GPULeaseBroker(PolicyConfig, Application):
             from .dcgm import DcgmJobMap
 
             self.dcgm = DcgmJobMap(self.manager, self.dcgm_hpc_job_mapping_dir, logger=self.log)
+
+    def init_usage(self) -> None:
+        """Usage records (the recorder feeds on the manager's batches) and the report over the store."""
+        from .usage import GPULeaseUsage, UsageAPI, UsageRecorder, offers_of
+
+        self.usage_settings = s = GPULeaseUsage(parent=self)
+        if s.record:
+            self.manager.usage_recorder = UsageRecorder(s.accounting(), per_user_metrics=self.metrics_per_user)
+        self.usage = UsageAPI(self.store, s.accounting(), offers=lambda: offers_of(self.manager.inventory()), clock=self.clock.now,
+                              min_leases=s.suggestion_min_leases, suggestion_days=s.suggestion_days)
 
     @property
     def limits(self) -> Limits:
@@ -509,12 +520,13 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     def api_routes(self) -> list[tuple]:
         """The REST API's routes; the last one answers any other ``api/`` path 404."""
-        from . import unleased
+        from . import unleased, usage_handlers
         from .handlers import api_handlers
         from .health_handlers import api_handlers as health_api_handlers
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
+        routes[-1:-1] = usage_handlers.api_handlers(self.base_url)
         routes[-1:-1] = health_api_handlers(self.base_url)
         return routes
 
@@ -640,6 +652,9 @@ class GPULeaseBroker(PolicyConfig, Application):
         if self.event_retention_days > 0:
             self.periodic.append(PeriodicCallback(self._prune, 3600 * 1000))
             self._background(self._prune())
+        if self.usage_settings.sample_retention_days > 0:
+            self.periodic.append(PeriodicCallback(self._prune_usage, 3600 * 1000))
+            self._background(self._prune_usage())
         if self.store.dialect == "postgresql":
             self.periodic.append(PeriodicCallback(self._check_lock, 1000))
         if self.unleased is not None:
@@ -678,6 +693,14 @@ class GPULeaseBroker(PolicyConfig, Application):
                 self.log.info("Deleted %d event(s) of ended leases older than %g days", n, self.event_retention_days)
         except Exception:
             self.log.exception("pruning old events failed")
+
+    async def _prune_usage(self) -> None:
+        try:
+            n = await self.manager.prune_usage_samples(self.usage_settings.sample_retention_days * 86400)
+            if n:
+                self.log.info("Deleted %d raw usage sample(s) older than %g days (the hourly roll-ups stay)", n, self.usage_settings.sample_retention_days)
+        except Exception:
+            self.log.exception("pruning old usage samples failed")
 
     async def _refresh_inventory(self) -> None:
         """Read the pool again (off the loop: backends may block) and apply it if it changed."""

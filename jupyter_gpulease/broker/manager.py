@@ -121,6 +121,8 @@ class LeaseManager:
         self.unleased: list[dict[str, Any]] = []
         self.unleased_action: str | None = None  # None: nothing checks
         self.unleased_warnings: Callable[[str], list[dict[str, Any]]] | None = None
+        # usage records (broker/usage.py): fed from each batch before its commit, written with it
+        self.usage_recorder = None
         self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on
 
     # ------------------------------------------------------------------ plumbing
@@ -226,6 +228,7 @@ class LeaseManager:
 
     def _snapshot(self, staged, events: list[Event], touched) -> Batch:
         batch = Batch()
+        touched = list(touched)
         first_of_call: dict[int, str] = {}
         for evs, key in staged:
             if key and evs:
@@ -249,6 +252,13 @@ class LeaseManager:
             batch.leases[lid] = d
         if self.count_totals is not None and events:
             batch.totals, batch.at = self.count_totals(events), self.now()
+        if self.usage_recorder is not None:
+            self.usage_recorder.observe(events, touched, self.now())
+            batch.usage = self.usage_recorder.take()
+            if batch.usage is not None and batch.usage.totals and self.count_totals is not None:
+                for k, v in batch.usage.totals.items():
+                    batch.totals[k] = batch.totals.get(k, 0.0) + v
+                batch.at = batch.at or self.now()
         return batch
 
     def _committed(self, batch: Batch, written: list[dict[str, Any]], events: list[Event]) -> None:
@@ -310,6 +320,8 @@ class LeaseManager:
             self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
         self.feed.last_id = await self._in_writer(self.store.last_event_id)
         self.totals = await self._in_writer(self.store.load_totals)
+        if self.usage_recorder is not None:
+            self.usage_recorder.restore(await self._in_writer(self.store.load_live_usage))
         self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
         self._writer_task = asyncio.ensure_future(self._write_loop())
         done = self._stage([], tick=True)
@@ -360,6 +372,17 @@ class LeaseManager:
                 break
         if total:
             self.feed.ring.clear()  # catch-ups read the store until the ring fills again
+        return total
+
+    async def prune_usage_samples(self, retention_s: float) -> int:
+        """Delete raw usage samples older than ``retention_s`` (in chunks, in the writer); the hourly roll-ups stay."""
+        before = self.now() - retention_s
+        total = 0
+        while not self.closed and self.failed is None:
+            n = await self._in_writer(self.store.prune_usage_samples, before)
+            total += n
+            if n == 0:
+                break
         return total
 
     # ------------------------------------------------------------------ idempotency

@@ -444,6 +444,17 @@ class _BrokerCollector:
         stops = CounterMetricFamily("gpulease_unleased_stops", "Processes of unleased GPU use the broker stopped, or could not (outcome: "
                                     + ", ".join(STOP_OUTCOMES) + "), by the GPU's model", labels=["model", "outcome"])
         families = {"requests": requests, "grants": grants, "ends": ends, "unleased_findings": findings, "unleased_stops": stops}
+        # usage records (broker/usage.py): GPU-seconds held and busy, in GPU-equivalents (a share or MIG slice: its fraction)
+        usage = {
+            "usage_held": CounterMetricFamily("gpulease_usage_held_gpu_seconds", "GPU-seconds held by leases (a share or MIG instance counts its "
+                                              "fraction), by the group the hours count to and the GPU model", labels=["group", "model"]),
+            "usage_busy": CounterMetricFamily("gpulease_usage_busy_gpu_seconds", "GPU-seconds of held GPUs that were busy (as the servers' idle rule "
+                                              "counts it), by group and model", labels=["group", "model"]),
+        }
+        if self.per_user:
+            usage["usage_user_held"] = CounterMetricFamily("gpulease_user_usage_held_gpu_seconds", "GPU-seconds held, per user", labels=["group", "model", "user"])
+            usage["usage_user_busy"] = CounterMetricFamily("gpulease_user_usage_busy_gpu_seconds", "GPU-seconds busy, per user", labels=["group", "model", "user"])
+        families.update(usage)
         wait: dict[tuple[str, ...], dict[str, Any]] = {}
         for (name, labels), (value, created) in sorted(totals.items()):
             fam = families.get(name)
@@ -462,6 +473,7 @@ class _BrokerCollector:
         yield ends
         yield findings
         yield stops
+        yield from usage.values()
         hist = HistogramMetricFamily("gpulease_wait_seconds", "Time leases waited in the queue, observed when the wait ended, by tier and outcome ("
                                      + ", ".join(WAIT_OUTCOMES) + ")", labels=["tier", "outcome"])
         for (tier, outcome), h in sorted(wait.items()):

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="batch pods cut by a time limit lose the rest of their work (default: their user resubmits the rest, as after a preemption)",
     )
+    p.add_argument("--usage-db", default=None, metavar="FILE",
+                   help="write the usage records of the first policy's replay into a store at this SQLite path (read it with "
+                        "'jupyter gpulease report --db sqlite:///FILE')")
     p.add_argument("--json", default=None, help="write all results as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots with this path prefix (PREFIX_timeline.png, PREFIX_wait_cdf.png, …)")
     p.add_argument("--progress", dest="progress", action="store_true", default=None, help="show a progress bar (default: when stderr is a terminal)")
@@ -176,8 +179,20 @@ def run(args) -> dict[str, Any]:
     horizon = args.horizon_days * 86400 if args.horizon_days is not None else None
     sps = _policies(args, batch=fmt == ALIBABA_PODS)
     results, summaries = [], []
+    usage_db = None
     for sp in sps:
-        r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
+        if args.usage_db and usage_db is None:  # the first policy's records, through the broker's recorder
+            from .replay import Replay
+            from .usagedb import UsageDB
+
+            usage_db = UsageDB(args.usage_db)
+            rp = Replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired,
+                        on_event=usage_db.on_event, on_busy=usage_db.on_busy)
+            usage_db.replay = rp
+            r = rp.run()
+            usage_db.written = {"policy": sp.name, **usage_db.finish(r)}
+        else:
+            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
         results.append(r)
         summaries.append(summarize(r))
     doc: dict[str, Any] = {
@@ -189,6 +204,8 @@ def run(args) -> dict[str, Any]:
         "policies": [sp.to_dict() for sp in sps],
         "results": summaries,
     }
+    if usage_db is not None:
+        doc["usage_db"] = usage_db.written
     sweep_results = []
     if args.idle_sweep and fmt == NOTEBOOK:
         points = []
@@ -239,6 +256,9 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("plots"):
         lines.append("")
         lines += [f"plot: {f}" for f in doc["plots"]]
+    if doc.get("usage_db"):
+        u = doc["usage_db"]
+        lines.append(f"usage records: {u['leases']} leases of {u['policy']} in {u['usage_db']}")
     return "\n".join(lines)
 
 

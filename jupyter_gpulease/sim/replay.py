@@ -138,6 +138,7 @@ class Replay:
         progress: bool | None = False,
         on_event: Callable[[ev.Event], None] | None = None,
         requeue_expired: bool = True,
+        on_busy: Callable[[JobRecord, float, float], None] | None = None,
     ):
         self.workload = workload
         self.pool = pool
@@ -146,6 +147,7 @@ class Replay:
         self.horizon_s = horizon_s
         self.progress = Progress(len(workload.jobs), sim_policy.name, enabled=progress)
         self.on_event = on_event
+        self.on_busy = on_busy  # a busy interval closed: (record, start, end) — usage records (sim/usagedb.py)
         # ASSUMPTION (default): a pod cut by its time limit is resubmitted by its user for the
         # rest of its work (as a preempted one is); False: the rest of its work is lost
         self.requeue_expired = requeue_expired
@@ -188,6 +190,8 @@ class Replay:
             return
         if rec.busy_since is not None:
             rec.busy_s += (now - rec.busy_since) * rec.busy_milli / MILLI
+            if self.on_busy is not None:
+                self.on_busy(rec, rec.busy_since, now)
         rec.busy_since = now if milli else None
         self.busy.add(now, (milli - rec.busy_milli) / MILLI)
         rec.busy_milli = milli

@@ -1,0 +1,688 @@
+"""Usage records: where the GPU-hours go, per lease and per kernel, and the report over them.
+
+The recorder (:class:`UsageRecorder`) turns what the broker already knows into accounting
+records: a grant opens one row per lease (who, which slice, the group the hours count to,
+asked duration, queue wait), every heartbeat adds the interval since the last one (GPU-seconds
+held; GPU-seconds busy as the server's idle rule counted them, per device and per kernel with
+the notebook's path; memory peaks), an end closes the row (reclaims, suspends, preemptions).
+It is pure bookkeeping in memory on the event loop; what it produces goes into the same
+transaction as the batch of events that caused it (:class:`~jupyter_gpulease.store.UsageBatch`
+in the manager's :class:`~jupyter_gpulease.store.Batch`), so a record is durable exactly when
+the grant, end or heartbeat behind it is. The simulator feeds the same recorder
+(``jupyter gpulease simulate --usage-db``).
+
+GPU-seconds are GPU-equivalents: a whole GPU counts 1 per second, a share its fraction, a MIG
+instance its fraction of its GPU (its memory's share, as quotas count it). A lease's busy time
+is capped at its held time. Raw samples are pruned after ``sample_retention_days``; the hourly
+roll-ups (``usage_hourly``) are kept, and the report reads only them and the lease rows,
+aggregating in SQL.
+
+The queries (:func:`report`, :func:`series`, :func:`suggestions`) read any store: the broker's
+REST handlers (``broker/usage_handlers.py``), the pages and ``jupyter gpulease report --db``
+call them.
+"""
+
+from __future__ import annotations
+
+import csv
+import fnmatch
+import io
+import math
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, func, select
+from traitlets import Bool, Dict, Float, Integer, List, Unicode
+from traitlets.config import Configurable
+
+from ..core import rightsizing
+from ..core.events import ENDED, GRANTED, Event
+from ..core.model import MILLI, LeaseState, SliceKind
+from ..store import USAGE_HOURLY, USAGE_LEASES, UsageBatch
+
+HOUR = 3600
+NO_TEAM = "none"  # the group of a user in no group (the metrics' name for it too)
+BY = ("user", "group", "model", "tier", "notebook")
+STEPS = {"hour": 3600, "day": 86400}
+
+
+# --------------------------------------------------------------------------- settings
+class GPULeaseUsage(Configurable):
+    """Usage records and chargeback: prices, the group hours count to, retention."""
+
+    record = Bool(True, help="""Keep usage records (per lease and kernel, from grants, ends and heartbeats).
+        False: nothing is recorded (the report shows nothing new).""").tag(config=True)
+    prices = Dict(
+        value_trait=Float(min=0.0), key_trait=Unicode(),
+        help="""Price of one GPU-hour per GPU model, for the report's cost column. Keys are models or
+        shell patterns of them, tried in order (exact names first); a share costs its fraction,
+        a MIG instance its fraction of its GPU. A model no key matches costs nothing.
+        Example: {"A100-SXM4-80GB": 2.9, "H100*": 4.5, "*": 1.0}.""",
+    ).tag(config=True)
+    currency = Unicode("", help="Currency of ``prices`` as shown in reports. Example: \"EUR\".").tag(config=True)
+    charge_idle = Bool(True, help="""Charge the GPU-hours a lease held while idle (True: cost is held
+        GPU-hours × price; False: busy GPU-hours × price).""").tag(config=True)
+    group_order = List(
+        Unicode(), help="""Which group a user's hours count to when they are in several: the first of
+        these groups the user is in. A user in none of them counts to their first group
+        (alphabetically), a user in no group to "none". Example: ["physics", "chemistry"].""",
+    ).tag(config=True)
+    teams = Dict(
+        value_trait=Unicode(), key_trait=Unicode(),
+        help="""The team each user's hours count to, overriding ``group_order``. Example: {"alice": "physics"}.""",
+    ).tag(config=True)
+    sample_retention_days = Float(
+        30.0, min=0.0, help="""Days raw usage samples are kept; older ones are deleted once an hour. The
+        hourly roll-ups (what reports read) are kept for good. 0: keep every sample. Example: 14.""",
+    ).tag(config=True)
+    suggestion_min_leases = Integer(
+        3, min=1, help="""Leases of a user or group a right-sizing suggestion needs as evidence. Example: 5.""",
+    ).tag(config=True)
+    suggestion_days = Float(30.0, min=1.0, help="Days of history right-sizing suggestions look at. Example: 60.").tag(config=True)
+
+    def accounting(self) -> Accounting:
+        return Accounting(prices=dict(self.prices), currency=self.currency, charge_idle=self.charge_idle,
+                          group_order=tuple(self.group_order), teams=dict(self.teams))
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """Prices and the group mapping (plain values: the recorder and the queries use them)."""
+
+    prices: dict[str, float] = field(default_factory=dict)
+    currency: str = ""
+    charge_idle: bool = True
+    group_order: tuple[str, ...] = ()
+    teams: dict[str, str] = field(default_factory=dict)
+
+    def team(self, user: str, groups: Iterable[str]) -> str:
+        """The group a user's hours count to."""
+        if user in self.teams:
+            return self.teams[user]
+        gs = set(groups)
+        for g in self.group_order:
+            if g in gs:
+                return g
+        return min(gs) if gs else NO_TEAM
+
+    def price(self, model: str) -> float:
+        """Price of one GPU-hour of ``model`` (0 when none is set)."""
+        if model in self.prices:
+            return float(self.prices[model])
+        for pat, p in self.prices.items():
+            if fnmatch.fnmatchcase(model, pat):
+                return float(p)
+        return 0.0
+
+    def cost(self, model: str, held_gpu_s: float, busy_gpu_s: float) -> float:
+        return (held_gpu_s if self.charge_idle else busy_gpu_s) / HOUR * self.price(model)
+
+
+# --------------------------------------------------------------------------- the recorder
+def slice_facts(lease) -> dict[str, Any]:
+    """Model, slice and GPU-equivalents of a granted lease (its placement)."""
+    req = lease.request
+    pl = lease.placement
+    slices = pl.slices if pl is not None else ()
+    model = slices[0].model if slices else (req.models[0] if req.models else "")
+    kind = req.kind.value
+    if req.kind is SliceKind.MIG:
+        what = req.mig_profile
+    elif req.kind is SliceKind.SHARE:
+        what = f"{req.share_milli / MILLI:g}"
+    else:
+        what = str(req.gpus)
+    fraction = (pl.gpu_milli if pl is not None else req.gpu_milli) / MILLI
+    return {"model": model, "slice_kind": kind, "slice": what, "gpus": max(1, len(slices)), "fraction": fraction,
+            "mem_mib": sum(s.memory_mib for s in slices), "weights": _weights(slices)}
+
+
+def _weights(slices) -> dict[str, float]:
+    """GPU-equivalents per device a heartbeat may name (a GPU's or a MIG instance's UUID)."""
+    w: dict[str, float] = {}
+    for s in slices:
+        f = s.share_milli / MILLI
+        w[s.gpu_uuid] = w.get(s.gpu_uuid, 0.0) + f
+        if s.mig_uuid:
+            w[s.mig_uuid] = f
+    return w
+
+
+@dataclass
+class _Live:
+    row: dict[str, Any]
+    last_t: float
+    weights: dict[str, float]
+    dev: dict[str, list[float]] = field(default_factory=dict)  # cumulative [busy_s, idle_s] last seen
+    ker: dict[str, list[float]] = field(default_factory=dict)
+    nb: dict[str, str] = field(default_factory=dict)  # kernel -> notebook path
+    suspended: set[str] = field(default_factory=set)
+
+
+def _hours(t0: float, t1: float):
+    """(hour start, seconds of [t0, t1] in that hour) for each hour the interval touches."""
+    h = int(t0 // HOUR) * HOUR
+    while h < t1:
+        part = min(t1, h + HOUR) - max(t0, h)
+        if part > 0:
+            yield h, part
+        h += HOUR
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+
+
+class UsageRecorder:
+    """Accounting records from grants, heartbeats and ends; :meth:`take` hands over what to write.
+
+    Pure bookkeeping (no I/O): the broker calls it on the event loop before a commit, the
+    simulator from its replay loop."""
+
+    def __init__(self, accounting: Accounting | None = None, *, keep_samples: bool = True, per_user_metrics: bool = False):
+        self.accounting = accounting or Accounting()
+        self.keep_samples = keep_samples
+        self.per_user_metrics = per_user_metrics
+        self.live: dict[str, _Live] = {}
+        self._out = UsageBatch()
+
+    # ------------------------------------------------------------------ restart
+    def restore(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Go on from the accounting rows of leases that had not ended (a restarted broker)."""
+        for r in rows:
+            st = dict(r.get("state") or {})
+            row = {k: v for k, v in r.items()}
+            self.live[r["lease_id"]] = _Live(row, float(st.get("last_t", r["granted_at"])), dict(st.get("weights") or {}),
+                                             {k: list(v) for k, v in (st.get("dev") or {}).items()},
+                                             {k: list(v) for k, v in (st.get("ker") or {}).items()},
+                                             dict(st.get("nb") or {}), set(st.get("susp") or ()))
+
+    # ------------------------------------------------------------------ events
+    def observe(self, events: Iterable[Event], touched: Iterable[Any], now: float) -> None:
+        """The broker's hook: grants and ends from a batch's events, heartbeats from the leases it touched."""
+        seen = set()
+        for e in events:
+            lease = getattr(e, "lease", None)
+            if lease is None:
+                continue
+            if e.kind == GRANTED:
+                self.granted(lease, e.time)
+            elif e.kind == ENDED and e.from_state == LeaseState.ACTIVE.value:
+                self.ended(lease, e.time)
+                seen.add(lease.id)
+        for lease in touched:
+            if lease.id not in seen and lease.state is LeaseState.ACTIVE and lease.usage:
+                self.heartbeat(lease, now)
+
+    def granted(self, lease, now: float) -> None:
+        if lease.id in self.live or lease.granted_at is None:
+            return
+        f = slice_facts(lease)
+        granted = float(lease.granted_at)
+        row = {
+            "lease_id": lease.id, "user": lease.user, "team": self.accounting.team(lease.user, lease.groups), "groups": sorted(lease.groups),
+            "tier": lease.tier, "model": f["model"], "slice_kind": f["slice_kind"], "slice": f["slice"], "gpus": f["gpus"],
+            "fraction": f["fraction"], "mem_mib": f["mem_mib"], "asked_s": float(lease.duration_s), "created_at": float(lease.created_at),
+            "granted_at": granted, "ended_at": None, "end_state": LeaseState.ACTIVE.value, "queue_wait_s": max(0.0, granted - float(lease.created_at)),
+            "held_s": 0.0, "held_gpu_s": 0.0, "busy_gpu_s": 0.0, "mem_peak_mib": 0, "reclaims": 0, "suspends": 0, "preemptions": 0,
+            "devices": {}, "state": {},
+        }
+        self.live[lease.id] = _Live(row, granted, f["weights"])
+        self._emit(self.live[lease.id])
+
+    def heartbeat(self, lease, now: float) -> None:
+        """A heartbeat's usage (``lease.usage``: cumulative busy/idle seconds per device and
+        kernel since the grant, memory peaks, notebook paths): the interval since the last one."""
+        lv = self.live.get(lease.id)
+        if lv is None:
+            if lease.granted_at is None:
+                return
+            self.granted(lease, lease.granted_at)
+            lv = self.live[lease.id]
+        usage = lease.usage if isinstance(lease.usage, dict) else {}
+        t0, t1 = lv.last_t, max(lv.last_t, now)
+        busy = 0.0
+        row = lv.row
+        devices = usage.get("devices") if isinstance(usage.get("devices"), dict) else {}
+        default_w = row["fraction"] / max(1, row["gpus"])
+        for uuid, d in devices.items():
+            if not isinstance(d, dict):
+                continue
+            b, i = _num(d.get("busy_s")), _num(d.get("idle_s"))
+            base = lv.dev.get(uuid, [0.0, 0.0])
+            db = b - base[0] if b >= base[0] else b  # a counter that went back: the server started again
+            w = lv.weights.get(uuid, default_w)
+            busy += max(0.0, db) * w
+            lv.dev[uuid] = [b, i]
+            dv = row["devices"].setdefault(uuid, {"busy_gpu_s": 0.0, "mem_peak_mib": 0})
+            dv["busy_gpu_s"] += max(0.0, db) * w
+            dv["mem_peak_mib"] = max(dv["mem_peak_mib"], int(_num(d.get("mem_peak_mib"))))
+            row["mem_peak_mib"] = max(row["mem_peak_mib"], dv["mem_peak_mib"])
+        kernels = usage.get("kernels") if isinstance(usage.get("kernels"), dict) else {}
+        kparts = []
+        for raw_kid, k in kernels.items():
+            if not isinstance(k, dict):
+                continue
+            kid = str(raw_kid)[:64]
+            b, i = _num(k.get("busy_s")), _num(k.get("idle_s"))
+            base = lv.ker.get(kid, [0.0, 0.0])
+            db = b - base[0] if b >= base[0] else b
+            di = i - base[1] if i >= base[1] else i
+            lv.ker[kid] = [b, i]
+            path = k.get("path") or k.get("notebook")
+            if isinstance(path, str) and path:
+                lv.nb[kid] = path[:1000]
+            if k.get("state") == "suspended":
+                lv.suspended.add(kid)
+            mem = int(_num(k.get("mem_peak_mib")))
+            row["mem_peak_mib"] = max(row["mem_peak_mib"], mem)
+            kparts.append((kid, max(0.0, db + di) * row["fraction"], max(0.0, db) * row["fraction"], mem))
+        self._advance(lv, t0, t1, busy)
+        for kid, held, kbusy, mem in kparts:
+            self._add(lv, kid, lv.nb.get(kid, ""), t0, t1, held, kbusy, mem)
+        self._emit(lv)
+
+    def busy(self, lease_id: str, t0: float, t1: float, busy_gpu_s: float, *, kernel: str = "", notebook: str = "") -> None:
+        """Busy GPU-seconds of a lease over [t0, t1], known directly (the simulator)."""
+        lv = self.live.get(lease_id)
+        if lv is None or t1 <= t0:
+            return
+        room = max(0.0, (max(lv.last_t, t1) - lv.row["granted_at"]) * lv.row["fraction"] - lv.row["busy_gpu_s"])
+        b = min(busy_gpu_s, room)
+        lv.row["busy_gpu_s"] += b
+        self._add(lv, "", "", t0, t1, 0.0, b, 0)
+        if kernel:
+            self._add(lv, kernel, notebook, t0, t1, b, b, 0)
+        self._emit(lv)
+
+    def ended(self, lease, now: float) -> None:
+        lv = self.live.pop(lease.id, None)
+        if lv is None:
+            if lease.granted_at is None:
+                return
+            self.granted(lease, lease.granted_at)
+            lv = self.live.pop(lease.id)
+        end = float(lease.ended_at if lease.ended_at is not None else now)
+        self._advance(lv, lv.last_t, max(lv.last_t, end), 0.0)
+        row = lv.row
+        row["ended_at"] = end
+        row["end_state"] = lease.state.value
+        row["reclaims"] = int(lease.state is LeaseState.RECLAIMED)
+        row["preemptions"] = int(lease.state is LeaseState.PREEMPTED)
+        row["suspends"] = len(lv.suspended) or int(lease.state is LeaseState.RECLAIMED and "suspend" in (lease.end_reason or "").lower())
+        self._emit(lv, final=True)
+
+    def flush_open(self, now: float) -> None:
+        """Count the held time of every lease not ended yet up to ``now`` (a replay's end)."""
+        for lv in self.live.values():
+            if now > lv.last_t:
+                self._advance(lv, lv.last_t, now, 0.0)
+                self._emit(lv)
+
+    def take(self) -> UsageBatch | None:
+        """What was recorded since the last call (None: nothing)."""
+        if not self._out:
+            return None
+        out, self._out = self._out, UsageBatch()
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self, lv: _Live, t0: float, t1: float, busy: float) -> None:
+        row = lv.row
+        held = (t1 - t0) * row["fraction"]
+        row["held_s"] += t1 - t0
+        row["held_gpu_s"] += held
+        busy = min(busy, max(0.0, row["held_gpu_s"] - row["busy_gpu_s"]))
+        row["busy_gpu_s"] += busy
+        lv.last_t = t1
+        if t1 > t0 or busy:
+            self._add(lv, "", "", t0, t1, held, busy, row["mem_peak_mib"])
+
+    def _add(self, lv: _Live, kernel: str, notebook: str, t0: float, t1: float, held: float, busy: float, mem: int) -> None:
+        row = lv.row
+        out = self._out
+        if self.keep_samples:
+            out.samples.append((row["lease_id"], kernel, notebook, t0, t1, held, busy, mem))
+        span = t1 - t0
+        parts = list(_hours(t0, t1)) if span > 0 else [(int(t0 // HOUR) * HOUR, 1.0)]
+        span = span if span > 0 else 1.0
+        for h, part in parts:
+            key = (h, row["lease_id"], kernel)
+            v = out.hours.get(key)
+            if v is None:
+                v = out.hours[key] = [notebook, row["user"], row["team"], row["model"], row["tier"], 0.0, 0.0, 0]
+            elif notebook:
+                v[0] = notebook
+            v[5] += held * part / span
+            v[6] += busy * part / span
+            v[7] = max(v[7], mem)
+        if not kernel and (held or busy):
+            t = out.totals
+            labels = (row["team"], row["model"])
+            t[("usage_held", labels)] = t.get(("usage_held", labels), 0.0) + held
+            t[("usage_busy", labels)] = t.get(("usage_busy", labels), 0.0) + busy
+            if self.per_user_metrics:
+                ul = (row["team"], row["model"], row["user"])
+                t[("usage_user_held", ul)] = t.get(("usage_user_held", ul), 0.0) + held
+                t[("usage_user_busy", ul)] = t.get(("usage_user_busy", ul), 0.0) + busy
+
+    def _emit(self, lv: _Live, final: bool = False) -> None:
+        lv.row["state"] = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
+                                            "susp": sorted(lv.suspended)}
+        # a copy: the writer thread serialises it while the loop goes on changing the live row
+        self._out.leases[lv.row["lease_id"]] = {**lv.row, "devices": {k: dict(v) for k, v in lv.row["devices"].items()},
+                                                "state": _copy_state(lv.row["state"])}
+
+
+def _copy_state(st: dict[str, Any]) -> dict[str, Any]:
+    if not st:
+        return {}
+    return {"last_t": st["last_t"], "weights": dict(st["weights"]), "dev": {k: list(v) for k, v in st["dev"].items()},
+            "ker": {k: list(v) for k, v in st["ker"].items()}, "nb": dict(st["nb"]), "susp": list(st["susp"])}
+
+
+# --------------------------------------------------------------------------- periods
+_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(h|d|w)\s*$")
+
+
+class PeriodError(ValueError):
+    """A question the report cannot read; the message says what it wants, ``field`` which part."""
+
+    def __init__(self, message: str, field: str = "since"):
+        super().__init__(message)
+        self.field = field
+
+
+def parse_since(text: str) -> float:
+    """'30d', '12h', '2w' -> seconds."""
+    m = _SINCE.match(text or "")
+    if not m:
+        raise PeriodError(f"since={text!r}: give a number of hours, days or weeks, like 12h, 30d or 2w")
+    return float(m.group(1)) * {"h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+
+
+def parse_time(text: str) -> float:
+    """An ISO date or time ('2026-11-01', '2026-11-01T08:00', with or without an offset; UTC when
+    none) or Unix seconds."""
+    import datetime as dt
+
+    t = (text or "").strip()
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    try:
+        d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise PeriodError(f"{text!r} is not a date: give 2026-11-01, 2026-11-01T08:00 or Unix seconds", "from") from None
+    if d.tzinfo is None:
+        d = d.replace(tzinfo=dt.UTC)
+    return d.timestamp()
+
+
+def period(*, since: str | None = None, start: str | float | None = None, end: str | float | None = None, now: float | None = None) -> tuple[float, float]:
+    """[start, end) from ``since`` (relative to now) or ``start``/``end`` (default: the last 30 days)."""
+    now = time.time() if now is None else now
+    if since and (start is not None or end is not None):
+        raise PeriodError("give either since or from/to, not both")
+    t1 = now if end in (None, "") else (end if isinstance(end, (int, float)) else _time_of(end, "to"))
+    if since:
+        t0 = t1 - parse_since(since)
+    elif start not in (None, ""):
+        t0 = start if isinstance(start, (int, float)) else _time_of(start, "from")
+    else:
+        t0 = t1 - 30 * 86400
+    if t0 >= t1:
+        raise PeriodError("the period's start ('from') must come before its end ('to')", "from")
+    return float(t0), float(t1)
+
+
+def _time_of(text: str, field: str) -> float:
+    try:
+        return parse_time(text)
+    except PeriodError as e:
+        raise PeriodError(str(e), field) from None
+
+
+# --------------------------------------------------------------------------- queries
+_KEY = {"user": "user", "group": "team", "model": "model", "tier": "tier", "notebook": "notebook"}
+
+
+def _percentile(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    k = (len(sorted_vals) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
+
+
+def _hour_floor(t: float) -> int:
+    return int(t // HOUR) * HOUR
+
+
+def report(store, accounting: Accounting, *, start: float, end: float, by: str = "user", user: str | None = None) -> dict[str, Any]:
+    """Held, busy and idle GPU-hours, queue waits, reclaims, suspends, preemptions and cost per
+    ``by`` key over [start, end), from the hourly roll-ups (hours that start in the period) and
+    the lease rows (leases granted in it). ``user``: only that user's leases."""
+    if by not in BY:
+        raise PeriodError(f"by={by!r}: one of {', '.join(BY)}", "by")
+    h = USAGE_HOURLY.c
+    lo, hi = _hour_floor(start), end
+    key = h.notebook if by == "notebook" else getattr(h, _KEY[by])
+    cond = [h.hour >= lo, h.hour < hi, (h.kernel != "") if by == "notebook" else (h.kernel == "")]
+    if user is not None:
+        cond.append(h.user == user)
+    cols = [key.label("key"), h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)]
+    group = [key, h.model]
+    if by == "notebook":
+        cols.insert(1, h.user)
+        group.insert(1, h.user)
+        cols.append(func.count(func.distinct(h.lease_id)))
+    q = select(*cols).where(and_(*cond)).group_by(*group)
+    rows: dict[Any, dict[str, Any]] = {}
+    with store.engine.connect() as conn:
+        for r in conn.execute(q):
+            if by == "notebook":
+                k, u, model, held, busy, n = r
+                rk = (u, k)
+            else:
+                k, model, held, busy = r
+                rk = k
+            row = rows.get(rk)
+            if row is None:
+                row = rows[rk] = _empty_row(k if by != "notebook" else (k or "(a kernel without a notebook)"))
+                if by == "notebook":
+                    row["user"] = u
+                    row["leases"] = 0
+            row["_held"] += held or 0.0
+            row["_busy"] += busy or 0.0
+            row["cost"] += accounting.cost(model, held or 0.0, busy or 0.0)
+            if by == "notebook":
+                row["leases"] += n
+        if by != "notebook":
+            lcol = getattr(USAGE_LEASES.c, _KEY[by])
+            u = USAGE_LEASES.c
+            lcond = [u.granted_at >= start, u.granted_at < end]
+            if user is not None:
+                lcond.append(u.user == user)
+            q2 = select(lcol, func.count(), func.sum(u.reclaims), func.sum(u.suspends), func.sum(u.preemptions)).where(and_(*lcond)).group_by(lcol)
+            for k, n, rec, sus, pre in conn.execute(q2):
+                row = rows.setdefault(k, _empty_row(k))
+                row.update(leases=int(n), reclaims=int(rec or 0), suspends=int(sus or 0), preemptions=int(pre or 0))
+            waits: dict[Any, list[float]] = {}
+            everyone: list[float] = []
+            for k, w in conn.execute(select(lcol, u.queue_wait_s).where(and_(*lcond)).order_by(lcol, u.queue_wait_s)):
+                waits.setdefault(k, []).append(w)
+                everyone.append(w)
+            for k, ws in waits.items():
+                rows[k]["queue_wait_p50_s"] = _round(_percentile(ws, 0.5))
+                rows[k]["queue_wait_p95_s"] = _round(_percentile(ws, 0.95))
+            everyone.sort()
+    totals = _empty_row("total")
+    for r in rows.values():
+        totals["_held"] += r["_held"]
+        totals["_busy"] += r["_busy"]
+        totals["cost"] += r["cost"]
+        for k in ("leases", "reclaims", "suspends", "preemptions"):
+            totals[k] += r[k]
+    out_rows = [_finish(r) for r in rows.values()]
+    out_rows.sort(key=lambda r: (-r["held_gpu_h"], str(r["key"])))
+    if by != "notebook":
+        totals["queue_wait_p50_s"] = _round(_percentile(everyone, 0.5))
+        totals["queue_wait_p95_s"] = _round(_percentile(everyone, 0.95))
+    return {"period": {"from": start, "to": end, "hours_from": lo}, "by": by, "rows": out_rows, "totals": _finish(totals),
+            "currency": accounting.currency, "charge_idle": accounting.charge_idle}
+
+
+def _empty_row(key) -> dict[str, Any]:
+    return {"key": key, "_held": 0.0, "_busy": 0.0, "cost": 0.0, "leases": 0, "reclaims": 0, "suspends": 0, "preemptions": 0,
+            "queue_wait_p50_s": None, "queue_wait_p95_s": None}
+
+
+def _round(v: float | None, n: int = 1) -> float | None:
+    return None if v is None else round(v, n)
+
+
+def _finish(r: dict[str, Any]) -> dict[str, Any]:
+    held, busy = r.pop("_held"), r.pop("_busy")
+    out = {"key": r["key"]}
+    if "user" in r and r["key"] != r.get("user"):
+        out["user"] = r["user"]
+    out.update({
+        "held_gpu_h": round(held / HOUR, 6), "busy_gpu_h": round(busy / HOUR, 6), "idle_gpu_h": round(max(0.0, held - busy) / HOUR, 6),
+        "busy_ratio": round(busy / held, 4) if held > 0 else None,
+        "queue_wait_p50_s": r["queue_wait_p50_s"], "queue_wait_p95_s": r["queue_wait_p95_s"],
+        "reclaims": r["reclaims"], "suspends": r["suspends"], "preemptions": r["preemptions"], "cost": round(r["cost"], 2), "leases": r["leases"],
+    })
+    return out
+
+
+COLUMNS = ("key", "held_gpu_h", "busy_gpu_h", "idle_gpu_h", "busy_ratio", "queue_wait_p50_s", "queue_wait_p95_s", "reclaims", "suspends",
+           "preemptions", "cost", "leases")
+
+
+def report_csv(rep: dict[str, Any]) -> str:
+    """The report's rows and its total as CSV (the by key's name as the first column)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    notebook = rep["by"] == "notebook"
+    head = [rep["by"], *(["user"] if notebook else []), *COLUMNS[1:]]
+    w.writerow(head)
+    for r in [*rep["rows"], rep["totals"]]:
+        w.writerow([r["key"], *([r.get("user", "")] if notebook else []), *("" if r[c] is None else r[c] for c in COLUMNS[1:])])
+    return buf.getvalue()
+
+
+def series(store, *, start: float, end: float, by: str = "group", step: str = "hour", user: str | None = None) -> dict[str, Any]:
+    """Held and busy GPU-hours per hour (or day) and per group or model: usage over time."""
+    if by not in ("group", "model", "user", "tier"):
+        raise PeriodError(f"by={by!r}: one of group, model, user, tier", "by")
+    if step not in STEPS:
+        raise PeriodError(f"step={step!r}: one of {', '.join(STEPS)}", "step")
+    h = USAGE_HOURLY.c
+    key = getattr(h, _KEY[by])
+    cond = [h.hour >= _hour_floor(start), h.hour < end, h.kernel == ""]
+    if user is not None:
+        cond.append(h.user == user)
+    size = STEPS[step]
+    bucket = (h.hour - (h.hour % size)) if size != HOUR else h.hour
+    q = select(bucket.label("t"), key, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(bucket, key).order_by(bucket, key)
+    points: list[dict[str, Any]] = []
+    keys: set[str] = set()
+    with store.engine.connect() as conn:
+        for t, k, held, busy in conn.execute(q):
+            keys.add(k)
+            points.append({"t": int(t), "key": k, "held_gpu_h": round((held or 0.0) / HOUR, 6), "busy_gpu_h": round((busy or 0.0) / HOUR, 6)})
+    return {"period": {"from": start, "to": end}, "by": by, "step": step, "keys": sorted(keys), "points": points}
+
+
+def lease_history(store, *, start: float, end: float, user: str | None = None) -> list[dict[str, Any]]:
+    """The ended accounting rows of leases granted in [start, end) (right-sizing's evidence)."""
+    u = USAGE_LEASES.c
+    cond = [u.granted_at >= start, u.granted_at < end, u.ended_at.is_not(None)]
+    if user is not None:
+        cond.append(u.user == user)
+    cols = [u.lease_id, u.user, u.team, u.model, u.slice_kind, u.slice, u.gpus, u.fraction, u.mem_mib, u.asked_s, u.held_s, u.held_gpu_s,
+            u.busy_gpu_s, u.mem_peak_mib, u.devices]
+    with store.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(select(*cols).where(and_(*cond))).mappings()]
+
+
+def suggestions(store, offers: list[dict[str, Any]], *, start: float, end: float, user: str | None = None, min_leases: int = 3,
+                groups: bool = True) -> list[dict[str, Any]]:
+    """Right-sizing suggestions per user (and per group unless ``user`` is given): what they
+    asked for against what they used (see :mod:`jupyter_gpulease.core.rightsizing`)."""
+    hist = lease_history(store, start=start, end=end, user=user)
+    out: list[dict[str, Any]] = []
+    by_user: dict[str, list[dict[str, Any]]] = {}
+    by_team: dict[str, list[dict[str, Any]]] = {}
+    for r in hist:
+        by_user.setdefault(r["user"], []).append(r)
+        by_team.setdefault(r["team"], []).append(r)
+    for name, rows in sorted(by_user.items()):
+        for s in rightsizing.suggest(rows, offers, min_leases=min_leases):
+            out.append({"user": name, **s})
+    if groups and user is None:
+        for name, rows in sorted(by_team.items()):
+            for s in rightsizing.suggest(rows, offers, min_leases=min_leases):
+                out.append({"group": name, **s})
+    return out
+
+
+def offers_of(inventory) -> list[dict[str, Any]]:
+    """The cards the pool offers, for suggestions: each MIG profile, and quarter and half
+    shares of each model of GPU not in MIG mode."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for g in inventory:
+        if g.mig:
+            for m in g.mig:
+                seen.setdefault(("mig", g.model, m.profile), {"kind": "mig", "model": g.model, "mig_profile": m.profile, "memory_mib": m.memory_mib,
+                                                                  "fraction": round(m.memory_mib / g.memory_mib, 4)})
+        else:
+            for share in (0.25, 0.5):
+                seen.setdefault(("share", g.model, share), {"kind": "share", "model": g.model, "share": share, "memory_mib": int(g.memory_mib * share),
+                                                            "fraction": share})
+            seen.setdefault(("gpu", g.model), {"kind": "whole", "model": g.model, "gpus": 1, "memory_mib": g.memory_mib, "fraction": 1.0})
+    return list(seen.values())
+
+
+# --------------------------------------------------------------------------- the Python API
+class UsageAPI:
+    """The usage report of one store, with the broker's prices and group mapping: what the REST
+    handlers, the pages and the CLI call. Synchronous (database reads): call it off the event loop.
+
+    ``start``/``end`` are Unix seconds; ``since`` ('30d') may stand for them."""
+
+    def __init__(self, store, accounting: Accounting | None = None, *, offers=None, clock=time.time, min_leases: int = 3,
+                 suggestion_days: float = 30.0):
+        self.store = store
+        self.accounting = accounting or Accounting()
+        self._offers = offers if callable(offers) else (lambda: list(offers or []))
+        self.clock = clock
+        self.min_leases = min_leases
+        self.suggestion_days = suggestion_days
+
+    def _span(self, start, end, since) -> tuple[float, float]:
+        if start is None and end is None and not since:
+            since = "30d"
+        return period(since=since, start=start, end=end, now=self.clock())
+
+    def report(self, *, by: str = "user", start=None, end=None, since: str | None = None, user: str | None = None) -> dict[str, Any]:
+        t0, t1 = self._span(start, end, since)
+        return report(self.store, self.accounting, start=t0, end=t1, by=by, user=user)
+
+    def csv(self, *, by: str = "user", start=None, end=None, since: str | None = None, user: str | None = None) -> str:
+        return report_csv(self.report(by=by, start=start, end=end, since=since, user=user))
+
+    def series(self, *, by: str = "group", start=None, end=None, since: str | None = None, step: str = "hour", user: str | None = None) -> dict[str, Any]:
+        t0, t1 = self._span(start, end, since)
+        return series(self.store, start=t0, end=t1, by=by, step=step, user=user)
+
+    def suggestions(self, *, user: str | None = None, start=None, end=None, since: str | None = None) -> list[dict[str, Any]]:
+        if start is None and end is None and not since:
+            since = f"{self.suggestion_days:g}d"
+        t0, t1 = self._span(start, end, since)
+        return suggestions(self.store, self._offers(), start=t0, end=t1, user=user, min_leases=self.min_leases)
