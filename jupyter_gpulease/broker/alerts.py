@@ -143,7 +143,7 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
     for uuid, found in sorted(by_gpu.items()):
         g = gpus.get(uuid)
         where = f"GPU {g.index} ({g.model}) on {g.node}" if g is not None else uuid
-        owners = sorted({str((f.get("owner") or {}).get("user") or (f.get("owner") or {}).get("uid") or "?") for f in found})
+        owners = sorted({str(f.get("owner") or f.get("unix_user") or f.get("uid") or "?") for f in found})
         out.append(Alert("GPULeaseUnleasedUse", uuid, "warning", f"{len(found)} process(es) use {where} without a lease (owner: {', '.join(owners)})",
                          {"uuid": uuid, **({"node": g.node, "model": g.model} if g is not None else {})}))
     return out
