@@ -262,6 +262,25 @@ class GPULeaseBroker(PolicyConfig, Application):
         folder per node on shared storage). "": none. Example: /run/dcgm-job-map.""",
     ).tag(config=True)
 
+    # ------------------------------------------------------------------ GPU health, cordons, maintenance
+    health_drain_action = CaselessStrEnum(
+        ["suspend", "restart"], "suspend",
+        help="""What happens to a lease on a GPU that must be drained now (XID 79, 48, a lost GPU…, see
+        the XID table in README): 'suspend': its server suspends its kernels during
+        health_drain_grace_s, then the lease ends and the next cell resumes them on a healthy GPU
+        (first in its tier); 'restart': the lease ends at once (the kernels' GPU state is lost) and
+        the next request goes first in its tier. Example: 'restart'.""",
+    ).tag(config=True)
+    health_drain_grace_s = Float(
+        60.0, min=15.0,
+        help="Seconds a lease on a GPU drained now keeps it, for its server to suspend its kernels ('suspend'). Example: 60.",
+    ).tag(config=True)
+    health_settle_s = Float(
+        300.0, min=0.0,
+        help="""Seconds a GPU cordoned by its health must stay healthy after a reset before it comes back
+        into the pool by itself (an admin's cordon stays until an admin uncordons it). Example: 300.""",
+    ).tag(config=True)
+
     tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
 
     stop_servers_on_end = Bool(
@@ -438,6 +457,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
         self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
         self.metrics = BrokerMetrics(self.manager, per_user=self.metrics_per_user)
+        self.init_usage()
         self.manager.listeners.append(self._on_events)
         self.unleased = None
         if self.unleased_check_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
@@ -459,10 +479,26 @@ class GPULeaseBroker(PolicyConfig, Application):
                 self.manager, self.alert_webhooks, logger=self.log, retry_s=self.alert_retry_s, link=self.public_url.rstrip("/") + self.base_url + "admin",
                 limits=Thresholds(idle_lease_s=self.alert_idle_lease_s, hot_margin_c=self.alert_hot_margin_c, xid_window_s=self.alert_xid_window_s,
                                   queue_wait_p95_s=self.alert_queue_wait_p95_s))
+        from .health import HealthKeeper
+
+        self.health = HealthKeeper(self.manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
+                                   drain_grace_s=self.health_drain_grace_s, logger=self.log)
+        if self.telemetry is not None:
+            self.telemetry.listeners.append(self.health.on_samples)
         if self.dcgm_hpc_job_mapping_dir:
             from .dcgm import DcgmJobMap
 
             self.dcgm = DcgmJobMap(self.manager, self.dcgm_hpc_job_mapping_dir, logger=self.log)
+
+    def init_usage(self) -> None:
+        """Usage records (the recorder feeds on the manager's batches) and the report over the store."""
+        from .usage import GPULeaseUsage, UsageAPI, UsageRecorder, offers_of
+
+        self.usage_settings = s = GPULeaseUsage(parent=self)
+        if s.record:
+            self.manager.usage_recorder = UsageRecorder(s.accounting(), per_user_metrics=self.metrics_per_user)
+        self.usage = UsageAPI(self.store, s.accounting(), offers=lambda: offers_of(self.manager.inventory()), clock=self.clock.now,
+                              min_leases=s.suggestion_min_leases, suggestion_days=s.suggestion_days)
 
     @property
     def limits(self) -> Limits:
@@ -497,11 +533,14 @@ class GPULeaseBroker(PolicyConfig, Application):
 
     def api_routes(self) -> list[tuple]:
         """The REST API's routes; the last one answers any other ``api/`` path 404."""
-        from . import unleased
+        from . import unleased, usage_handlers
         from .handlers import api_handlers
+        from .health_handlers import api_handlers as health_api_handlers
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
+        routes[-1:-1] = usage_handlers.api_handlers(self.base_url)
+        routes[-1:-1] = health_api_handlers(self.base_url)
         return routes
 
     def _log_request(self, handler) -> None:
@@ -610,6 +649,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         if not await self.wait_for_leadership():
             return False
         await self.manager.start()
+        await self.health.start()
         self.web_app = self.make_web_app()
         url = urlsplit(self.bind_url)
         self._quiet_successes = self.log_level > logging.DEBUG
@@ -625,6 +665,9 @@ class GPULeaseBroker(PolicyConfig, Application):
         if self.event_retention_days > 0:
             self.periodic.append(PeriodicCallback(self._prune, 3600 * 1000))
             self._background(self._prune())
+        if self.usage_settings.sample_retention_days > 0:
+            self.periodic.append(PeriodicCallback(self._prune_usage, 3600 * 1000))
+            self._background(self._prune_usage())
         if self.store.dialect == "postgresql":
             self.periodic.append(PeriodicCallback(self._check_lock, 1000))
         if self.unleased is not None:
@@ -663,6 +706,14 @@ class GPULeaseBroker(PolicyConfig, Application):
                 self.log.info("Deleted %d event(s) of ended leases older than %g days", n, self.event_retention_days)
         except Exception:
             self.log.exception("pruning old events failed")
+
+    async def _prune_usage(self) -> None:
+        try:
+            n = await self.manager.prune_usage_samples(self.usage_settings.sample_retention_days * 86400)
+            if n:
+                self.log.info("Deleted %d raw usage sample(s) older than %g days (the hourly roll-ups stay)", n, self.usage_settings.sample_retention_days)
+        except Exception:
+            self.log.exception("pruning old usage samples failed")
 
     async def _refresh_inventory(self) -> None:
         """Read the pool again (off the loop: backends may block) and apply it if it changed."""
