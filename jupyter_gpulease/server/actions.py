@@ -21,13 +21,13 @@ from traitlets.config import LoggingConfigurable
 from ..client import BrokerError
 from ..core.lease import NoticeKind, WarningKind, lease_devices
 from ..core.text import format_duration as fmt_duration
+from ..tasks import BackgroundTasks
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason
 from .kernels import ACTING, OK, RECLAIMED, SUSPENDED, KernelRecord, KernelTable, kernel_label
 from .lease import LeaseKeeper, lease_gpus
 from .monitor import Snapshot
 from .reclaim import Decision, ReclaimTracker
-from .tasks import TaskSet
 from .views import lease_json
 
 ACTIONS = ("suspend", "restart", "interrupt", "shutdown", "notify")
@@ -73,7 +73,7 @@ class ReclaimActions(LoggingConfigurable):
         ``cull_busy``). Default False: a running cell protects its kernel's GPU.""",
     ).tag(config=True)
 
-    def __init__(self, *, idle: Any, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: TaskSet,
+    def __init__(self, *, idle: Any, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: BackgroundTasks,
                  set_kernel_env: Callable[[dict[str, Any] | None], None], checkpoint: CudaCheckpoint | None = None,
                  checkpoint_missing: str = "", stop_server: Callable[[], None] | None = None,
                  resume_on_execute: bool = True, clock: Callable[[], float] = time.time, **kwargs: Any):
@@ -154,14 +154,14 @@ class ReclaimActions(LoggingConfigurable):
             rec = self.kernels.get(d.kernel_id)
             if rec is not None and rec.state == OK:
                 rec.state = ACTING
-                rec.task = self.tasks.spawn(self.act(rec, action, f"its GPU sat idle for {fmt_duration(d.idle_s)}"))
+                rec.task = self.tasks.start(self.act(rec, action, f"its GPU sat idle for {fmt_duration(d.idle_s)}"))
         elif d.kind == "warn_lease":
             after = "the server then stops" if self.on_reclaim == "stop" else "the server keeps running without a GPU"
             self.announce.warn(WarningKind.LEASE_RECLAIM, f"No kernel has used the GPU for {fmt_duration(d.idle_s)}: the GPU lease goes back "
                                f"to the pool in {fmt_duration(d.deadline - now)} ({after}).", deadline=d.deadline)
         elif d.kind == "return_lease" and not any(k.working for k in self.kernels):
             self.returning = True
-            self.tasks.spawn(self.return_lease(f"idle: no kernel used the GPU for {fmt_duration(d.idle_s)}"))
+            self.tasks.start(self.return_lease(f"idle: no kernel used the GPU for {fmt_duration(d.idle_s)}"))
 
     def check_shares(self, snap: Snapshot, now: float) -> None:
         """A process over its share's memory: warned, then acted on after ``share_grace``."""
@@ -185,7 +185,7 @@ class ReclaimActions(LoggingConfigurable):
                                    deadline=now + self.share_grace, kernel_id=rec.id, action=self.reclaim_action)
             elif now - rec.share_warned_at >= self.share_grace and rec.state == OK:
                 rec.state = ACTING
-                rec.task = self.tasks.spawn(self.act(rec, self.reclaim_action, f"it used {mib} MiB, over the share's {caps[dev]} MiB", idle=False))
+                rec.task = self.tasks.start(self.act(rec, self.reclaim_action, f"it used {mib} MiB, over the share's {caps[dev]} MiB", idle=False))
 
     # ------------------------------------------------------------------ the actions
     async def act(self, rec: KernelRecord, action: str, why: str, *, idle: bool = True) -> None:

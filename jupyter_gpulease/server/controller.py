@@ -28,6 +28,7 @@ from traitlets.config import LoggingConfigurable
 from ..client import BrokerError
 from ..core.lease import NoticeKind, WarningKind, lease_devices
 from ..core.text import format_duration
+from ..tasks import BackgroundTasks
 from . import views
 from .actions import ReclaimActions
 from .announce import Announcer
@@ -40,7 +41,6 @@ from .lease import LeaseKeeper
 from .monitor import Monitor, Snapshot
 from .preemption import BrokerWarnings
 from .resumer import Resumer
-from .tasks import TaskSet
 from .usage import GPUUsage
 
 PARTS = (GPUIdleRule, ReclaimActions, Resumer, GPUUsage)  # the parts with settings of their own
@@ -63,7 +63,7 @@ class GPUController(LoggingConfigurable):
         self.user = user
         self.clock = clock
         self.environ = environ or (lambda: dict(os.environ))
-        self.tasks = TaskSet()
+        self.tasks = BackgroundTasks(self.log)
         self.announce = Announcer(feed, clock)
         self.kernels = KernelTable(parent=self, kernel_manager=kernel_manager, session_manager=session_manager, monitor=monitor,
                                    tasks=self.tasks, clock=clock)
@@ -112,7 +112,7 @@ class GPUController(LoggingConfigurable):
             self._task.cancel()
         for rec in self.kernels:
             self.kernels.mark_suspended(rec, False)
-        self.tasks.cancel_all()
+        await self.tasks.cancel()
         await self.keeper.stop(release=True)
         self.monitor.close()
 

@@ -24,10 +24,10 @@ from traitlets.config import LoggingConfigurable
 
 from ..core.lease import KernelState
 from ..kernel.resume import marker_path
+from ..tasks import BackgroundTasks
 from .attribution import KernelGPU, KernelProcess
 from .monitor import Snapshot
 from .reclaim import KernelUse
-from .tasks import TaskSet
 
 # a kernel's reclaim state (the status's kernels[].state)
 OK, ACTING, SUSPENDED, RESUMING, RECLAIMED = (KernelState.OK, KernelState.ACTING, KernelState.SUSPENDED, KernelState.RESUMING,
@@ -90,7 +90,7 @@ def kernel_label(rec: KernelRecord | None) -> str:
 class KernelTable(LoggingConfigurable):
     """The kernels of this server, refreshed at every sample (see the module)."""
 
-    def __init__(self, *, kernel_manager: Any, monitor: Any, tasks: TaskSet, clock: Callable[[], float],
+    def __init__(self, *, kernel_manager: Any, monitor: Any, tasks: BackgroundTasks, clock: Callable[[], float],
                  session_manager: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.km = kernel_manager
@@ -168,7 +168,7 @@ class KernelTable(LoggingConfigurable):
             rec.connection_file = cf
         if rec.pid is None and not rec.pid_asked:
             rec.pid_asked = True
-            self.tasks.spawn(self.ask_kernel_pid(rec, kernel))
+            self.tasks.start(self.ask_kernel_pid(rec, kernel))
 
     async def ask_kernel_pid(self, rec: KernelRecord, kernel: Any) -> int | None:
         """A kernel without a local process (remote provisioner): ask it for its pid (ipykernel's usage_request)."""

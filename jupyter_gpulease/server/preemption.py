@@ -14,16 +14,16 @@ from typing import Any
 from ..client import BrokerError
 from ..core.lease import NoticeKind, WarningKind
 from ..core.text import format_duration as fmt_duration
+from ..tasks import BackgroundTasks
 from .actions import ReclaimActions
 from .announce import Announcer
 from .kernels import ACTING, OK, KernelTable
 from .lease import LeaseKeeper
-from .tasks import TaskSet
 
 
 class BrokerWarnings:
     def __init__(self, *, keeper: LeaseKeeper, kernels: KernelTable, actions: ReclaimActions, announce: Announcer,
-                 tasks: TaskSet, sample_interval: float, clock: Callable[[], float], log: Any):
+                 tasks: BackgroundTasks, sample_interval: float, clock: Callable[[], float], log: Any):
         self.keeper = keeper
         self.kernels = kernels
         self.actions = actions
@@ -82,7 +82,7 @@ class BrokerWarnings:
         """Without an active lease no heartbeat carries the unleased-use warnings: ask for them every heartbeat interval."""
         if self.keeper.client is not None and self.keeper.active is None and now - self._polled >= self.keeper.heartbeat_interval:
             self._polled = now
-            self.tasks.spawn(self._poll())
+            self.tasks.start(self._poll())
 
     async def _poll(self) -> None:
         try:
@@ -109,4 +109,4 @@ class BrokerWarnings:
         for rec in self.kernels:
             if rec.state == OK and rec.gpu is not None and rec.gpu.holds_memory:
                 rec.state = ACTING
-                rec.task = self.tasks.spawn(self.actions.suspend_or_leave(rec, "the GPU lease is being preempted"))
+                rec.task = self.tasks.start(self.actions.suspend_or_leave(rec, "the GPU lease is being preempted"))

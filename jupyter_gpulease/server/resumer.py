@@ -20,11 +20,11 @@ from traitlets.config import LoggingConfigurable
 from ..client import BrokerError
 from ..core.lease import lease_devices
 from ..core.text import format_duration as fmt_duration
+from ..tasks import BackgroundTasks
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint
 from .kernels import OK, RESUMING, SUSPENDED, KernelRecord, KernelTable
 from .lease import LeaseKeeper, same_shape_request
-from .tasks import TaskSet
 from .views import queue_words
 
 
@@ -39,7 +39,7 @@ class Resumer(LoggingConfigurable):
     ).tag(config=True)
     resume_max_wait = Float(0.0, min=0.0, help="""Longest a resuming kernel waits in the queue, seconds; 0: as long as it takes.""").tag(config=True)
 
-    def __init__(self, *, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: TaskSet,
+    def __init__(self, *, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: BackgroundTasks,
                  checkpoint: CudaCheckpoint | None, sample_interval: float, clock: Callable[[], float],
                  stopping: Callable[[], bool] = lambda: False, **kwargs: Any):
         super().__init__(**kwargs)
@@ -60,14 +60,14 @@ class Resumer(LoggingConfigurable):
         settle = max(2 * self.sample_interval, 1.0)
         for rec in self.kernels:
             if rec.state == SUSPENDED and rec.executing and now - (rec.busy_since or now) >= settle and not rec.working:
-                rec.task = self.tasks.spawn(self.resume_kernel(rec, why="it started a cell"))
+                rec.task = self.tasks.start(self.resume_kernel(rec, why="it started a cell"))
 
     async def resume_now(self, kernel_id: str | None = None) -> list[str]:
         """Resume the suspended kernels (or one): their ids, those already resuming included."""
         recs = [k for k in self.kernels if k.state in (SUSPENDED, RESUMING) and (kernel_id is None or k.id == kernel_id)]
         for rec in recs:
             if rec.state == SUSPENDED and not rec.working:
-                rec.task = self.tasks.spawn(self.resume_kernel(rec, why="was asked to resume"))
+                rec.task = self.tasks.start(self.resume_kernel(rec, why="was asked to resume"))
         return [r.id for r in recs]
 
     async def resume_lease(self) -> dict[str, Any] | None:
