@@ -118,6 +118,26 @@ def overview(pool: dict, queue: list[dict] = ()) -> list[dict]:
     return rows
 
 
+def unavailable(pool: dict | None, now: float | None = None) -> list[dict]:
+    """GPUs that take no lease now, or soon, and why: cordoned (by an admin or by their health) or
+    in (or close to) a maintenance window, as the broker's pool lists them."""
+    now = time.time() if now is None else now
+    rows = []
+    for d in (pool or {}).get("devices") or []:
+        cordon, window = d.get("cordon"), d.get("maintenance")
+        where = f"{display_model(d.get('model', ''), d.get('memory_mib'))}, GPU {d.get('index')} on {d.get('node')}"
+        if cordon:
+            state = {"drain": "unavailable (drained)", "drain_when_idle": "unavailable until it is serviced"}.get(cordon.get("mode"), "unavailable")
+            rows.append({"where": where, "why": f"{state}: {cordon.get('reason', '')}"})
+        elif d.get("healthy") is False:
+            rows.append({"where": where, "why": "unavailable: its node is drained or cordoned"})
+        if window and (window.get("under_way") or window.get("start", now) - now < 7 * 86400):
+            when = "in maintenance" if window.get("under_way") else f"maintenance in {format_duration(max(0.0, window['start'] - now))}"
+            rows.append({"where": where, "why": f"{when} for {format_duration(window['end'] - window['start'])}: {window.get('reason', '')} "
+                                                 "(a lease that would run into it waits until after it)"})
+    return rows
+
+
 def _gpu_amount(x: float) -> str:
     """An amount of GPU compute in words: 'a whole GPU', 'half a GPU', '0.75 of a GPU', '3 GPUs'."""
     if abs(x - 1) < 1e-9:
@@ -553,6 +573,7 @@ def render_form(
         over_cap=over_cap,
         queue_length=(pool or {}).get("queue_length"),
         overview=overview(pool, list(queue)) if pool is not None else [],
+        unavailable=unavailable(pool, now),
         presets=cards,
         groups=groups,
         allow_custom=allow_custom,
