@@ -266,3 +266,41 @@ def test_the_store_upgrade_adds_the_usage_tables_to_an_older_database(tmp_path):
     with store.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM usage_hourly").scalar() == 0
     store.close()
+
+
+def test_an_over_asking_user_gets_right_sizing_suggestions_they_alone_may_read(tmp_path):
+    clock = ManualClock(T0)
+
+    async def scenario(app, client):
+        alice, bob = client("alice"), client("bob")
+        for _ in range(5):  # alice: a whole 80 GB A100 for 8 h, 9 GB (9216 MiB) and 2 h used
+            lease = await alice.request_lease({"gpus": 1, "model": A100, "duration_s": 8 * 3600})
+            uuid = lease["placement"]["slices"][0]["gpu_uuid"]
+            clock.advance(2 * 3600)
+            await alice.heartbeat(lease["id"], beat({uuid: 3600.0}, {uuid: 3600.0}, mem=9216))
+            await alice.release(lease["id"])
+        for _ in range(3):  # bob: two GPUs, the second never computes
+            lease = await bob.request_lease({"gpus": 2, "model": A100, "duration_s": 3600})
+            u1, u2 = (s["gpu_uuid"] for s in lease["placement"]["slices"])
+            clock.advance(3000)
+            await bob.heartbeat(lease["id"], beat({u1: 2000.0, u2: 0.0}, {u1: 1000.0, u2: 3000.0}, mem=30000))
+            await bob.release(lease["id"])
+        mine = await usage(app, "alice", "api/usage/suggestions")
+        assert {s["user"] for s in mine} == {"alice"}
+        kinds = {s["kind"]: s for s in mine}
+        mem = kinds["memory"]
+        assert mem["text"] == f"asks 1 × {A100} (80 GB), peak memory 9 GB in 95% of leases: a 1g.10gb slice or a 0.25 share would do"
+        assert mem["suggested"] == {"kind": "mig", "model": A100, "memory_mib": 10240, "mig_profile": "1g.10gb"}
+        assert mem["alternatives"] == [{"kind": "share", "model": A100, "memory_mib": 20480, "share": 0.25}]
+        assert mem["evidence"]["leases"] == 5 and mem["evidence"]["mem_peak_p95_mib"] == 9216
+        assert kinds["duration"]["text"] == "asks 8 h, uses 2 h at the median: 2 h would do for 90% of leases"
+        assert kinds["duration"]["suggested"]["duration_s"] == 7200
+        everyone = await usage(app, "admin-carol", "api/usage/suggestions")
+        gpus = [s for s in everyone if s.get("user") == "bob" and s["kind"] == "gpus"]
+        assert [s["text"] for s in gpus] == [f"holds 2 GPUs, one is never busy in most leases: 1 × {A100} would do"]
+        assert gpus[0]["suggested"]["gpus"] == 1
+        # the groups' view (admins only): physics is alice
+        assert any(s.get("group") == "physics" and s["kind"] == "memory" for s in everyone)
+        assert not any("group" in s for s in await usage(app, "bob", "api/usage/suggestions"))
+
+    run_with_broker(tmp_path, scenario, clock)

@@ -1,0 +1,120 @@
+"""The pure parts of usage records: right-sizing rules, the group a user's hours count to,
+prices, periods, and the recorder's arithmetic (hours, counters that go back, the cap of busy
+at held)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jupyter_gpulease.broker.usage import Accounting, PeriodError, UsageRecorder, _hours, parse_since, period
+from jupyter_gpulease.core.model import Lease, LeaseState, Placement, Slice
+from jupyter_gpulease.core.request import Request
+from jupyter_gpulease.core.rightsizing import gb, suggest
+
+A100 = "A100-SXM4-80GB"
+OFFERS = [
+    {"kind": "mig", "model": A100, "mig_profile": "1g.10gb", "memory_mib": 10240, "fraction": 0.125},
+    {"kind": "mig", "model": A100, "mig_profile": "3g.40gb", "memory_mib": 40960, "fraction": 0.5},
+    {"kind": "share", "model": A100, "share": 0.25, "memory_mib": 20480, "fraction": 0.25},
+    {"kind": "share", "model": A100, "share": 0.5, "memory_mib": 40960, "fraction": 0.5},
+]
+
+
+def row(peak=9216, asked_s=3600.0, held_s=3000.0, gpus=1, kind="gpu", devices=None, **kw):
+    return {"model": A100, "slice_kind": kind, "slice": str(gpus), "gpus": gpus, "fraction": float(gpus), "mem_mib": 81920 * gpus,
+            "asked_s": asked_s, "held_s": held_s, "mem_peak_mib": peak, "devices": devices or {}, **kw}
+
+
+def test_memory_rule_needs_evidence_and_a_real_saving():
+    assert suggest([row()] * 2, OFFERS, min_leases=3) == []  # too few leases
+    out = suggest([row()] * 3, OFFERS, min_leases=3)
+    assert [s["kind"] for s in out] == ["memory"] and out[0]["suggested"]["mig_profile"] == "1g.10gb"
+    # 30 GB at the 95th percentile: a 3g.40gb slice or a half share, not a 1g.10gb
+    out = suggest([row(peak=30 * 1024)] * 4, OFFERS, min_leases=3)
+    assert out[0]["suggested"]["mig_profile"] == "3g.40gb" and out[0]["alternatives"][0]["share"] == 0.5
+    # 45 GB: more than half the card, nothing to say
+    assert suggest([row(peak=45 * 1024)] * 4, OFFERS, min_leases=3) == []
+    # one big lease in twenty falls outside the 95th percentile, two do not
+    assert suggest([row()] * 19 + [row(peak=70000)], OFFERS)[0]["kind"] == "memory"
+    assert suggest([row()] * 18 + [row(peak=70000)] * 2, OFFERS) == []
+    # leases that never said their memory tell nothing
+    assert suggest([row(peak=0)] * 5, OFFERS) == []
+
+
+def test_duration_and_gpu_count_rules():
+    out = suggest([row(peak=60000, asked_s=8 * 3600, held_s=h * 3600) for h in (1.5, 2, 2, 2.5, 3)], OFFERS)
+    assert [s["kind"] for s in out] == ["duration"]
+    assert out[0]["text"] == "asks 8 h, uses 2 h at the median: 3 h would do for 90% of leases" and out[0]["suggested"]["duration_s"] == 3 * 3600
+    # a lease held most of what it asked: nothing
+    assert suggest([row(peak=60000, asked_s=8 * 3600, held_s=7 * 3600)] * 5, OFFERS) == []
+    busy = {"a": {"busy_gpu_s": 100.0}, "b": {"busy_gpu_s": 0.0}, "c": {"busy_gpu_s": 0.0}, "d": {"busy_gpu_s": 5.0}}
+    out = suggest([row(gpus=4, peak=60000, devices=busy)] * 3, OFFERS)
+    assert [s["text"] for s in out] == [f"holds 4 GPUs, two are never busy in most leases: 2 × {A100} would do"]
+    all_busy = {k: {"busy_gpu_s": 1.0} for k in "abcd"}
+    assert suggest([row(gpus=4, peak=60000, devices=all_busy)] * 3, OFFERS) == []
+
+
+def test_the_group_hours_count_to_and_prices():
+    acc = Accounting(prices={A100: 3.0, "H100*": 5.0, "*": 1.0}, group_order=("physics", "chemistry"), teams={"zoe": "biology"})
+    assert acc.team("alice", ("chemistry", "physics")) == "physics"
+    assert acc.team("bob", ("zeta", "alpha")) == "alpha"  # no listed group: the first alphabetically
+    assert acc.team("carl", ()) == "none"
+    assert acc.team("zoe", ("physics",)) == "biology"
+    assert (acc.price(A100), acc.price("H100-SXM5-80GB"), acc.price("L4")) == (3.0, 5.0, 1.0)
+    assert Accounting().price("L4") == 0.0
+    assert acc.cost(A100, 7200, 3600) == 6.0
+    assert Accounting(prices={A100: 3.0}, charge_idle=False).cost(A100, 7200, 3600) == 3.0
+    assert gb(81920) == "80 GB" and gb(9216) == "9 GB" and gb(512) == "0.5 GB"
+
+
+def test_periods():
+    assert parse_since("30d") == 30 * 86400 and parse_since("12h") == 43200 and parse_since("2w") == 14 * 86400
+    assert period(since="1d", now=1000.0 + 86400) == (1000.0, 1000.0 + 86400)
+    assert period(start="2026-11-01", end="2026-11-02") == (1793491200.0, 1793577600.0)
+    assert period(start="2026-11-01T01:00+01:00", end=1793577600.0)[0] == 1793491200.0
+    for kw, field in (({"since": "x"}, "since"), ({"start": "nope"}, "from"), ({"end": "nope"}, "to"), ({"start": "2026-11-02", "end": "2026-11-01"}, "from")):
+        with pytest.raises(PeriodError) as info:
+            period(**kw)
+        assert info.value.field == field
+
+
+def test_hours_split_an_interval_at_the_hour():
+    assert list(_hours(3000.0, 8000.0)) == [(0, 600.0), (3600, 3600.0), (7200, 800.0)]
+    assert list(_hours(3600.0, 3600.0)) == []
+
+
+def lease(gpus=1, share_milli=1000, granted=0.0):
+    sl = tuple(Slice(f"GPU-{i}", "n1", i, A100, 81920 * share_milli // 1000, share_milli) for i in range(gpus))
+    return Lease(id="L1", user="alice", request=Request(gpus=gpus), tier="default", duration_s=3600.0, created_at=granted - 60,
+                 groups=("physics",), state=LeaseState.ACTIVE, granted_at=granted, placement=Placement(sl))
+
+
+def test_the_recorder_counts_intervals_caps_busy_at_held_and_survives_a_counter_that_goes_back():
+    r = UsageRecorder()
+    lz = lease(granted=0.0)
+    r.granted(lz, 0.0)
+    lz.usage = {"devices": {"GPU-0": {"busy_s": 500.0, "idle_s": 100.0}}}
+    r.heartbeat(lz, 600.0)
+    lz.usage = {"devices": {"GPU-0": {"busy_s": 9999.0, "idle_s": 100.0}}}  # more than time allows: capped at held
+    r.heartbeat(lz, 1200.0)
+    lz.usage = {"devices": {"GPU-0": {"busy_s": 50.0, "idle_s": 10.0}}}  # the server started again: 50 s are new
+    r.heartbeat(lz, 1800.0)
+    row = r.live["L1"].row
+    assert row["held_gpu_s"] == 1800.0 and row["busy_gpu_s"] == 1200.0 + 50.0
+    assert row["queue_wait_s"] == 60.0
+    lz.state, lz.ended_at = LeaseState.RECLAIMED, 2400.0
+    r.ended(lz, 2400.0)
+    b = r.take()
+    assert b.leases["L1"]["held_gpu_s"] == 2400.0 and b.leases["L1"]["reclaims"] == 1 and b.leases["L1"]["state"] == {}
+    assert sum(v[5] for (h, lid, k), v in b.hours.items() if not k) == pytest.approx(2400.0)
+    assert b.totals[("usage_held", ("physics", A100))] == pytest.approx(2400.0)
+    assert "L1" not in r.live and r.take() is None
+
+
+def test_a_share_counts_its_fraction():
+    r = UsageRecorder()
+    lz = lease(share_milli=250)
+    r.granted(lz, 0.0)
+    lz.state, lz.ended_at = LeaseState.RELEASED, 3600.0
+    r.ended(lz, 3600.0)
+    assert r.take().leases["L1"]["held_gpu_s"] == 900.0
