@@ -78,6 +78,8 @@ class WarningKind(StrEnum):
     SHARE_MEMORY = "share_memory"  # a kernel uses more GPU memory than the lease's share
     UNLEASED_USE = "unleased_use"  # a process of the user uses a GPU the user does not lease
     ENDED = "ended"  # the broker's heartbeat answer: the lease has ended (the server says it as a lease event)
+    GPU_UNHEALTHY = "gpu_unhealthy"  # the lease's GPU is cordoned or drained (its health, or an admin): why, and what happens to the lease
+    MAINTENANCE = "maintenance"  # a maintenance window on the lease's GPU begins before the lease ends
 
 
 class NoticeKind(StrEnum):

@@ -25,6 +25,8 @@ WARNING_TITLES: dict[WarningKind, str] = {
     WarningKind.SHARE_MEMORY: "GPU share over its memory",
     WarningKind.UNLEASED_USE: "GPU used without a lease",
     WarningKind.ENDED: "GPU lease ended",
+    WarningKind.GPU_UNHEALTHY: "Your GPU is failing or taken out",
+    WarningKind.MAINTENANCE: "GPU maintenance ahead",
 }
 WARNING_TITLE_DEFAULT = "GPU lease"
 

@@ -52,7 +52,8 @@ class BrokerWarnings:
                 self.announce.warn(WarningKind.UNLEASED_USE, w.get("message") or "A process of yours uses a GPU you do not lease.",
                                    deadline=w.get("deadline"), pid=w.get("pid"), device_uuid=w.get("device_uuid"))
                 continue
-            kind = WarningKind.PREEMPTION if w.get("kind") == WarningKind.PREEMPTION else WarningKind.EXPIRING
+            passed = (WarningKind.PREEMPTION, WarningKind.GPU_UNHEALTHY, WarningKind.MAINTENANCE)  # said as the broker says them
+            kind = WarningKind(w["kind"]) if w.get("kind") in passed else WarningKind.EXPIRING
             message = w.get("message") or f"The GPU lease ends at {w.get('at')}."
             if kind == WarningKind.PREEMPTION:
                 # what this server does about it: the broker cannot know

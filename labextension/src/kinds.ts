@@ -12,8 +12,8 @@ export type KernelState = 'ok' | 'acting' | 'suspended' | 'resuming' | 'reclaime
 export const KERNEL_STATES: readonly KernelState[] = ['ok', 'acting', 'suspended', 'resuming', 'reclaimed'];
 
 /** A warning's `kind` (the status's `warnings`, the feed's `warning` events). */
-export type WarningKind = 'reclaim' | 'lease_reclaim' | 'expiring' | 'preemption' | 'share_memory' | 'unleased_use' | 'ended';
-export const WARNING_KINDS: readonly WarningKind[] = ['reclaim', 'lease_reclaim', 'expiring', 'preemption', 'share_memory', 'unleased_use', 'ended'];
+export type WarningKind = 'reclaim' | 'lease_reclaim' | 'expiring' | 'preemption' | 'share_memory' | 'unleased_use' | 'ended' | 'gpu_unhealthy' | 'maintenance';
+export const WARNING_KINDS: readonly WarningKind[] = ['reclaim', 'lease_reclaim', 'expiring', 'preemption', 'share_memory', 'unleased_use', 'ended', 'gpu_unhealthy', 'maintenance'];
 
 /** A notice's `kind` (the status's `notices`, the feed's `notice` events). */
 export type NoticeKind = 'attribution' | 'env_stale' | 'keep' | 'broker' | 'unleased_use';
@@ -93,6 +93,8 @@ export const WARNING_TITLES: Partial<Record<WarningKind, string>> = {
   preemption: 'GPU lease preempted',
   share_memory: 'GPU share over its memory',
   unleased_use: 'GPU used without a lease',
-  ended: 'GPU lease ended'
+  ended: 'GPU lease ended',
+  gpu_unhealthy: 'Your GPU is failing or taken out',
+  maintenance: 'GPU maintenance ahead'
 };
 export const WARNING_TITLE_DEFAULT = 'GPU lease';
