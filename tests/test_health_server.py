@@ -4,9 +4,8 @@ suspended before the drain ends the lease (as for a preemption)."""
 
 from __future__ import annotations
 
-from test_server_parts_reclaim import idle_kernel, proc  # noqa: F401 - the fixture
-
 from partsutil import rig, run
+from test_server_parts_reclaim import idle_kernel, proc  # noqa: F401 - the fixture
 
 
 @run
