@@ -186,3 +186,12 @@ def test_xid_classes():
     assert [x.code for x in f][:2] == ["xid:79", "ecc_dbe"] and f[0].action is Action.DRAIN_NOW
     assert {x.code for x in f} >= {"row_remap_pending", "hot", "throttle:hw_thermal"}
     assert assess({}, temperature_c=89, slowdown_c=90) == []
+
+
+def test_readme_shows_the_one_xid_table():
+    from pathlib import Path
+
+    from jupyter_gpulease.core.health import xid_table_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert xid_table_markdown() in readme
