@@ -60,6 +60,10 @@ class FakeGPU:
     ecc_uncorrected: int | None = 0  # None: ECC off / NotSupported
     process_utilization: bool = True  # False: nvmlDeviceGetProcessUtilization answers NotSupported
     events: bool = True  # False: XID events cannot be registered (NotSupported)
+    slowdown_c: int | None = 90  # the card's slowdown temperature threshold; None: NotSupported
+    retired_pages_pending: bool | None = False  # None: NotSupported (no page retirement on this GPU)
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)  # (correctable, uncorrectable, pending, failed); None: NotSupported
+    throttle_reasons: int = 0  # NVML's clocks event reasons bitmask
 
 
 class FakeNVML(types.ModuleType):
@@ -81,7 +85,8 @@ class FakeNVML(types.ModuleType):
             if name.startswith(("NVMLError", "NVML_ERROR_", "NVML_DEVICE_MIG")):
                 setattr(self, name, getattr(real, name))
         self.NVMLLibraryMismatchError = real.NVMLLibraryMismatchError
-        for name in ("NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "nvmlEventTypeXidCriticalError"):
+        for name in ("NVML_TEMPERATURE_GPU", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC", "nvmlEventTypeXidCriticalError",
+                     "NVML_TEMPERATURE_THRESHOLD_SLOWDOWN", "NVML_FEATURE_ENABLED", "NVML_FEATURE_DISABLED"):
             setattr(self, name, getattr(real, name))
         self._event_sets: list[dict] = []
         self.process_utilization_timestamps: list[tuple[str, int]] = []  # (device UUID, lastSeenTimeStamp) of every call
@@ -170,6 +175,34 @@ class FakeNVML(types.ModuleType):
         if isinstance(h, FakeMig) or h.temperature is None or sensor != real.NVML_TEMPERATURE_GPU:
             raise real.NVMLError_NotSupported()
         return h.temperature
+
+    def nvmlDeviceGetTemperatureThreshold(self, h, threshold):
+        self._enter("nvmlDeviceGetTemperatureThreshold")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.slowdown_c is None or threshold != real.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            raise real.NVMLError_NotSupported()
+        return h.slowdown_c
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        self._enter("nvmlDeviceGetRetiredPagesPendingStatus")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.retired_pages_pending is None:
+            raise real.NVMLError_NotSupported()
+        return real.NVML_FEATURE_ENABLED if h.retired_pages_pending else real.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        self._enter("nvmlDeviceGetRemappedRows")
+        self._device(h)
+        if isinstance(h, FakeMig) or h.remapped_rows is None:
+            raise real.NVMLError_NotSupported()
+        return tuple(h.remapped_rows)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        self._enter("nvmlDeviceGetCurrentClocksEventReasons")
+        self._device(h)
+        if isinstance(h, FakeMig):
+            raise real.NVMLError_NotSupported()
+        return h.throttle_reasons
 
     def nvmlDeviceGetPowerUsage(self, h):
         self._enter("nvmlDeviceGetPowerUsage")

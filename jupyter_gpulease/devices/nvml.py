@@ -51,6 +51,8 @@ MIG_CAP_DIR = "/dev/nvidia-caps"
 _CONFIG_KEYS = {"node", "include_graphics", "gpus", "state_file"}
 _MIG_NAME_RE = re.compile(r"MIG\s+(\S+)\s*$")
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId of a process on a GPU without MIG
+# NVML's clocks event (throttle) reasons that say something is wrong, by the names of core.health.THROTTLE_WORDS
+THROTTLE_BITS = (("hw_slowdown", 0x8), ("sw_thermal", 0x20), ("hw_thermal", 0x40), ("hw_power_brake", 0x80))
 
 
 class _Missing(Exception):
@@ -84,6 +86,9 @@ class NvmlBackend(DeviceBackend):
         self._lost_seen = False  # set by _query when the driver answers GpuIsLost
         self._event_set: Any = None  # XID events; False when the driver cannot give them
         self._xids: dict[str, tuple[int, int]] = {}  # GPU uuid -> (last XID, count)
+        self._xid_codes: dict[str, dict[int, int]] = {}  # GPU uuid -> count per XID code
+        self._resets: dict[str, int] = {}  # GPU uuid -> resets seen (a lost GPU that answers again)
+        self._was_lost: set[str] = set()
         self._proc_util_seen: dict[str, int] = {}  # uuid -> last process-utilization time stamp (µs)
 
     # ------------------------------------------------------------------ init
@@ -287,7 +292,15 @@ class NvmlBackend(DeviceBackend):
                 ecc = self._query("nvmlDeviceGetTotalEccErrors", h, getattr(self._nvml, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1),
                                   getattr(self._nvml, "NVML_VOLATILE_ECC", 0))
                 xid, xid_count = self._xids.get(g.uuid, (None, 0))
-                health = DeviceHealth(lost=self._lost_seen, xid=xid, xid_count=xid_count, ecc_uncorrected=None if ecc is None else int(ecc))
+                lost = self._lost_seen
+                if lost:
+                    self._was_lost.add(g.uuid)
+                elif g.uuid in self._was_lost and util is not None:  # answers again: it was reset
+                    self._was_lost.discard(g.uuid)
+                    self._resets[g.uuid] = self._resets.get(g.uuid, 0) + 1
+                health = DeviceHealth(lost=lost, xid=xid, xid_count=xid_count, ecc_uncorrected=None if ecc is None else int(ecc),
+                                      xids=tuple(sorted(self._xid_codes.get(g.uuid, {}).items())), resets=self._resets.get(g.uuid, 0),
+                                      **self._memory_repairs(h), throttle=self._throttle(h))
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
@@ -383,7 +396,29 @@ class NvmlBackend(DeviceBackend):
             if uuid:
                 _, count = self._xids.get(uuid, (None, 0))
                 self._xids[uuid] = (int(ev.eventData), count + 1)
+                codes = self._xid_codes.setdefault(uuid, {})
+                codes[int(ev.eventData)] = codes.get(int(ev.eventData), 0) + 1
                 log.warning("NVML: critical XID error %s on GPU %s", int(ev.eventData), uuid)
+
+    def _memory_repairs(self, h: Any) -> dict[str, bool]:
+        """Retired pages pending (older GPUs) and row remapping pending or failed (Ampere on)."""
+        out = {"retired_pages_pending": False, "row_remap_pending": False, "row_remap_failed": False}
+        pending = self._query("nvmlDeviceGetRetiredPagesPendingStatus", h)
+        if pending is not None:
+            out["retired_pages_pending"] = int(pending) == int(getattr(self._nvml, "NVML_FEATURE_ENABLED", 1))
+        rows = self._query("nvmlDeviceGetRemappedRows", h)
+        if rows is not None and len(rows) >= 4:
+            out["row_remap_pending"], out["row_remap_failed"] = bool(rows[2]), bool(rows[3])
+        return out
+
+    def _throttle(self, h: Any) -> tuple[str, ...]:
+        """The clock throttle reasons that say something is wrong (heat, power), by name."""
+        reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", h)
+        if reasons is None:
+            reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+        if reasons is None:
+            return ()
+        return tuple(name for name, bit in THROTTLE_BITS if int(reasons) & bit)
 
     def _processes(self, h: Any, uuid: str, by_gi: dict[int, str]) -> tuple[ProcessSample, ...] | None:
         """Compute (and graphics) processes on a device; ``None`` when the driver won't say."""
