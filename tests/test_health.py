@@ -237,3 +237,24 @@ def test_maintenance_windows_over_rest_keep_grants_out_and_warn_holders_ahead(tm
         assert (await bob.get_lease(b["id"]))["state"] == "active"
 
     run(tmp_path, scenario)
+
+
+def test_cordons_and_windows_hold_across_a_restart(tmp_path):
+    holder = {}
+
+    async def first(app, clock, client):
+        admin = client("admin-dan")
+        await admin.cordon("node", "n2", "rack move")
+        holder["w"] = await admin.add_maintenance(start=clock.now() + 600, end=clock.now() + 1200, reason="BIOS update", nodes=["n1"])
+
+    async def second(app, clock, client):
+        alice = client("alice")
+        health = await alice.health()
+        assert [(c["name"], c["reason"]) for c in health["cordons"]] == [("n2", "rack move")]
+        assert [w["id"] for w in health["maintenance"]] == [holder["w"]["id"]]
+        assert all(not d["healthy"] for d in (await alice.pool())["devices"] if d["node"] == "n2")
+        lease = await alice.request_lease(A100)  # two hours would run into the window on n1
+        assert lease["state"] == "queued" and "maintenance window" in lease["queue"]["waiting_for"]
+
+    run(tmp_path, first)
+    run(tmp_path, second)
