@@ -43,7 +43,7 @@ from jupyter_gpulease.core.policy import Policy  # noqa: E402
 from jupyter_gpulease.core.request import Ask, parse_request  # noqa: E402
 from jupyter_gpulease.core.scheduler import Scheduler  # noqa: E402
 from jupyter_gpulease.devices import get_backend  # noqa: E402
-from jupyter_gpulease.devices.kubernetes import inventory_from_nodes, items_of  # noqa: E402
+from jupyter_gpulease.devices.kubenodes import inventory_from_nodes, items_of  # noqa: E402
 from jupyter_gpulease.store import LeaseStore  # noqa: E402
 
 

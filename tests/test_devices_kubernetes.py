@@ -14,6 +14,7 @@ import copy
 import json
 import os
 from datetime import datetime
+from decimal import Decimal
 from pathlib import Path
 
 import kubernetes_validate
@@ -22,7 +23,7 @@ import pytest
 from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient
 from jupyter_gpulease.devices import DeviceUnavailable, get_backend
-from jupyter_gpulease.devices.kubernetes import (
+from jupyter_gpulease.devices.kubenodes import (
     apply_node_event,
     gpus_from_hami,
     gpus_from_labels,
@@ -31,6 +32,7 @@ from jupyter_gpulease.devices.kubernetes import (
     items_of,
     model_name,
     node_state,
+    parse_quantity,
     product_label_values,
     quantity_mib,
 )
@@ -187,6 +189,13 @@ def test_quantities_in_every_unit_kubernetes_writes():
     assert quantity_mib(str(80 * 2**30)) == 81920
     assert quantity_mib("85G") == 85 * 10**9 // 2**20
     assert quantity_mib("lots") is None and quantity_mib(None) is None
+    # the rest of the API's grammar: P/E and Pi/Ei, milli, decimal exponents, a fraction with a suffix
+    assert quantity_mib("1Pi") == 2**30 and quantity_mib("1Ei") == 2**40
+    assert quantity_mib("1.5Gi") == 1536 and quantity_mib("2e9") == 2 * 10**9 // 2**20
+    assert parse_quantity("500m") == Decimal("0.5") and parse_quantity("1E3") == 1000 and parse_quantity(".5k") == 500
+    for bad in ("1.5.5Gi", "Gi", "1 Gi", "1Xi", "1e", True):
+        with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+            parse_quantity(bad)
 
 
 # --------------------------------------------------------------------------- node states
@@ -340,3 +349,83 @@ def test_a_uuid_seen_on_two_nodes_is_kept_once_and_reported():
     gpus = inventory_from_nodes([node("gpu-a10-hami-0"), twin], now=NOW, problems=problems)
     assert [g.node for g in gpus] == ["gpu-a10-hami-0", "gpu-a10-hami-0"]
     assert len(problems) == 2 and all("already in the pool" in p for p in problems)
+
+
+# --------------------------------------------------------------------------- the watch, on the host's loop
+class _APIServer:
+    """A stand-in Kubernetes API server on 127.0.0.1: ``GET /api/v1/nodes`` lists the nodes;
+    with ``watch=true`` it streams the events put in ``events`` (one JSON line each)."""
+
+    def __init__(self, nodes: list[dict]):
+        self.nodes = nodes
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.lists = 0
+        self.watches: list[str] = []
+
+    def app(self):
+        from tornado import web
+
+        server = self
+
+        class Nodes(web.RequestHandler):
+            async def get(self):
+                if self.get_argument("watch", "") in ("true", "True", "1"):
+                    server.watches.append(self.get_argument("resourceVersion", ""))
+                    self.set_header("Content-Type", "application/json")
+                    while True:
+                        event = await server.events.get()
+                        self.write(json.dumps(event) + "\n")
+                        await self.flush()
+                server.lists += 1
+                self.write({"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "100"}, "items": server.nodes})
+
+        return web.Application([(r"/api/v1/nodes", Nodes)])
+
+
+def test_the_node_watch_runs_on_the_hosts_loop_and_inventory_answers_from_it_in_a_worker_thread(tmp_path):
+    from tornado.httpserver import HTTPServer
+    from tornado.netutil import bind_sockets
+
+    async def main():
+        api = _APIServer([node("gpu-a100-0")])
+        sockets = bind_sockets(0, "127.0.0.1")
+        http = HTTPServer(api.app())
+        http.add_sockets(sockets)
+        port = sockets[0].getsockname()[1]
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(KUBECONFIG_NO_SERVER.replace("https://127.0.0.1:9", f"http://127.0.0.1:{port}"))
+        backend = get_backend("kubernetes", {"kubeconfig": str(kubeconfig), "request_timeout_s": 10, "refresh_s": 3600})
+        loop = asyncio.get_running_loop()
+        try:
+            # before start(): inventory lists in the calling thread (the broker calls it in a worker)
+            gpus = await loop.run_in_executor(None, backend.inventory)
+            assert {g.node for g in gpus} == {"gpu-a100-0"} and all(g.healthy for g in gpus)
+            assert api.lists == 1 and not backend.watching
+            backend.start()
+            for _ in range(100):
+                if api.watches:
+                    break
+                await asyncio.sleep(0.05)
+            assert api.watches == ["100"]  # watches from the version it listed, without listing again
+            cordoned = node("gpu-a100-0")
+            cordoned["spec"]["unschedulable"] = True
+            cordoned["metadata"]["resourceVersion"] = "101"
+            await api.events.put({"type": "MODIFIED", "object": cordoned})
+            added = node("gpu-t4-ts-0")
+            added["metadata"]["resourceVersion"] = "102"
+            await api.events.put({"type": "ADDED", "object": added})
+            for _ in range(100):
+                gpus = await loop.run_in_executor(None, backend.inventory)
+                if {g.node for g in gpus} == {"gpu-a100-0", "gpu-t4-ts-0"}:
+                    break
+                await asyncio.sleep(0.05)
+            assert {g.node for g in gpus} == {"gpu-a100-0", "gpu-t4-ts-0"}
+            assert not any(g.healthy for g in gpus if g.node == "gpu-a100-0")  # cordoned: kept, unhealthy
+            assert backend.watching and api.lists == 1  # every answer came from the watch's cache
+        finally:
+            backend.close()
+            await asyncio.sleep(0)
+            http.stop()
+        assert not backend.watching
+
+    asyncio.run(main())

@@ -25,7 +25,7 @@ from traitlets.config import Config
 
 from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.client import BrokerClient
-from jupyter_gpulease.devices.kubernetes import items_of
+from jupyter_gpulease.devices.kubenodes import items_of
 from jupyter_gpulease.hub.kube import GPULeaseKubeSpawner, KubeGPUOptions, PlacementError, pod_gpu_spec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kubernetes"

@@ -656,6 +656,7 @@ class GPULeaseBroker(PolicyConfig, Application):
         # no xheaders: the broker never uses the client's address, and checking it costs a lookup per call
         self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
         await self._listen(url.port or 80, url.hostname or "127.0.0.1")
+        self.backend.start()  # a backend that follows its source (the Kubernetes node watch) does it on this loop
         self.ticker = PeriodicCallback(self.manager.tick, self.tick_interval * 1000)
         self.ticker.start()
         self.periodic = [self.ticker]

@@ -216,8 +216,12 @@ class DeviceBackend(abc.ABC):
         Blocking: run it in an executor when called from an event loop.
         """
 
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once on the host's running event loop (the broker's): a backend that follows a
+        source (the Kubernetes node watch) starts its task there."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release driver handles. Calling it twice is harmless."""
+        """Release driver handles and stop what :meth:`start` started. Calling it twice is harmless."""
 
     def __enter__(self) -> DeviceBackend:
         return self

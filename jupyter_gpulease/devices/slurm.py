@@ -41,7 +41,7 @@ from typing import Any
 from ..core.model import GPU
 from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable
 from .declared import MAX_MIG_SLICES, parse_mig_profile, simulated_gpu_uuid
-from .kubernetes import _distribute_mig
+from .kubenodes import _distribute_mig
 
 log = logging.getLogger(__name__)
 
