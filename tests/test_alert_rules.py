@@ -130,3 +130,24 @@ def test_idle_time_of_a_lease_follows_its_heartbeats():
     assert lease_idle_s(dict(active, usage={"t": 50.0, "gpu_busy": False, "last_gpu_activity": None}), 1200.0) == 200.0
     assert lease_idle_s(dict(active, state="queued", usage={"t": 1.0}), 1200.0) is None
 
+
+
+def test_the_example_prometheus_and_alertmanager_configs_are_valid():
+    """config/prometheus.yml loads the rules next to it; config/alertmanager.yml routes them."""
+    promtool = need_promtool()
+    check = subprocess.run([promtool, "check", "config", str(ROOT / "config" / "prometheus.yml")], capture_output=True, text=True, timeout=60, check=False)
+    assert check.returncode == 0 and "SUCCESS: 9 rules found" in check.stdout + check.stderr, check.stdout + check.stderr
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        missing = "amtool is not installed (apt-get install prometheus-alertmanager)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing}; .ci/run installs it")
+        pytest.skip(missing)
+    check = subprocess.run([amtool, "check-config", str(ROOT / "config" / "alertmanager.yml")], capture_output=True, text=True, timeout=60, check=False)
+    assert check.returncode == 0 and "SUCCESS" in check.stdout, check.stdout + check.stderr
+    # the example's inhibition names alerts the rules have
+    am = yaml.safe_load((ROOT / "config" / "alertmanager.yml").read_text())
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    for rule in am["inhibit_rules"]:
+        for m in rule["source_matchers"] + rule["target_matchers"]:
+            assert m.split("=", 1)[1].strip('"') in alerts
