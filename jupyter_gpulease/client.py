@@ -21,6 +21,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
@@ -46,19 +47,23 @@ class BrokerError(Exception):
         self.error = error
 
 
-HTTPCallError = BrokerError  # the same failure, named for calls that are not to the broker
-
 
 @dataclass(frozen=True)
 class Backoff:
-    """How long to keep retrying (``retry_for`` seconds in all) and how far apart."""
+    """The project's one retry back-off: delays of ``first`` seconds growing by ``factor`` up to
+    ``cap``, each shortened at random by up to half (jitter, so that clients do not retry in
+    step); ``retry_for``: how long :func:`fetch_json` keeps retrying one call in all.
+
+    A retry loop takes ``delays = backoff.delays()`` and ``next(delays)`` before each wait, and
+    starts over with a fresh ``backoff.delays()`` once a try succeeds (the hub's long-running
+    loops do)."""
 
     retry_for: float = 30.0
     first: float = 0.1
     factor: float = 2.0
     cap: float = 5.0
 
-    def delays(self):
+    def delays(self) -> Iterator[float]:
         d = self.first
         while True:
             yield d * random.uniform(0.5, 1.0)

@@ -816,10 +816,6 @@ class LeaseStore:
             rows = conn.scalars(select(LEASES.c.data).where(LEASES.c.state.in_(LIVE_STATES)).order_by(LEASES.c.seq, LEASES.c.created_at))
             return [Lease.from_dict(d) for d in rows]
 
-    def load_live_dicts(self) -> list[dict[str, Any]]:
-        with self.engine.connect() as conn:
-            return list(conn.scalars(select(LEASES.c.data).where(LEASES.c.state.in_(LIVE_STATES)).order_by(LEASES.c.seq, LEASES.c.created_at)))
-
     def get_lease_dict(self, lease_id: str) -> dict[str, Any] | None:
         with self.engine.connect() as conn:
             return conn.scalar(select(LEASES.c.data).where(LEASES.c.id == lease_id))

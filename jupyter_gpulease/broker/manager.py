@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..core.events import ENDED, GRANTED, Event
+from ..core.events import ENDED, Event
 from ..core.model import Conflict, LeaseError, LeaseState, NotFound
 from ..core.request import Ask
 from ..core.scheduler import REVOKE_META
@@ -766,11 +766,3 @@ def _usage_lookback(policy) -> float:
     if policy.fair_share:
         periods.append(5 * policy.fair_share_half_life_s)
     return max(periods, default=0.0)
-
-
-def ended_events(events: Iterable[Event]) -> list[Event]:
-    return [e for e in events if e.kind == ENDED]
-
-
-def granted_events(events: Iterable[Event]) -> list[Event]:
-    return [e for e in events if e.kind == GRANTED]

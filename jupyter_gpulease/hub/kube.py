@@ -40,7 +40,7 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client import models as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
-from traitlets import Bool, List, TraitError, Unicode, validate
+from traitlets import Bool, Enum, List, TraitError, Unicode, validate
 
 from ..devices.kubernetes import UUID_PREFIX, product_label_values
 from .spawner import GPULeaseSpawner, spawn_error
@@ -265,7 +265,8 @@ def apply_gpu_spec(pod, spec: PodGPUSpec, *, pinning: str = "affinity", hide_gpu
 class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
     """KubeSpawner with GPU leases (entry point ``gpulease-kube``): the lease's placement becomes the pod."""
 
-    gpu_share_mode = Unicode(
+    gpu_share_mode = Enum(
+        SHARE_MODES,
         "replicas",
         help="""How the cluster shares one GPU between pods, so a share lease asks for the right thing:
 
@@ -287,7 +288,8 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
         its sharing config sets ``renameByDefault: true``.""",
     ).tag(config=True)
 
-    mig_strategy = Unicode(
+    mig_strategy = Enum(
+        MIG_STRATEGIES,
         "mixed",
         help="""The NVIDIA device plugin's MIG strategy: ``"mixed"`` (a MIG lease asks for
         ``nvidia.com/mig-<profile>``) or ``"single"`` (it asks for ``nvidia.com/gpu`` on nodes
@@ -307,7 +309,8 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
     dra_mig_device_class = Unicode("mig.nvidia.com", help="DeviceClass of MIG instances for ``use_dra``.").tag(config=True)
     dra_driver = Unicode("gpu.nvidia.com", help="DRA driver whose ``uuid`` attribute the claim's selectors match.").tag(config=True)
 
-    node_pinning = Unicode(
+    node_pinning = Enum(
+        NODE_PINNING,
         "affinity",
         help="""How the pod is kept on the leased node: ``"affinity"`` (a required node affinity on
         ``metadata.name``; the scheduler still checks taints and room), ``"hostname"`` (a node
@@ -339,29 +342,11 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
         ``NVIDIA_VISIBLE_DEVICES=all`` (CUDA base images) see no GPU when they land on a GPU node.""",
     ).tag(config=True)
 
-    @validate("gpu_share_mode")
-    def _check_share_mode(self, proposal):
-        if proposal.value not in SHARE_MODES:
-            raise TraitError(f"gpu_share_mode must be one of {', '.join(SHARE_MODES)}, got {proposal.value!r}")
-        return proposal.value
-
     @validate("on_lease_end")
     def _check_on_lease_end(self, proposal):
         if proposal.value != "stop":
             raise TraitError("on_lease_end must be 'stop' on Kubernetes: a pod keeps its GPUs until it stops, so a "
                              "server that outlived its lease would hold GPUs the broker gave to someone else")
-        return proposal.value
-
-    @validate("mig_strategy")
-    def _check_mig_strategy(self, proposal):
-        if proposal.value not in MIG_STRATEGIES:
-            raise TraitError(f"mig_strategy must be one of {', '.join(MIG_STRATEGIES)}, got {proposal.value!r}")
-        return proposal.value
-
-    @validate("node_pinning")
-    def _check_pinning(self, proposal):
-        if proposal.value not in NODE_PINNING:
-            raise TraitError(f"node_pinning must be one of {', '.join(NODE_PINNING)}, got {proposal.value!r}")
         return proposal.value
 
     def __init__(self, *args, **kwargs):

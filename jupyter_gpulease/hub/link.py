@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import weakref
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any, ClassVar
 
 from tornado.httpclient import AsyncHTTPClient
 
-from ..client import BrokerClient, BrokerError
+from ..client import Backoff, BrokerClient, BrokerError
 from ..core.request import SPAWNER_META
 from ..tasks import BackgroundTasks
 from .outbox import ReleaseOutbox
@@ -45,22 +44,6 @@ LIVE_STATES = ("queued", "active")
 FEED_ONLY = ("ended_actor",)  # lease fields the hub learns from the event feed only
 # event kinds after which the lease JSON is read again (its placement, expiry, end reason)
 REFRESH_KINDS = ("granted", "extended", "ended", "confirmed", "preempt-warned", "preempt-cancelled", "warned")
-
-
-class Backoff:
-    """Delays between retries: ``first`` seconds, doubling up to ``cap``, with ±``jitter``."""
-
-    def __init__(self, first: float = 0.5, cap: float = 15.0, factor: float = 2.0, jitter: float = 0.2):
-        self.first, self.cap, self.factor, self.jitter = first, cap, factor, jitter
-        self._next = first
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * self.factor)
-        return delay * (1 + random.uniform(-self.jitter, self.jitter))
-
-    def reset(self) -> None:
-        self._next = self.first
 
 
 def ended_by_holder(lease: dict) -> bool:
@@ -387,7 +370,8 @@ class BrokerLink:
                 self.refresh(lid)  # ended meanwhile: read its end
 
     async def _run_feed(self) -> None:
-        backoff = Backoff()
+        backoff = Backoff(first=0.5, cap=15.0)
+        delays = backoff.delays()
         lost = False  # the feed was up and went away: say so once, and once when it is back
         while not self._closed and (self.watches or self.spawners):
             try:
@@ -398,17 +382,17 @@ class BrokerLink:
                     self._tell_listeners({"kind": "resync", "lease_id": ""})  # events may have been missed
                 # a short first wait after a reconnect: 'connected' means the feed answers
                 feed = await self.client.events(since=self._cursor, timeout=self.feed_timeout if self.connected else 0)
-                backoff.reset()
+                delays = backoff.delays()
             except asyncio.CancelledError:
                 raise
             except BrokerError as e:
                 lost = self._feed_failed(e) or lost
-                await asyncio.sleep(backoff.next())
+                await asyncio.sleep(next(delays))
                 continue
             except Exception:  # a bug must not end the feed for every spawner
                 self.log.exception("The lease event feed failed; reconnecting")
                 self.connected = False
-                await asyncio.sleep(backoff.next())
+                await asyncio.sleep(next(delays))
                 continue
             if not self.connected:
                 self.connected = True
@@ -469,16 +453,17 @@ class BrokerLink:
 
     async def _run_queue_refresh(self) -> None:
         backoff = Backoff(first=self.queue_refresh_interval, cap=max(30.0, self.queue_refresh_interval))
+        delays = backoff.delays()
         while not self._closed and self._queued_ids():
             self._queue_kick.clear()
             try:
                 queue = await self.client.queue()
-                backoff.reset()
+                delays = backoff.delays()
                 delay = self.queue_refresh_interval
             except BrokerError as e:
                 self.log.debug("Queue refresh failed: %s", e)
                 queue = None
-                delay = backoff.next()
+                delay = next(delays)
             if queue is not None:
                 by_id = {entry.get("id"): entry for entry in queue}
                 for lid in self._queued_ids():
@@ -517,7 +502,7 @@ class BrokerLink:
             self._ending_why.pop(lease_id, None)
 
     async def _end_until_done(self, lease_id: str, reason: str, state: str, who: str) -> dict | None:
-        backoff = Backoff()
+        delays = Backoff(first=0.5, cap=15.0).delays()
         tries = 0
         while True:
             tries += 1
@@ -534,7 +519,7 @@ class BrokerLink:
                                          lease_id, who, e.message)
                         if self.outbox is not None:
                             self.outbox.add_lease(lease_id, reason=reason, state=state, who=who)
-                    await asyncio.sleep(backoff.next())
+                    await asyncio.sleep(next(delays))
                     continue
                 self.log.error("The broker refused to release lease %s of %s: %s", lease_id, who, e)
                 self._outbox_done_lease(lease_id)
@@ -589,7 +574,7 @@ class BrokerLink:
 
     async def _run_outbox(self) -> None:
         outbox = self.outbox
-        backoff = Backoff(first=1.0, cap=30.0)
+        delays = Backoff(first=1.0, cap=30.0).delays()
         announced = False
         while outbox and not self._closed:
             self._outbox_kick.clear()
@@ -616,7 +601,7 @@ class BrokerLink:
                 await asyncio.wait(pending, timeout=5)
             if not outbox:
                 break
-            delay = backoff.next() if failed or pending else 1.0
+            delay = next(delays) if failed or pending else 1.0
             try:
                 async with asyncio.timeout(delay):
                     await self._outbox_kick.wait()
@@ -674,7 +659,7 @@ class BrokerLink:
         return it. Waits (with back-off, quietly) up to ``patience`` seconds for a broker that is
         not up yet (the hub starts its services after its spawners), then says so and goes on
         waiting in the background."""
-        backoff = Backoff(first=0.5, cap=10)
+        delays = Backoff(first=0.5, cap=10.0).delays()
         start = clock()
         warned = False
         while True:
@@ -689,7 +674,7 @@ class BrokerLink:
             if not warned and clock() - start >= patience:
                 self.log.warning("%s; the hub keeps trying (check c.GPULeaseSpawner.broker_url)", line)
                 warned = True
-            await asyncio.sleep(backoff.next())
+            await asyncio.sleep(next(delays))
         self.checked = True
         if kind:
             self._note_problem(kind, line)

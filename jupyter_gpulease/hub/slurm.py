@@ -126,6 +126,7 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
 
     shards_per_gpu = Int(
         0,
+        min=0,
         help="""Shards configured per GPU (gres.conf), for ``share_gres="shard"``: a share asks for
         that fraction of them, rounded up (a 0.5 share of a GPU with 8 shards asks for 4).""",
     ).tag(config=True)
@@ -143,12 +144,6 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
         if proposal.value != "stop":
             raise TraitError("on_lease_end must be 'stop' on Slurm: a job keeps its GPUs until it ends, so a server "
                              "that outlived its lease would hold GPUs the broker gave to someone else")
-        return proposal.value
-
-    @validate("shards_per_gpu")
-    def _check_shards(self, proposal):
-        if proposal.value < 0:
-            raise TraitError(f"shards_per_gpu must be 0 or more, got {proposal.value}")
         return proposal.value
 
     def __init__(self, *args, **kwargs):

@@ -180,7 +180,8 @@ class GPULeaseSpawner(Spawner):
         the broker's event feed). Example: 5.""",
     ).tag(config=True)
 
-    on_lease_end = Unicode(
+    on_lease_end = Enum(
+        ("stop", "keep"),
         "stop",
         help="""What happens to a running server when the broker or an admin ends its lease
         (expired, preempted, revoked): ``"stop"`` stops the server (after the broker's
@@ -195,13 +196,8 @@ class GPULeaseSpawner(Spawner):
         a server.""",
     ).tag(config=True)
 
-    @validate("on_lease_end")
-    def _check_on_lease_end(self, proposal):
-        if proposal.value not in ("stop", "keep"):
-            raise TraitError(f"on_lease_end must be 'stop' or 'keep', got {proposal.value!r}")
-        return proposal.value
-
-    on_release_by_user = Unicode(
+    on_release_by_user = Enum(
+        ("stop", "keep"),
         "keep",
         help="""What happens to a running server when its own user gives the lease back from
         inside it (``%gpu release``, ``jupyter gpulease release`` in its terminal, the server
@@ -209,12 +205,6 @@ class GPULeaseSpawner(Spawner):
         server running without a GPU lease (CPU only; the user may ask for a GPU again);
         ``"stop"`` stops it as for any other end.""",
     ).tag(config=True)
-
-    @validate("on_release_by_user")
-    def _check_on_release_by_user(self, proposal):
-        if proposal.value not in ("stop", "keep"):
-            raise TraitError(f"on_release_by_user must be 'stop' or 'keep', got {proposal.value!r}")
-        return proposal.value
 
     cuda_mps = Bool(
         False,
@@ -612,9 +602,9 @@ class GPULeaseSpawner(Spawner):
         await self._confirm(lease_id)
 
     async def _confirm(self, lease_id: str, tries: int = 5) -> None:
-        from .link import Backoff
+        from ..client import Backoff
 
-        backoff = Backoff(first=1, cap=10)
+        delays = Backoff(first=1.0, cap=10.0).delays()
         for attempt in range(tries):
             if self.lease_id != lease_id:
                 return
@@ -633,7 +623,7 @@ class GPULeaseSpawner(Spawner):
             except Exception:
                 self.log.exception("Could not confirm lease %s of %s", lease_id, self._log_name)
                 return
-            await asyncio.sleep(backoff.next())
+            await asyncio.sleep(next(delays))
 
     async def _wait_for_grant(self, lease: dict, pool: dict | None, deadline: float, wait_limit: float) -> dict:
         lease_id = lease["id"]

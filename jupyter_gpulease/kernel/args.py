@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.text import format_duration, parse_duration
+from ..core.text import parse_duration
 
 # subcommand -> (arguments, one-line help); the order is the order of `%gpu help`
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -204,8 +204,3 @@ def parse_cell(line: str) -> Command:
     """The ``%%gpu`` line → :class:`Command` named ``cell``."""
     ns = _request_parser("%%gpu", CELL_USAGE, cell=True).parse_args(_split(line, CELL_USAGE))
     return Command("cell", request=request_body(ns), keep=ns.keep)
-
-
-def say_duration(seconds: float) -> str:
-    """Seconds in words for messages ('1 h 12 min')."""
-    return format_duration(seconds)
