@@ -253,16 +253,7 @@ def gpus_from_labels(node: dict, memory_overrides: dict[str, int] | None = None)
         cap_units += _int(capacity.get(GPU_RESOURCE), 0) or 0
     alloc_units = (_int(allocatable.get(res_name), 0) or 0) + (
         (_int(allocatable.get(GPU_RESOURCE), 0) or 0) if res_name == SHARED_GPU_RESOURCE else 0)
-    mig_counts: dict[str, int] = {}
-    for k, v in labels.items():
-        m = _MIG_LABEL_RE.match(k)
-        if m and _int(v):
-            mig_counts[m.group(1).lower()] = _int(v) or 0
-    if not mig_counts:
-        for k, v in capacity.items():
-            m = _MIG_RESOURCE_RE.match(k)
-            if m and _int(v):
-                mig_counts[m.group(1).lower()] = _int(v) or 0
+    mig_counts = _mig_counts(labels, capacity)
     if not raw and not cap_units and not mig_counts:
         return None
     out = NodeGPUs(name, source="gfd")
@@ -273,20 +264,7 @@ def gpus_from_labels(node: dict, memory_overrides: dict[str, int] | None = None)
     strategy = (labels.get(LABEL_MIG_STRATEGY) or "none").lower()
 
     if single_profile:  # MIG, single strategy: every GPU of the node in one profile, exposed as nvidia.com/gpu
-        slices, profile_mem = parse_mig_profile(single_profile)
-        slices = _int(labels.get(LABEL_SLICES_GI), slices) or slices
-        instance_mem = _int(labels.get(LABEL_MEMORY)) or profile_mem
-        instances = _int(labels.get(LABEL_COUNT)) or cap_units
-        per_gpu = max(_max_slices(model) // max(slices, 1), 1)
-        physical = math.ceil(instances / per_gpu) if instances else 0
-        gpu_mem = memory_overrides.get(model) or (int(_GB_RE.search(raw).group(1)) * 1024 if _GB_RE.search(raw) else instance_mem * per_gpu)
-        left = instances
-        for i in range(physical):
-            n = min(per_gpu, left)
-            left -= n
-            mig = tuple(MigInstance(uuid=simulated_mig_uuid(name, i, j, UUID_PREFIX), profile=single_profile, memory_mib=instance_mem, index=j)
-                        for j in range(n))
-            out.gpus.append(_gpu(name, i, model, gpu_mem, mig))
+        out.gpus = _single_strategy_gpus(name, model, raw, labels, single_profile, cap_units, memory_overrides)
         return out
 
     if memory is None:
@@ -295,19 +273,7 @@ def gpus_from_labels(node: dict, memory_overrides: dict[str, int] | None = None)
         return out
     whole = cap_units // replicas
     if mig_counts:  # MIG, mixed strategy: nvidia.com/gpu counts only the GPUs not in MIG mode
-        physical = _int(labels.get(LABEL_COUNT))
-        if physical is None:
-            physical = whole + max(1, math.ceil(sum(parse_mig_profile(p)[0] * n for p, n in mig_counts.items()) / _max_slices(model)))
-        mig_gpus = max(physical - whole, 0)
-        if mig_gpus == 0:
-            out.problems.append(f"MIG instances {sorted(mig_counts)} but no GPU left for them (gpu.count {physical}, whole {whole})")
-        profiles = {}
-        for p, n in mig_counts.items():
-            mem = _int(labels.get(f"nvidia.com/mig-{p}.memory")) or parse_mig_profile(p)[1]
-            profiles[p] = (n, mem)
-        plain = [_gpu(name, i, model, memory) for i in range(whole)]
-        plain = _mark_unhealthy_tail(plain, math.ceil(max(cap_units - alloc_units, 0) / replicas))
-        out.gpus = plain + _distribute_mig(name, whole, mig_gpus, profiles, model, memory)
+        _mixed_strategy_gpus(out, labels, model, memory, mig_counts, whole, cap_units - alloc_units, replicas)
         if strategy != "mixed":
             out.problems.append(f"MIG instance labels with {LABEL_MIG_STRATEGY}={strategy!r}; read as 'mixed'")
         return out
@@ -322,6 +288,57 @@ def gpus_from_labels(node: dict, memory_overrides: dict[str, int] | None = None)
     out.gpus = [_gpu(name, i, model, memory) for i in range(physical)]
     out.gpus = _mark_unhealthy_tail(out.gpus, math.ceil(max(cap_units - alloc_units, 0) / replicas))
     return out
+
+
+def _mig_counts(labels: dict, capacity: dict) -> dict[str, int]:
+    """MIG profile -> instances, from the ``nvidia.com/mig-<profile>.count`` labels, else the resources."""
+    counts: dict[str, int] = {}
+    for k, v in labels.items():
+        m = _MIG_LABEL_RE.match(k)
+        if m and _int(v):
+            counts[m.group(1).lower()] = _int(v) or 0
+    if not counts:
+        for k, v in capacity.items():
+            m = _MIG_RESOURCE_RE.match(k)
+            if m and _int(v):
+                counts[m.group(1).lower()] = _int(v) or 0
+    return counts
+
+
+def _single_strategy_gpus(name: str, model: str, raw: str, labels: dict, profile: str, cap_units: int,
+                          memory_overrides: dict[str, int]) -> list[GPU]:
+    """MIG with the ``single`` strategy: every GPU of the node split into instances of one profile."""
+    slices, profile_mem = parse_mig_profile(profile)
+    slices = _int(labels.get(LABEL_SLICES_GI), slices) or slices
+    instance_mem = _int(labels.get(LABEL_MEMORY)) or profile_mem
+    instances = _int(labels.get(LABEL_COUNT)) or cap_units
+    per_gpu = max(_max_slices(model) // max(slices, 1), 1)
+    physical = math.ceil(instances / per_gpu) if instances else 0
+    gb = _GB_RE.search(raw)
+    gpu_mem = memory_overrides.get(model) or (int(gb.group(1)) * 1024 if gb else instance_mem * per_gpu)
+    gpus, left = [], instances
+    for i in range(physical):
+        n = min(per_gpu, left)
+        left -= n
+        mig = tuple(MigInstance(uuid=simulated_mig_uuid(name, i, j, UUID_PREFIX), profile=profile, memory_mib=instance_mem, index=j)
+                    for j in range(n))
+        gpus.append(_gpu(name, i, model, gpu_mem, mig))
+    return gpus
+
+
+def _mixed_strategy_gpus(out: NodeGPUs, labels: dict, model: str, memory: int, mig_counts: dict[str, int], whole: int,
+                         unhealthy_units: int, replicas: int) -> None:
+    """MIG with the ``mixed`` strategy: ``whole`` plain GPUs, the rest split as the labels count."""
+    name = out.node
+    physical = _int(labels.get(LABEL_COUNT))
+    if physical is None:
+        physical = whole + max(1, math.ceil(sum(parse_mig_profile(p)[0] * n for p, n in mig_counts.items()) / _max_slices(model)))
+    mig_gpus = max(physical - whole, 0)
+    if mig_gpus == 0:
+        out.problems.append(f"MIG instances {sorted(mig_counts)} but no GPU left for them (gpu.count {physical}, whole {whole})")
+    profiles = {p: (n, _int(labels.get(f"nvidia.com/mig-{p}.memory")) or parse_mig_profile(p)[1]) for p, n in mig_counts.items()}
+    plain = _mark_unhealthy_tail([_gpu(name, i, model, memory) for i in range(whole)], math.ceil(max(unhealthy_units, 0) / replicas))
+    out.gpus = plain + _distribute_mig(name, whole, mig_gpus, profiles, model, memory)
 
 
 def gpus_from_hami(node: dict) -> NodeGPUs | None:
