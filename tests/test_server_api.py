@@ -334,6 +334,6 @@ async def test_a_kernel_without_a_local_process_is_asked_for_its_pid(server, jp_
     k = await start_kernel(server, jp_fetch)
     sup = server.web_app.settings["gpulease_controller"]
     kernel = server.kernel_manager.get_kernel(k.id)
-    rec = sup.kernels.get(k.id)
+    rec = await wait_for(lambda: sup.kernels.get(k.id), message="the kernel is in the extension's table")
     assert await sup.kernels.ask_kernel_pid(rec, kernel) == k.pid
     assert rec.reported_pid == k.pid
