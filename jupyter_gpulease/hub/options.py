@@ -276,27 +276,7 @@ def parse_user_options(
     duration_s, duration_field, max_wait_s = times.duration_s, times.duration_field, times.max_wait_s
 
     if "preset" in opts:
-        slug = opts["preset"]
-        by_slug = {p.slug: p for p in presets}
-        if not isinstance(slug, str) or slug not in by_slug:
-            if not by_slug:
-                raise OptionsError(f"unknown preset {slug!r}: this hub has no presets; ask with 'gpus', 'share' or "
-                                   "'mig_profile' instead", "preset")
-            raise OptionsError(f"unknown preset {slug!r}; choose one of: {', '.join(by_slug)}", "preset")
-        extra = sorted(set(opts) & set(REQUEST_KEYS + ("tier",)))
-        if extra:
-            raise OptionsError(f"a preset fixes what you get; drop {', '.join(map(repr, extra))} or drop 'preset'", extra[0])
-        p = by_slug[slug]
-        if p.cpu_only:
-            if duration_s is not None:
-                raise OptionsError("a CPU-only server has no lease: drop the duration", "duration_s")
-            return LeaseChoice(request=None, preset=p.slug, label=p.display_name)
-        duration_s = duration_s if duration_s is not None else p.duration_s
-        if pool is not None:
-            check_tier(p.tier, duration_s, pool, duration_field=duration_field)
-        waits = [w for w in (max_wait_s, p.max_wait_s) if w is not None]
-        return LeaseChoice(request=dict(p.request), tier=p.tier, duration_s=duration_s, max_wait_s=min(waits) if waits else None,
-                           preset=p.slug, label=p.display_name)
+        return _preset_choice(opts, presets, times, pool)
 
     if opts.get("kind") == "cpu":
         if not allow_cpu_only:
@@ -310,6 +290,38 @@ def parse_user_options(
         choices = ", ".join(p.slug for p in presets)
         raise OptionsError(f"choose one of the presets with 'preset': {choices}", "preset")
 
+    return _custom_choice(opts, duration_s, duration_field, max_wait_s, pool)
+
+
+def _preset_choice(opts: dict, presets: list[Preset], times: Ask, pool: dict | None) -> LeaseChoice:
+    """``{"preset": slug}`` (with at most a duration and a wait): the admin's named option."""
+    duration_s, duration_field, max_wait_s = times.duration_s, times.duration_field, times.max_wait_s
+    slug = opts["preset"]
+    by_slug = {p.slug: p for p in presets}
+    if not isinstance(slug, str) or slug not in by_slug:
+        if not by_slug:
+            raise OptionsError(f"unknown preset {slug!r}: this hub has no presets; ask with 'gpus', 'share' or "
+                               "'mig_profile' instead", "preset")
+        raise OptionsError(f"unknown preset {slug!r}; choose one of: {', '.join(by_slug)}", "preset")
+    extra = sorted(set(opts) & set(REQUEST_KEYS + ("tier",)))
+    if extra:
+        raise OptionsError(f"a preset fixes what you get; drop {', '.join(map(repr, extra))} or drop 'preset'", extra[0])
+    p = by_slug[slug]
+    if p.cpu_only:
+        if duration_s is not None:
+            raise OptionsError("a CPU-only server has no lease: drop the duration", "duration_s")
+        return LeaseChoice(request=None, preset=p.slug, label=p.display_name)
+    duration_s = duration_s if duration_s is not None else p.duration_s
+    if pool is not None:
+        check_tier(p.tier, duration_s, pool, duration_field=duration_field)
+    waits = [w for w in (max_wait_s, p.max_wait_s) if w is not None]
+    return LeaseChoice(request=dict(p.request), tier=p.tier, duration_s=duration_s, max_wait_s=min(waits) if waits else None,
+                       preset=p.slug, label=p.display_name)
+
+
+def _custom_choice(opts: dict, duration_s: float | None, duration_field: str, max_wait_s: float | None,
+                   pool: dict | None) -> LeaseChoice:
+    """GPUs, a share or a MIG profile asked for by the user (where the hub allows custom options)."""
     request = {k: opts[k] for k in REQUEST_KEYS if k in opts}
     if request.get("kind") == "gpu" and "gpus" not in request:
         request["gpus"] = 1
