@@ -7,8 +7,11 @@ with usage records written by the broker's own recorder, read as their text.
 
 from __future__ import annotations
 
+import csv
+import io
 import re
 import time
+import urllib.error
 
 import pytest
 
@@ -153,3 +156,126 @@ def test_the_form_asks_the_broker_for_the_users_own_suggestions_only():
     html = asyncio.run(form.render_for(b, user="alice", groups=[], presets=[], allow_custom=True, allow_cpu_only=True))
     assert b.asked == ["alice"]
     assert "bob's" not in html and OVER_ASKING["text"] in cards(html)[f"mig:1g.10gb:{A100}"]
+
+
+# --------------------------------------------------------------------------- the pages, from a real broker
+PRICES = {A100: 2.5, "L4": 0.8}
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A real hub whose broker reads a store with a month of usage (tests/usage_seed.py), with prices."""
+    from brokerhub import hub_for_broker, wait_for_broker
+    from usage_seed import POOL as SEED_POOL
+    from usage_seed import seed
+
+    tmp = tmp_path_factory.mktemp("usage-pages")
+    expected = seed(tmp, time.time())
+    h = hub_for_broker(tmp, db_url=f"sqlite:///{tmp / 'gpulease.sqlite'}", pool=SEED_POOL, extra_config=(
+        f"c.GPULeaseUsage.prices = {PRICES!r}\n"
+        "c.GPULeaseUsage.currency = 'EUR'\n"))
+    h.start()
+    try:
+        wait_for_broker(h, h.create_token("carol"))
+        h.expected = expected
+        yield h
+    finally:
+        h.stop()
+
+
+def text_of(html: str, element_id: str) -> str:
+    """The text of the element with ``id`` (a table, a paragraph or a div), tags dropped, spaces squeezed."""
+    m = re.search(rf'<(\w+)[^>]*\bid="{re.escape(element_id)}"[^>]*>(.*?)</\1>', html, re.S)
+    assert m, f"no element #{element_id} on the page"
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", m.group(2))).replace(" ,", ",").strip()
+
+
+def row_of(html: str, table_id: str, first_cell: str) -> str:
+    m = re.search(rf'<table[^>]*\bid="{re.escape(table_id)}"[^>]*>(.*?)</table>', html, re.S)
+    assert m, f"no table #{table_id}"
+    for tr in re.findall(r"<tr[^>]*>(.*?)</tr>", m.group(1), re.S):
+        cells = [re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", c)).strip() for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", tr, re.S)]
+        while cells and not cells[0]:  # a colour swatch
+            cells.pop(0)
+        if cells and cells[0] == first_cell:
+            return " | ".join(cells)
+    raise AssertionError(f"no row {first_cell!r} in #{table_id}")
+
+
+def get(opener, url: str) -> str:
+    return opener.open(url, timeout=60).read().decode()
+
+
+def test_the_admin_page_says_where_the_gpu_hours_went_and_what_they_cost(hub):
+    e = hub.expected
+    held = sum(v["held"] for v in e.values()) / 3600
+    busy = sum(v["busy"] for v in e.values()) / 3600
+    assert (held, busy) == (53.0, 19.25)  # 20 × 2 h of an A100, 6 × 2 h of an L4, 2 × 1 h of half an L4
+    page = get(hub.login("carol"), hub.service_url("gpulease") + "admin")
+    summary = text_of(page, "usage-summary")
+    assert summary.startswith(f"Last 30 days: {up.hours(held)} GPU-hours held, {up.hours(busy)} busy (36%), {up.hours(held - busy)} idle; "
+                              "cost 110.40 EUR."), summary
+    # cost per group: a whole A100-hour costs 2.50, an L4-hour 0.80, half an L4 for an hour 0.40
+    assert row_of(page, "usage-cost", "physics") == "physics | 20 | 40.0 | 10.0 | 30.0 | 25% | 0 s / 0 s | 0 | 0 | 0 | 100.00 EUR"
+    assert row_of(page, "usage-cost", "chemistry").endswith("| 12.0 | 9.00 | 3.00 | 75% | 0 s / 0 s | 0 | 0 | 0 | 9.60 EUR")
+    assert row_of(page, "usage-cost", "none").endswith("| 1.00 | 0.25 | 0.75 | 25% | 0 s / 0 s | 0 | 0 | 0 | 0.80 EUR")
+    assert row_of(page, "usage-cost", "All").startswith("All | 28 | 53.0 | 19.2")
+    assert row_of(page, "usage-models", A100).endswith("| 100.00 EUR")
+    # the top idle holders, most idle first
+    idle = text_of(page, "usage-idle")
+    assert idle.index("alice") < idle.index("bob") < idle.index("carol")
+    assert row_of(page, "usage-idle", "alice").startswith("alice | 30.0 | 40.0 | 25%")
+    # right-sizing: alice's whole A100 for 9 GB
+    suggestion = row_of(page, "usage-suggestions", "alice")
+    assert "asks 1 × A100" in suggestion and "peak memory" in suggestion and "would do" in suggestion
+    # the plots: both drawn, their legends add up to the report
+    assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="usage-chart"') == 2
+    assert row_of(page, "usage-chart-group-legend", "physics").endswith("| 40.0 | 10.0 | 25%")
+    assert row_of(page, "usage-chart-model-legend", "L4").endswith("| 13.0 | 9.25 | 71%")
+    assert not re.search(r'<(script|link|img)[^>]+(src|href)="https?://', page), "the page must not load anything from elsewhere"
+
+
+def test_the_admin_page_picks_its_period_and_refuses_a_bad_one(hub):
+    carol = hub.login("carol")
+    base = hub.service_url("gpulease")
+    week = get(carol, base + "admin?since=7d")
+    assert text_of(week, "usage-summary").startswith("Last 7 days: ")
+    assert re.search(r'<option value="7d" selected>last 7 days</option>', week)
+    assert get(carol, base + "admin?from=2000-01-01&to=2000-01-31").count("no leases in this period") == 2
+    with pytest.raises(urllib.error.HTTPError) as info:
+        carol.open(base + "admin?since=soon", timeout=60)
+    assert info.value.code == 400
+    assert "the period is a number and a unit, like 30d, 12h or 2w, not &#39;soon&#39;" in info.value.read().decode()
+
+
+def test_the_csv_download_has_every_row_for_admins_and_only_their_own_for_users(hub):
+    base = hub.service_url("gpulease")
+    with hub.login("carol").open(base + "admin/usage.csv?since=30d&by=user", timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/csv") and "attachment" in r.headers["Content-Disposition"]
+        rows = list(csv.reader(io.StringIO(r.read().decode())))
+    assert rows[0][:4] == ["user", "held_gpu_h", "busy_gpu_h", "idle_gpu_h"]
+    assert {r[0] for r in rows[1:]} == {"alice", "bob", "carol", "total"}
+    alice = hub.login("alice")
+    with alice.open(base + "usage.csv?since=30d&by=notebook", timeout=60) as r:
+        mine = list(csv.reader(io.StringIO(r.read().decode())))
+    assert [r[0] for r in mine[1:]] == ["thesis/train.ipynb", "total"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        alice.open(base + "admin/usage.csv?since=30d", timeout=60)
+    assert info.value.code == 403
+    with pytest.raises(urllib.error.HTTPError) as info:
+        alice.open(base + "usage.csv?by=colour", timeout=60)
+    assert info.value.code == 400
+
+
+def test_my_leases_shows_my_own_figures_per_notebook_and_my_hint(hub):
+    page = get(hub.login("alice"), hub.service_url("gpulease"))
+    assert text_of(page, "usage-summary") == ("Last 30 days: you held GPUs for 40.0 GPU-hours and used them for 10.0 (25% busy); "
+                                              "30.0 GPU-hours were idle; cost 100.00 EUR. 20 leases, 0 reclaimed while idle.")
+    assert row_of(page, "usage-mine-notebooks", "thesis/train.ipynb") == "thesis/train.ipynb | 40.0 | 10.0 | 30.0 | 25%"
+    hint = text_of(page, "usage-hints")
+    assert hint.startswith("Hint: asks 1 × A100") and "would do" in hint
+    # nobody else's figures
+    assert "md/run.ipynb" not in page and "chemistry" not in page
+    bob = get(hub.login("bob"), hub.service_url("gpulease"))
+    assert row_of(bob, "usage-mine-notebooks", "md/run.ipynb").startswith("md/run.ipynb | 12.0 | 9.00")
+    assert "usage-hints" not in bob  # he uses what he asks for

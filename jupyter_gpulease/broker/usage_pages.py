@@ -230,7 +230,7 @@ def svg_chart(series: dict | None, *, start: float, end: float, title: str, char
 
 def _nice(v: float) -> float:
     exp = 10 ** math.floor(math.log10(v))
-    for m in (1, 2, 2.5, 5, 10):
+    for m in (1, 2, 4, 6, 8, 10):  # a quarter of each is a round tick
         if v <= m * exp:
             return m * exp
     return 10 * exp
