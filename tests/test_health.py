@@ -87,6 +87,7 @@ def test_xid_79_cordons_warns_moves_the_holder_ahead_onto_a_healthy_gpu_and_a_re
         await tick(app, clock, 61)  # the grace is over: the server suspended its kernels meanwhile
         ended = await alice.get_lease(a["id"])
         assert ended["state"] == "revoked" and "moved off its GPU" in ended["end_reason"] and "XID 79" in ended["end_reason"]
+        assert ended["end_message"] == "Revoked by the broker: moved off its GPU: GPU 0 on n1: XID 79: GPU has fallen off the bus."
         # the next cell resumes: its request goes ahead of carol's, which waited before it
         again = await alice.request_lease({**A100, "server": "nb"})
         assert again["state"] == "queued" and again["queue"]["position"] == 1
@@ -178,6 +179,9 @@ def test_admin_cordon_drain_uncordon_hold_and_bad_input(tmp_path):
         await admin.cordon("node", "n2", "PSU swap", drain=True)
         lease = await alice.get_lease(a["id"])
         assert lease["preempt_at"] is not None and "PSU swap" in lease["meta"]["health"]["reason"]
+        await tick(app, clock, 61)
+        ended = await alice.get_lease(a["id"])
+        assert ended["end_message"].startswith("Revoked by admin-dan (admin): moved off its GPU") and "PSU swap" in ended["end_message"]
         await admin.uncordon("node", "n1")
         assert [c["name"] for c in (await admin.health())["cordons"]] == ["n2"]
         # a health cordon held out by an admin stays after a reset and the settling time

@@ -163,7 +163,7 @@ class HealthKeeper:
                 new.update(mode=mode, reason=top.reason, since=now)
                 data["findings"] = [f.to_dict() for f in found]
         else:
-            new = {"target": key, "mode": mode, "source": "health", "reason": top.reason, "actor": "broker (GPU health)", "since": now,
+            new = {"target": key, "mode": mode, "source": "health", "reason": top.reason, "actor": "broker:health", "since": now,
                    "hold": False, "data": {"findings": [f.to_dict() for f in found], "resets": h.resets, "healthy_since": None,
                                            "device": g.uuid, "node": g.node, "index": g.index}}
         await self.manager._in_writer(health_store.save_cordon, self.manager.store, new)
@@ -200,7 +200,7 @@ class HealthKeeper:
         await self.manager._in_writer(health_store.save_cordon, self.manager.store, row)
         self.cordons[row["target"]] = row
 
-    async def _move_holders(self, g: GPU, reason: str) -> None:
+    async def _move_holders(self, g: GPU, reason: str, actor: str = "broker:health") -> None:
         """Drain now: every active lease with a slice on ``g`` moves to a healthy GPU."""
         grace = 0.0 if self.drain_action == "restart" else self.drain_grace_s
         for lease in list(self.manager.scheduler.leases.values()):
@@ -209,7 +209,7 @@ class HealthKeeper:
             if any(sl.gpu_uuid == g.uuid for sl in lease.placement.slices):
                 where = f"GPU {g.index} on {g.node}"
                 try:
-                    await self.manager.drain(lease.id, grace_s=grace, reason=f"{where}: {reason}", device=g.uuid)
+                    await self.manager.drain(lease.id, grace_s=grace, reason=f"{where}: {reason}", device=g.uuid, actor=actor)
                 except (NotFound, Conflict) as e:  # it ended meanwhile
                     self.log.info("Lease %s not moved off %s: %s", lease.id, g.uuid, e)
 
@@ -247,7 +247,7 @@ class HealthKeeper:
             await self._apply()
             if drain:
                 for g in gpus:
-                    await self._move_holders(g, f"an admin drains it: {reason.strip()}")
+                    await self._move_holders(g, f"an admin drains it: {reason.strip()}", actor)
         return self.cordon_json(row)
 
     async def uncordon(self, kind: str, name: str, *, actor: str) -> dict[str, Any]:

@@ -30,6 +30,11 @@ def _admin(handler, what: str) -> None:
         raise Forbidden(f"only callers with the {handler.admin_scope} scope may {what}", field="admin")
 
 
+def _actor(handler) -> str:
+    """Who acts, as the lease's end names it ("Revoked by carol (admin): …")."""
+    return handler.actor if handler.actor.startswith("service:") else f"admin:{handler.caller_name}"
+
+
 def _only(body: dict[str, Any], allowed: set[str]) -> None:
     extra = sorted(set(body) - allowed)
     if extra:
@@ -88,10 +93,10 @@ class CordonHandler(APIHandler):
             drain = body.get("drain", False)
             if not isinstance(drain, bool):
                 raise BadRequest("'drain' must be true or false", field="drain")
-            out = await keeper.cordon(body.get("kind"), body.get("name"), reason=_text(body, "reason", self.limits.reason_chars), actor=self.actor, drain=drain)
+            out = await keeper.cordon(body.get("kind"), body.get("name"), reason=_text(body, "reason", self.limits.reason_chars), actor=_actor(self), drain=drain)
         else:
             _only(body, {"kind", "name"})
-            out = await keeper.uncordon(body.get("kind"), body.get("name"), actor=self.actor)
+            out = await keeper.uncordon(body.get("kind"), body.get("name"), actor=_actor(self))
         self.write_json(out)
 
 
@@ -115,7 +120,7 @@ class MaintenanceHandler(APIHandler):
         _only(body, {"start", "end", "reason", "devices", "nodes"})
         out = await keeper.add_window(start=parse_time(body.get("start"), "start"), end=parse_time(body.get("end"), "end"),
                                       reason=_text(body, "reason", self.limits.reason_chars), devices=_names(body, "devices"),
-                                      nodes=_names(body, "nodes"), actor=self.actor)
+                                      nodes=_names(body, "nodes"), actor=_actor(self))
         self.write_json(out, 201)
 
     async def delete(self, window_id: str | None = None):
@@ -123,7 +128,7 @@ class MaintenanceHandler(APIHandler):
         _admin(self, "remove maintenance windows")
         if not window_id:
             raise BadRequest("name the window: DELETE api/maintenance/<id>", field="id")
-        self.write_json(await keeper.delete_window(window_id, actor=self.actor))
+        self.write_json(await keeper.delete_window(window_id, actor=_actor(self)))
 
 
 def api_handlers(prefix: str) -> list[tuple]:

@@ -31,7 +31,7 @@ def health_view(m, now: float) -> dict[str, Any] | None:
         v = dict(c)
         v["since_text"] = local_time(c["since"], now)
         v["mode_text"] = {"cordon": "cordoned", "drain": "drained", "drain_when_idle": "drain when idle"}[c["mode"]]
-        v["by_text"] = "its health" if c["source"] == "health" else c["actor"]
+        v["by_text"] = "its health" if c["source"] == "health" else c["actor"].removeprefix("admin:")
         if c.get("healthy_since") is not None:
             left = max(0.0, keeper.settle_s - (now - c["healthy_since"]))
             v["back_text"] = f"reset; back in {format_duration(left)} if it stays healthy"
