@@ -93,7 +93,7 @@ def test_an_over_asking_user_sees_the_hint_on_the_card_it_suggests_and_the_admin
                 assert page.locator("label.gpulease-card .gpulease-hint", has_text=hint["text"]).count() == 1
                 first = page.locator("input[name=choice]:checked").get_attribute("value")
                 assert first != value
-                suggested.screenshot(path=str(ARTIFACTS / "01-spawn-form-card-with-the-hint.png"))
+                page.locator(".gpulease-choices").screenshot(path=str(ARTIFACTS / "01-spawn-form-hint-on-the-suggested-card.png"))
                 page.screenshot(path=str(ARTIFACTS / "02-spawn-form.png"), full_page=True)
 
                 # alice's own page: her figures and the hint
@@ -101,8 +101,7 @@ def test_an_over_asking_user_sees_the_hint_on_the_card_it_suggests_and_the_admin
                 summary = page.locator("#usage-summary").inner_text()
                 assert re.search(r"Last 30 days: you held GPUs for [\d.,]+ GPU-hours and used them for", summary), summary
                 assert hint["text"] in page.locator("#usage-hints").inner_text()
-                page.locator("#usage").scroll_into_view_if_needed()
-                page.screenshot(path=str(ARTIFACTS / "03-my-leases-usage.png"), full_page=True)
+                page.locator("#usage-mine").screenshot(path=str(ARTIFACTS / "03-my-leases-usage.png"))
 
                 # the admin's page: the suggestion for alice, the cost table, the plots
                 admin = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
@@ -118,8 +117,7 @@ def test_an_over_asking_user_sees_the_hint_on_the_card_it_suggests_and_the_admin
                 assert cost.locator("tr.total").inner_text().endswith("110.40 EUR")
                 assert admin.locator("svg.usage-chart").count() == 2
                 assert "alice" in admin.locator("#usage-idle").inner_text()
-                admin.locator("#usage").scroll_into_view_if_needed()
-                admin.screenshot(path=str(ARTIFACTS / "04-admin-usage.png"), full_page=True)
+                admin.locator("#usage-admin").screenshot(path=str(ARTIFACTS / "04-admin-usage.png"))
                 # nothing was fetched from outside the hub
                 assert all(u.startswith((demo.url, "data:", "blob:")) for u in requests), \
                     [u for u in requests if not u.startswith(demo.url)]
