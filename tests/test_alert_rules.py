@@ -93,13 +93,16 @@ def test_every_series_the_rules_read_is_exported_by_the_broker(tmp_path, monkeyp
             app.backend.inject_xid(sick, 13, count=2)
             await app.telemetry.sample()
             await app.telemetry.sample()  # the same counts again: nothing new
+            l4 = next(g for g in app.manager.inventory() if g.model == "L4")
+            await app.health.cordon("device", l4.uuid, reason="fan failure", actor="admin-carol")
+            await app.health.add_window(start=clock.t + 4 * 3600, end=clock.t + 5 * 3600, reason="BIOS", nodes=["n2"], actor="admin-carol")
             clock.advance(3 * 3600)
             m = await scrape(app)
-            return m, held, hot, sick
+            return m, held, hot, sick, l4, clock.t + 3600
         finally:
             await app.stop_async()
 
-    m, held, hot, sick = asyncio.run(main())
+    m, held, hot, sick, l4, window_start = asyncio.run(main())
     names = {name for name, _ in m}
     missing = {n for n in rule_names() if not any(x == n or x.startswith(n + "_") or x == n + "_total" for x in names)}
     # the wait histogram is written when a wait ends: the granted lease's wait is one
@@ -116,6 +119,13 @@ def test_every_series_the_rules_read_is_exported_by_the_broker(tmp_path, monkeyp
     # idle since 40 s before the heartbeat (server clock), the heartbeat 3 h ago (broker clock)
     assert value(m, "gpulease_lease_idle_seconds", lease=held["id"], tier="experiment", **a100) == 3 * 3600 + 40
     assert value(m, "gpulease_device_cordoned", uuid=hot, **a100) == 0
+    # an admin's cordon: cordoned, not unhealthy; the node's window ahead, not under way
+    n2 = {"uuid": l4.uuid, "node": "n2", "model": "L4"}
+    assert value(m, "gpulease_device_cordoned", **n2) == 1
+    assert value(m, "gpulease_device_healthy", **n2) == 1
+    assert value(m, "gpulease_gpus_unhealthy", model="L4") == 0
+    assert value(m, "gpulease_device_in_maintenance", **n2) == 0
+    assert value(m, "gpulease_device_next_maintenance_start_seconds", **n2) == window_start
 
 
 def test_idle_time_of_a_lease_follows_its_heartbeats():

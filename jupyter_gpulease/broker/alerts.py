@@ -45,7 +45,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from ..core.events import GRANTED
 from ..core.model import LeaseState
 from ..core.text import format_duration
-from .metrics import backend_healthy, lease_idle_s
+from .metrics import backend_healthy, cordons, lease_idle_s
 
 log = logging.getLogger(__name__)
 
@@ -146,20 +146,6 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
         owners = sorted({str(f.get("owner") or f.get("unix_user") or f.get("uid") or "?") for f in found})
         out.append(Alert("GPULeaseUnleasedUse", uuid, "warning", f"{len(found)} process(es) use {where} without a lease (owner: {', '.join(owners)})",
                          {"uuid": uuid, **({"node": g.node, "model": g.model} if g is not None else {})}))
-    return out
-
-
-def cordons(manager) -> dict[str, str]:
-    """Device uuid -> why it takes no new grants: its cordon (its own or its node's), from the
-    broker's health keeper (broker/health.py) where it runs."""
-    health = getattr(manager, "health", None)
-    if health is None:
-        return {}
-    out = {}
-    for g in manager.inventory():
-        row = health.cordon_of(g)
-        if row is not None:
-            out[g.uuid] = str(row.get("reason") or row.get("mode") or "cordoned")
     return out
 
 

@@ -161,6 +161,20 @@ def backend_healthy(manager) -> dict[str, bool]:
     return {g.uuid: g.healthy for g in raw} if raw is not None else {}
 
 
+def cordons(manager) -> dict[str, str]:
+    """Device uuid -> why it takes no new grants: its cordon (its own or its node's), from the
+    broker's health keeper (broker/health.py) where it runs."""
+    health = getattr(manager, "health", None)
+    if health is None:
+        return {}
+    out = {}
+    for g in manager.inventory():
+        row = health.cordon_of(g)
+        if row is not None:
+            out[g.uuid] = str(row.get("reason") or row.get("mode") or "cordoned")
+    return out
+
+
 def _group(d: dict[str, Any]) -> str:
     groups = d.get("groups") or ()
     return str(groups[0]) if groups else NO_GROUP
@@ -384,8 +398,6 @@ class _BrokerCollector:
         yield from (util, used, total, temp, slowdown, power, limit, driver_ok, xids)
 
         # what takes a device out of new grants besides its health: a cordon, a maintenance window
-        from .alerts import cordons
-
         cordoned = GaugeMetricFamily("gpulease_device_cordoned", "1 while the GPU takes no new leases because it is cordoned or draining (the admin page says why), else 0",
                                      labels=labels)
         maintenance = GaugeMetricFamily("gpulease_device_in_maintenance", "1 while a maintenance window of the GPU is under way, else 0", labels=labels)
