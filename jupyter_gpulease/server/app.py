@@ -1,9 +1,11 @@
 """The jupyter_server extension: configuration, and wiring it into the parts.
 
 Enabled on install (``jupyter_server_config.d/jupyter_gpulease.json`` in the wheel). Configure
-it in ``jupyter_server_config.py`` as ``c.GPULeaseExtension.<option>`` (see
-config/jupyter_server_config.py). Without a lease, a broker or GPUs it logs one line, says so in
-its status and otherwise stays out of the way.
+it in ``jupyter_server_config.py`` (see config/jupyter_server_config.py): where things are, the
+monitor and the heartbeats as ``c.GPULeaseExtension.<option>``; the parts' own settings under
+their names (``c.GPUIdleRule``, ``c.ReclaimActions``, ``c.Resumer``, ``c.GPUUsage``), where the
+older ``c.GPULeaseExtension.<option>`` of a moved setting is still read. Without a lease, a
+broker or GPUs it logs one line, says so in its status and otherwise stays out of the way.
 """
 
 from __future__ import annotations
