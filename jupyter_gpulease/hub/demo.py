@@ -287,45 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(state)
     state.mkdir(parents=True, exist_ok=True)
 
-    config_dir = Path(args.config_dir).resolve() if args.config_dir else find_config_dir()
-    if config_dir is None or not (config_dir / "jupyterhub_config.py").exists():
-        print("jupyter gpulease demo: config/jupyterhub_config.py not found; pass --config-dir", file=sys.stderr)
-        return 2
-    chp = find_chp(state)
-    if chp is None:
-        bad = os.environ.get("GPULEASE_CHP")
-        why = f" (GPULEASE_CHP={bad} is not an executable file)" if bad else ""
-        print(
-            f"jupyter gpulease demo: configurable-http-proxy is missing{why}. Install it (npm, Node.js 18 or newer) with:\n\n"
-            f"    {chp_install_command(state)}\n\n"
-            "and run the demo again. (Or put it on PATH, or set GPULEASE_CHP to its path.)",
-            file=sys.stderr,
-        )
-        return 2
-    port = args.port or free_port()
-    if not port_is_free(port):
-        print(f"jupyter gpulease demo: port {port} on 127.0.0.1 is in use (another program listens there); "
-              "choose another with --port", file=sys.stderr)
-        return 2
+    checked = _preflight(args, state)
+    if isinstance(checked, int):
+        return checked
+    config_dir, chp, port = checked
     backend, why = choose_backend(args.device_backend)
 
-    env = dict(os.environ)
-    env.pop("JUPYTERHUB_API_TOKEN", None)
-    env.update(
-        GPULEASE_DEMO_DIR=str(state),
-        GPULEASE_DEMO_PORT=str(port),
-        GPULEASE_DEMO_HUB_PORT=str(free_port()),
-        GPULEASE_DEMO_PROXY_API_PORT=str(free_port()),
-        GPULEASE_DEMO_BROKER_PORT=str(free_port()),
-        GPULEASE_DEMO_PASSWORD=args.password,
-        GPULEASE_HUB_TOKEN=_token(state / "spawner-token"),
-        GPULEASE_CHP=chp,
-        GPULEASE_DEVICE_BACKEND=backend,
-        CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
-        GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
-        GPULEASE_DEMO_IDLE_TIMEOUT=str(args.idle_timeout),
-        GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
-    )
+    env = _hub_env(args, state, port, chp, backend)
     env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
     cmd = [sys.executable, "-m", "jupyterhub", "-f", str(config_dir / "jupyterhub_config.py")]
@@ -354,29 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         hub = subprocess.Popen(cmd, cwd=state, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         rc = 0
         try:
-            deadline = time.monotonic() + 120
-            while not demo_ready(env):
-                if hub.poll() is not None:
-                    print(f"JupyterHub exited with status {hub.returncode}. The end of its log ({log_path}):\n", file=sys.stderr)
-                    print(_tail(log_path), file=sys.stderr)
-                    return 1
-                if stop_requested:
-                    break
-                if time.monotonic() > deadline:
-                    print(f"JupyterHub did not come up within 120 s; see {log_path}", file=sys.stderr)
-                    rc = 1
-                    break
-                time.sleep(0.3)
-            else:
-                _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
-                print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout),
-                      flush=True)
-            while not stop_requested and rc == 0:
-                if hub.poll() is not None:
-                    print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
-                    rc = 1
-                    break
-                time.sleep(0.3)
+            rc = _run_hub(hub, env, args, url, state, log_path, backend, lambda: stop_requested)
         finally:
             if hub.poll() is None:
                 print(f"Stopping: {_what_runs(url, env['GPULEASE_DEMO_ADMIN_TOKEN'])}. No new GPU grants; waiting spawns "
@@ -390,6 +336,83 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old_term)
     print("Stopped; nothing is left running.", flush=True)
+    return rc
+
+
+def _preflight(args, state: Path) -> tuple[Path, str, int] | int:
+    """The config folder, configurable-http-proxy and a free port; an exit status (2) after saying what is missing."""
+    config_dir = Path(args.config_dir).resolve() if args.config_dir else find_config_dir()
+    if config_dir is None or not (config_dir / "jupyterhub_config.py").exists():
+        print("jupyter gpulease demo: config/jupyterhub_config.py not found; pass --config-dir", file=sys.stderr)
+        return 2
+    chp = find_chp(state)
+    if chp is None:
+        bad = os.environ.get("GPULEASE_CHP")
+        why = f" (GPULEASE_CHP={bad} is not an executable file)" if bad else ""
+        print(
+            f"jupyter gpulease demo: configurable-http-proxy is missing{why}. Install it (npm, Node.js 18 or newer) with:\n\n"
+            f"    {chp_install_command(state)}\n\n"
+            "and run the demo again. (Or put it on PATH, or set GPULEASE_CHP to its path.)",
+            file=sys.stderr,
+        )
+        return 2
+    port = args.port or free_port()
+    if not port_is_free(port):
+        print(f"jupyter gpulease demo: port {port} on 127.0.0.1 is in use (another program listens there); "
+              "choose another with --port", file=sys.stderr)
+        return 2
+    return config_dir, chp, port
+
+
+def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, str]:
+    """The hub's environment: the demo's ports, tokens, device backend and idle timeouts for its config."""
+    env = dict(os.environ)
+    env.pop("JUPYTERHUB_API_TOKEN", None)
+    env.update(
+        GPULEASE_DEMO_DIR=str(state),
+        GPULEASE_DEMO_PORT=str(port),
+        GPULEASE_DEMO_HUB_PORT=str(free_port()),
+        GPULEASE_DEMO_PROXY_API_PORT=str(free_port()),
+        GPULEASE_DEMO_BROKER_PORT=str(free_port()),
+        GPULEASE_DEMO_PASSWORD=args.password,
+        GPULEASE_HUB_TOKEN=_token(state / "spawner-token"),
+        GPULEASE_CHP=chp,
+        GPULEASE_DEVICE_BACKEND=backend,
+        CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
+        GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
+        GPULEASE_DEMO_IDLE_TIMEOUT=str(args.idle_timeout),
+        GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
+    )
+    return env
+
+
+def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: Path, log_path: Path, backend: str,
+             stop_requested) -> int:
+    """Wait for the hub to come up (banner), then until it exits or a stop is asked for; the exit status."""
+    rc = 0
+    deadline = time.monotonic() + 120
+    while not demo_ready(env):
+        if hub.poll() is not None:
+            print(f"JupyterHub exited with status {hub.returncode}. The end of its log ({log_path}):\n", file=sys.stderr)
+            print(_tail(log_path), file=sys.stderr)
+            return 1
+        if stop_requested():
+            break
+        if time.monotonic() > deadline:
+            print(f"JupyterHub did not come up within 120 s; see {log_path}", file=sys.stderr)
+            rc = 1
+            break
+        time.sleep(0.3)
+    else:
+        _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
+        print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout),
+              flush=True)
+    while not stop_requested() and rc == 0:
+        if hub.poll() is not None:
+            print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
+            rc = 1
+            break
+        time.sleep(0.3)
     return rc
 
 
