@@ -59,7 +59,7 @@ from typing import Any
 from ..core.model import GPU
 from ..tasks import BackgroundTasks
 from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable
-from .kubenodes import DRA_DRIVER, UUID_PREFIX, apply_node_event, inventory_from_nodes, items_of, product_label_values  # noqa: F401 (the spawner's names, read from the documents)
+from .kubenodes import DRA_DRIVER, apply_node_event, inventory_from_nodes, items_of
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
 from traitlets import Bool, Enum, List, TraitError, Unicode, validate
 
-from ..devices.kubernetes import UUID_PREFIX, product_label_values
+from ..devices.kubenodes import UUID_PREFIX, product_label_values
 from .spawner import GPULeaseSpawner, spawn_error
 
 SHARE_MODES = ("replicas", "hami", "none")
