@@ -64,6 +64,8 @@ class HealthKeeper:
         self.cordons: dict[str, dict[str, Any]] = {}  # target -> row (see health_store.CORDONS)
         self.windows: dict[str, dict[str, Any]] = {}  # id -> row
         self.raw: list[GPU] = list(manager.inventory())  # the pool as the device backend reports it
+        self._by_uuid: dict[str, GPU] = {g.uuid: g for g in self.raw}
+        self._windows: list[MaintenanceWindow] | None = None  # self.windows as the scheduler's (cached)
         self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too)
         self._xids_seen: dict[str, dict[int, int]] = {}
         self._busy = False
@@ -77,6 +79,7 @@ class HealthKeeper:
         cordons, windows = await self.manager._in_writer(health_store.load, self.manager.store)
         self.cordons = {r["target"]: r for r in cordons}
         self.windows = {r["id"]: r for r in windows}
+        self._windows = None
         await self._apply()
 
     # ------------------------------------------------------------------ the pool as the scheduler sees it
@@ -87,6 +90,7 @@ class HealthKeeper:
     def apply(self, gpus: Iterable[GPU]) -> list[GPU]:
         """The backend's GPUs with the cordoned ones marked unhealthy (no new grants there)."""
         self.raw = list(gpus)
+        self._by_uuid = {g.uuid: g for g in self.raw}
         if not self.cordons:
             return list(self.raw)
         return [dataclasses.replace(g, healthy=False) if g.healthy and self.cordon_of(g) else g for g in self.raw]
@@ -98,7 +102,11 @@ class HealthKeeper:
         await self.manager.tick()
 
     def maintenance_windows(self) -> list[MaintenanceWindow]:
-        return [MaintenanceWindow(r["id"], r["start"], r["end"], r["reason"], frozenset(r["devices"]), frozenset(r["nodes"])) for r in self.windows.values()]
+        """The windows, soonest first (rebuilt when they change)."""
+        if self._windows is None or len(self._windows) != len(self.windows):
+            self._windows = sorted((MaintenanceWindow(r["id"], r["start"], r["end"], r["reason"], frozenset(r["devices"]), frozenset(r["nodes"]))
+                                    for r in self.windows.values()), key=lambda w: w.start)
+        return self._windows
 
     # ------------------------------------------------------------------ the monitor's samples
     def on_samples(self, telemetry) -> None:
@@ -288,6 +296,7 @@ class HealthKeeper:
         async with self._lock:
             await self.manager._in_writer(health_store.save_window, self.manager.store, row)
             self.windows[row["id"]] = row
+            self._windows = None
             self.log.warning("Maintenance window %s set by %s: %s to %s on %s: %s", row["id"], actor, start, end,
                              ", ".join(devices + [f"node {n}" for n in nodes]), reason)
             await self._apply()
@@ -300,6 +309,7 @@ class HealthKeeper:
                 raise NotFound(f"no maintenance window {window_id!r}", field="id")
             await self.manager._in_writer(health_store.delete_window, self.manager.store, window_id)
             self.windows.pop(window_id, None)
+            self._windows = None
             self.log.warning("Maintenance window %s removed by %s", window_id, actor)
             await self._apply()
         return self.window_json(row)
@@ -341,11 +351,11 @@ class HealthKeeper:
 
     def warnings(self, d: dict[str, Any]) -> list[dict[str, Any]]:
         """The holder's warnings about its GPUs: cordoned under it, or a maintenance window ahead."""
-        if d.get("state") != LeaseState.ACTIVE.value or not d.get("placement"):
+        if (not self.cordons and not self.windows) or d.get("state") != LeaseState.ACTIVE.value or not d.get("placement"):
             return []
         now = self.manager.now()
         out = []
-        by_uuid = {g.uuid: g for g in self.raw}
+        by_uuid = self._by_uuid
         seen_cordon = False
         for sl in d["placement"]["slices"]:
             g = by_uuid.get(sl["gpu_uuid"])
@@ -365,7 +375,7 @@ class HealthKeeper:
                     msg = f"your GPU ({g.index} on {g.node}) takes no new leases: {row['reason']}; this lease runs to its end"
                 out.append({"kind": "gpu_unhealthy", "at": row["since"], "message": msg, "device": g.uuid})
         ends = d.get("preempt_at") or d.get("expires_at") or math.inf
-        for w in sorted(self.maintenance_windows(), key=lambda w: w.start):
+        for w in self.maintenance_windows():
             if w.end <= now or w.start >= ends:
                 continue
             if any((g := by_uuid.get(sl["gpu_uuid"])) is not None and w.covers(g) for sl in d["placement"]["slices"]):

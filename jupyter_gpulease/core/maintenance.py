@@ -37,11 +37,11 @@ class MaintenanceWindow:
 
 
 class WindowIndex:
-    """The windows still to come (or under way) at ``now``, per GPU UUID, sorted by start."""
+    """The windows per GPU UUID, sorted by start (built once per change of the windows or the pool)."""
 
-    def __init__(self, windows: Iterable[MaintenanceWindow], gpus: Mapping[str, GPU], now: float):
+    def __init__(self, windows: Iterable[MaintenanceWindow], gpus: Mapping[str, GPU]):
         self.by_gpu: dict[str, list[MaintenanceWindow]] = {}
-        ws = [w for w in windows if w.end > now and w.end > w.start]
+        ws = [w for w in windows if w.end > w.start]
         if ws:
             for u, g in gpus.items():
                 mine = sorted((w for w in ws if w.covers(g)), key=lambda w: (w.start, w.end))
@@ -51,10 +51,15 @@ class WindowIndex:
     def __bool__(self) -> bool:
         return bool(self.by_gpu)
 
-    def first_start(self, gpu_uuid: str) -> float:
-        """When the first window of a GPU (still to come, or under way) begins; inf: none."""
-        ws = self.by_gpu.get(gpu_uuid)
-        return ws[0].start if ws else INF
+    def first_starts(self, now: float) -> dict[str, float]:
+        """GPU UUID -> when its first window still to come (or under way) at ``now`` begins."""
+        out = {}
+        for u, ws in self.by_gpu.items():
+            for w in ws:
+                if w.end > now:
+                    out[u] = w.start
+                    break
+        return out
 
     def clash(self, gpu_uuid: str, start: float, end: float) -> MaintenanceWindow | None:
         """The first window of a GPU that overlaps [start, end); None: none."""

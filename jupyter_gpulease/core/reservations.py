@@ -48,7 +48,7 @@ class Reservations:
         self.any = False
         # maintenance windows: no slice is promised or granted across one (see core/maintenance.py)
         self.windows = windows
-        self.win_from: dict[str, float] = {u: windows.first_start(u) for u in windows.by_gpu} if windows else {}
+        self.win_from: dict[str, float] = windows.first_starts(now) if windows else {}
         self.any = bool(self.win_from)
         self._clash: MaintenanceWindow | None = None  # a window that moved the promise being made
         self.window_waits: dict[str, MaintenanceWindow] = {}  # lease id -> the window its ETA waits for

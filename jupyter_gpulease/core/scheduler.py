@@ -287,20 +287,20 @@ class Scheduler:
         self._windex = None
         self._book.dirty = True
 
-    _windex: tuple[float, WindowIndex] | None = None
+    _windex: WindowIndex | None = None
 
     def _window_index(self, now: float) -> WindowIndex | None:
+        """The windows per GPU (None: none); built once per change of the windows or the pool."""
         if not self.windows:
             return None
-        got = self._windex
-        if got is None or got[0] != now:
-            got = self._windex = (now, WindowIndex(self.windows, self.inventory, now))
-        return got[1] or None
+        if self._windex is None:
+            self._windex = WindowIndex(self.windows, self.inventory)
+        return self._windex or None
 
     def windows_on(self, gpu_uuid: str, now: float) -> list[MaintenanceWindow]:
         """The windows still to come (or under way) on a GPU, soonest first."""
         idx = self._window_index(now)
-        return list(idx.by_gpu.get(gpu_uuid, ())) if idx else []
+        return [w for w in idx.by_gpu.get(gpu_uuid, ()) if w.end > now] if idx else []
 
     def _cut_why(self, placement, until: float | None, now: float) -> str:
         """Why a grant ends at ``until`` when a maintenance window begins then ("" otherwise)."""
