@@ -31,7 +31,6 @@ LINGER_S = 3600.0
 def policies() -> list[P.SimPolicy]:
     fixed = lambda make, minutes, tag: replace(make(IdleRule(timeout_s=minutes * 60)), name=f"{tag} fixed {minutes:g} min")  # noqa: E731
     server = IdleSettings()
-    with_prior = lambda sp, name: replace(sp, name=name, idle_prior=True)  # noqa: E731
     return [
         P.static(),
         P.gpulease(),  # the server extension's default configuration (learnt, suspend)
@@ -41,7 +40,6 @@ def policies() -> list[P.SimPolicy]:
         P.gpulease_suspend(),  # the default, and the broker's resume_priority on
         replace(P.gpulease(server.changed(gpu_idle_regret_suspend=600)), name="gpulease, regret 10 min"),
         replace(P.gpulease(server.changed(gpu_idle_timeout=1800)), name="gpulease, 30 min until first gap"),
-        with_prior(P.gpulease(), "gpulease + population prior"),
         *(fixed(P.gpulease, m, "suspend") for m in (1, 2, 5, 10, 30)),
         P.gpulease_suspend(multi_gpu=False),
     ]
