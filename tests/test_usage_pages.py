@@ -241,6 +241,11 @@ def test_the_admin_page_picks_its_period_and_refuses_a_bad_one(hub):
     week = get(carol, base + "admin?since=7d")
     assert text_of(week, "usage-summary").startswith("Last 7 days: ")
     assert re.search(r'<option value="7d" selected>last 7 days</option>', week)
+    # a long period is drawn by the day, and its plots still add up to the same hours
+    quarter = get(carol, base + "admin?since=90d")
+    assert text_of(quarter, "usage-summary").startswith("Last 90 days: 53.0 GPU-hours held, 19.2 busy")
+    assert row_of(quarter, "usage-chart-group-legend", "physics").endswith("| 40.0 | 10.0 | 25%")
+    assert "GPU-hours per day" in quarter
     assert get(carol, base + "admin?from=2000-01-01&to=2000-01-31").count("no leases in this period") == 2
     with pytest.raises(urllib.error.HTTPError) as info:
         carol.open(base + "admin?since=soon", timeout=60)

@@ -274,18 +274,19 @@ async def admin_usage(source, period: dict[str, Any]) -> dict[str, Any]:
     """The admin page's usage section for ``period`` (see :func:`parse_period`), from ``source``
     (a :class:`UsageSource`)."""
     span = dict(start=period["start"], end=period["end"])
-    by_group = await source.report(by="group", **span)
-    by_model = await source.report(by="model", **span)
-    by_user = await source.report(by="user", **span)
+    step = "day" if bucket_width(period["start"], period["end"], 3600) >= 86400 else "hour"  # fewer rows for a long period
+    by_group, by_model, by_user, group_series, model_series, suggestions = await asyncio.gather(
+        source.report(by="group", **span), source.report(by="model", **span), source.report(by="user", **span),
+        source.series(by="group", step=step, **span), source.series(by="model", step=step, **span), source.suggestions())
     charts = []
-    for by, title in (("group", "Held vs busy GPU-hours by group"), ("model", "Held vs busy GPU-hours by GPU model")):
-        c = svg_chart(await source.series(by=by, **span), start=period["start"], end=period["end"], title=title, chart_id=f"usage-chart-{by}")
+    for by, data, title in (("group", group_series, "Held vs busy GPU-hours by group"), ("model", model_series, "Held vs busy GPU-hours by GPU model")):
+        c = svg_chart(data, start=period["start"], end=period["end"], title=title, chart_id=f"usage-chart-{by}")
         c["by"] = by.capitalize() if by != "model" else "Model"
         charts.append(c)
     return {
         "period": period, "periods": PERIODS, "currency": by_group.get("currency") or "",
         "by_group": report_rows(by_group), "by_model": report_rows(by_model), "total": totals_row(by_group),
-        "idle": top_idle(by_user), "charts": charts, "suggestions": suggestion_rows(await source.suggestions()),
+        "idle": top_idle(by_user), "charts": charts, "suggestions": suggestion_rows(suggestions),
         "cost_note": _cost_note(by_group),
     }
 
@@ -293,12 +294,12 @@ async def admin_usage(source, period: dict[str, Any]) -> dict[str, Any]:
 async def my_usage(source, user: str, period: dict[str, Any]) -> dict[str, Any]:
     """"my leases": ``user``'s own figures per model and per notebook, and their right-sizing hints."""
     span = dict(start=period["start"], end=period["end"], user=user)
-    by_model = await source.report(by="model", **span)
-    by_notebook = await source.report(by="notebook", **span)
+    by_model, by_notebook, suggestions = await asyncio.gather(
+        source.report(by="model", **span), source.report(by="notebook", **span), source.suggestions(user=user))
     return {
         "period": period, "periods": PERIODS, "currency": by_model.get("currency") or "",
         "by_model": report_rows(by_model), "by_notebook": [r for r in report_rows(by_notebook) if r["key"] != "(none)"],
-        "total": totals_row(by_model), "hints": [s for s in suggestion_rows(await source.suggestions(user=user)) if s["user"] == user],
+        "total": totals_row(by_model), "hints": [s for s in suggestion_rows(suggestions) if s["user"] == user],
     }
 
 
@@ -321,8 +322,8 @@ class UsageSource:
     async def report(self, *, by: str, start: float, end: float, user: str | None = None) -> dict:
         return await self._off_loop(self.api.report, by=by, start=start, end=end, user=user)
 
-    async def series(self, *, by: str, start: float, end: float, user: str | None = None) -> dict:
-        return await self._off_loop(self.api.series, by=by, start=start, end=end, user=user)
+    async def series(self, *, by: str, start: float, end: float, step: str = "hour", user: str | None = None) -> dict:
+        return await self._off_loop(self.api.series, by=by, start=start, end=end, step=step, user=user)
 
     async def suggestions(self, *, user: str | None = None) -> list[dict]:
         return await self._off_loop(self.api.suggestions, user=user)
