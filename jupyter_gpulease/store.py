@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Float, Index, Integer, String, Text, create_engine, delete, event, func, insert, inspect, select, text, update
+from sqlalchemy import JSON, Float, Integer, String, Text, create_engine, delete, event, func, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
@@ -167,9 +167,10 @@ class UsageSampleRow(Base):
 
 class UsageHourRow(Base):
     """GPU-seconds held and busy of one lease (kernel "") or kernel in one hour, with the keys a
-    report groups by; the report reads these (kept for good)."""
+    report groups by (kept for good). SQLite keeps the rows in key order (hour first)."""
 
     __tablename__ = "usage_hourly"
+    __table_args__ = {"sqlite_with_rowid": False}
 
     hour: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds of the hour's start
     lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -184,7 +185,20 @@ class UsageHourRow(Base):
     mem_peak_mib: Mapped[int] = mapped_column(Integer)
 
 
-Index("ix_usage_hourly_kernel_hour", UsageHourRow.kernel, UsageHourRow.hour)
+class UsageDayRow(Base):
+    """GPU-seconds held and busy per day (UTC), user, group, model and tier: what a report over
+    whole days reads (kept for good)."""
+
+    __tablename__ = "usage_daily"
+    __table_args__ = {"sqlite_with_rowid": False}
+
+    day: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch seconds of the day's start (UTC)
+    user: Mapped[str] = mapped_column(String(255), primary_key=True)
+    team: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(64), primary_key=True)
+    held_gpu_s: Mapped[float] = mapped_column(Float)
+    busy_gpu_s: Mapped[float] = mapped_column(Float)
 
 LEASES = LeaseRow.__table__
 EVENTS = EventRow.__table__
@@ -192,6 +206,7 @@ TOTALS = MetricTotalRow.__table__
 USAGE_LEASES = UsageLeaseRow.__table__
 USAGE_SAMPLES = UsageSampleRow.__table__
 USAGE_HOURLY = UsageHourRow.__table__
+USAGE_DAILY = UsageDayRow.__table__
 # increment the total, keep the first ``created`` (the same statement on SQLite and PostgreSQL)
 _TOTALS_UPSERT = text(
     "INSERT INTO metric_totals (name, labels, value, created) VALUES (:name, :labels, :value, :created) "
@@ -242,6 +257,8 @@ class UsageBatch:
     samples: list[tuple] = field(default_factory=list)
     # (hour, lease_id, kernel) -> [notebook, user, team, model, tier, held_gpu_s, busy_gpu_s, mem_peak_mib]
     hours: dict[tuple[int, str, str], list] = field(default_factory=dict)
+    # (day, user, team, model, tier) -> [held_gpu_s, busy_gpu_s]
+    days: dict[tuple[int, str, str, str, str], list] = field(default_factory=dict)
     # increments of the metrics' durable counters (the manager adds them to the batch's totals)
     totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
 
@@ -291,6 +308,7 @@ _USAGE_LEASE_COLS = ("lease_id", "user", "team", "groups", "tier", "model", "sli
                      "reclaims", "suspends", "preemptions", "devices", "state")
 _USAGE_JSON = ("groups", "devices", "state")
 _USAGE_SAMPLE_COLS = ("lease_id", "kernel", "notebook", "t0", "t1", "held_gpu_s", "busy_gpu_s", "mem_mib")
+_USAGE_DAY_COLS = ("day", "user", "team", "model", "tier", "held_gpu_s", "busy_gpu_s")
 _USAGE_HOUR_COLS = ("hour", "lease_id", "kernel", "notebook", "user", "team", "model", "tier", "held_gpu_s", "busy_gpu_s", "mem_peak_mib")
 # parameters a statement may have: 32,766 since SQLite 3.32, 999 before
 _SQLITE_MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
@@ -750,19 +768,28 @@ class LeaseStore:
                 "busy_gpu_s": "usage_hourly.busy_gpu_s + excluded.busy_gpu_s",
                 "mem_peak_mib": f"{greatest}(usage_hourly.mem_peak_mib, excluded.mem_peak_mib)",
             })
+        if usage.days:
+            rows = [(*k, *v) for k, v in usage.days.items()]
+            self._multi_insert(conn, "usage_daily", _USAGE_DAY_COLS, rows, conflict=("day", '"user"', "team", "model", "tier"), update={
+                "held_gpu_s": "usage_daily.held_gpu_s + excluded.held_gpu_s",
+                "busy_gpu_s": "usage_daily.busy_gpu_s + excluded.busy_gpu_s",
+            })
 
     def _multi_insert(self, conn: Connection, table: str, cols: tuple[str, ...], rows: list[tuple], *, conflict: tuple[str, ...] = (),
                       update: dict[str, str] | None = None) -> None:
-        """Multi-row INSERT statements (… ON CONFLICT … DO UPDATE): a few statements per batch
-        instead of one per row (see :meth:`_write_sqlite`); the same SQL on SQLite and PostgreSQL."""
+        """INSERT … ON CONFLICT … DO UPDATE of many rows: on SQLite a few multi-row statements per
+        batch instead of one per row (see :meth:`_write_sqlite`); on PostgreSQL one statement
+        executed for every row (psycopg sends them in one pipeline)."""
         names = ", ".join(f'"{c}"' for c in cols)
         tail = ""
         if conflict:
             sets = ", ".join(f'"{c}" = {v}' for c, v in (update or {}).items())
             tail = f" ON CONFLICT ({', '.join(conflict)}) DO UPDATE SET {sets}"
-        per = max(1, (_SQLITE_MAX_PARAMS if self.dialect == "sqlite" else 30000) // len(cols))
-        ph = "?" if self.dialect == "sqlite" else "%s"
-        one = "(" + ", ".join([ph] * len(cols)) + ")"
+        if self.dialect != "sqlite":  # one statement, many rows: psycopg pipelines them (a statement of many rows is slow to prepare)
+            conn.exec_driver_sql(f"INSERT INTO {table} ({names}) VALUES ({', '.join(['%s'] * len(cols))}){tail}", list(rows))
+            return
+        per = max(1, _SQLITE_MAX_PARAMS // len(cols))
+        one = "(" + ", ".join(["?"] * len(cols)) + ")"
         for chunk in _chunks(rows, per):
             conn.exec_driver_sql(f"INSERT INTO {table} ({names}) VALUES {', '.join([one] * len(chunk))}{tail}", tuple(v for r in chunk for v in r))
 

@@ -118,3 +118,34 @@ def test_a_share_counts_its_fraction():
     lz.state, lz.ended_at = LeaseState.RELEASED, 3600.0
     r.ended(lz, 3600.0)
     assert r.take().leases["L1"]["held_gpu_s"] == 900.0
+
+
+@pytest.mark.parametrize(("start_h", "end_h", "held_h", "step"), [
+    (-10, 100, 50, "hour"),  # all of it (10:00 of day 0 to 12:00 of day 2)
+    (12, 53, 41, "day"),  # day 0 12:00 to day 2 05:00: the whole day 1 from the daily roll-up, the edges by the hour
+    (24, 48, 24, "day"),  # exactly day 1
+    (30, 30.5, 1, "hour"),  # within one hour: the hour that starts in the period
+    (0, 11, 1, "day"),  # a part of a day only
+])
+def test_a_period_of_whole_days_and_edge_hours_adds_up_as_the_hours_do(tmp_path, start_h, end_h, held_h, step):
+    from jupyter_gpulease.broker.usage import UsageAPI
+    from jupyter_gpulease.store import LeaseStore
+
+    day0 = 1_800_000_000 - 1_800_000_000 % 86400
+    t = day0 + 10 * 3600  # granted at 10:00 of day 0, held 50 h
+    r = UsageRecorder()
+    lz = lease(granted=t)
+    r.granted(lz, t)
+    lz.state, lz.ended_at = LeaseState.RELEASED, t + 50 * 3600
+    r.ended(lz, t + 50 * 3600)
+    store = LeaseStore(f"sqlite:///{tmp_path / 'u.sqlite'}")
+    try:
+        store.write_usage(r.take())
+        api = UsageAPI(store)
+        start, end = day0 + start_h * 3600, day0 + end_h * 3600
+        rep = api.report(by="group", start=start, end=end)
+        assert rep["totals"]["held_gpu_h"] == pytest.approx(held_h)
+        s = api.series(by="model", start=start, end=end, step=step)
+        assert sum(p["held_gpu_h"] for p in s["points"]) == pytest.approx(held_h)
+    finally:
+        store.close()

@@ -41,9 +41,10 @@ from traitlets.config import Configurable
 from ..core import rightsizing
 from ..core.events import ENDED, GRANTED, Event
 from ..core.model import MILLI, LeaseState, SliceKind
-from ..store import USAGE_HOURLY, USAGE_LEASES, UsageBatch
+from ..store import USAGE_DAILY, USAGE_HOURLY, USAGE_LEASES, UsageBatch
 
 HOUR = 3600
+DAY = 86400
 NO_TEAM = "none"  # the group of a user in no group (the metrics' name for it too)
 BY = ("user", "group", "model", "tier", "notebook")
 STEPS = {"hour": 3600, "day": 86400}
@@ -359,6 +360,13 @@ class UsageRecorder:
             v[5] += held * part / span
             v[6] += busy * part / span
             v[7] = max(v[7], mem)
+            if not kernel:
+                dkey = (h - h % DAY, row["user"], row["team"], row["model"], row["tier"])
+                d = out.days.get(dkey)
+                if d is None:
+                    d = out.days[dkey] = [0.0, 0.0]
+                d[0] += held * part / span
+                d[1] += busy * part / span
         if not kernel and (held or busy):
             t = out.totals
             labels = (row["team"], row["model"])
@@ -463,6 +471,23 @@ def _hour_floor(t: float) -> int:
     return int(t // HOUR) * HOUR
 
 
+def _whole_days(lo: int, end: float) -> tuple[int, int]:
+    """[d0, d1): the days all of whose hours start in [lo, end) (empty when d1 <= d0)."""
+    last_h = math.ceil(end / HOUR) * HOUR - HOUR  # the last hour that starts before end
+    d0 = -(-lo // DAY) * DAY
+    d1 = (last_h + HOUR) // DAY * DAY
+    return d0, max(d0, d1)
+
+
+def _hours_outside(col, lo: int, end: float, d0: int, d1: int):
+    """Hours of [lo, end) outside the whole days [d0, d1)."""
+    from sqlalchemy import or_
+
+    if d1 <= d0:
+        return and_(col >= lo, col < end)
+    return or_(and_(col >= lo, col < d0), and_(col >= d1, col < end))
+
+
 def report(store, accounting: Accounting, *, start: float, end: float, by: str = "user", user: str | None = None) -> dict[str, Any]:
     """Held, busy and idle GPU-hours, queue waits, reclaims, suspends, preemptions and cost per
     ``by`` key over [start, end), from the hourly roll-ups (hours that start in the period) and
@@ -470,21 +495,28 @@ def report(store, accounting: Accounting, *, start: float, end: float, by: str =
     if by not in BY:
         raise PeriodError(f"by={by!r}: one of {', '.join(BY)}", "by")
     h = USAGE_HOURLY.c
-    lo, hi = _hour_floor(start), end
+    lo = _hour_floor(start)
     key = h.notebook if by == "notebook" else getattr(h, _KEY[by])
-    cond = [h.hour >= lo, h.hour < hi, (h.kernel != "") if by == "notebook" else (h.kernel == "")]
-    if user is not None:
-        cond.append(h.user == user)
-    cols = [key.label("key"), h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)]
-    group = [key, h.model]
+    queries = []
     if by == "notebook":
-        cols.insert(1, h.user)
-        group.insert(1, h.user)
-        cols.append(func.count(func.distinct(h.lease_id)))
-    q = select(*cols).where(and_(*cond)).group_by(*group)
+        cond = [h.hour >= lo, h.hour < end, h.kernel != ""]
+        if user is not None:
+            cond.append(h.user == user)
+        queries.append(select(key.label("key"), h.user, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s), func.count(func.distinct(h.lease_id)))
+                       .where(and_(*cond)).group_by(key, h.user, h.model))
+    else:
+        # whole days from the daily roll-up, the hours at the period's edges from the hourly one
+        d0, d1 = _whole_days(lo, end)
+        d = USAGE_DAILY.c
+        dkey = getattr(d, _KEY[by])
+        if d1 > d0:
+            cond = [d.day >= d0, d.day < d1] + ([d.user == user] if user is not None else [])
+            queries.append(select(dkey, d.model, func.sum(d.held_gpu_s), func.sum(d.busy_gpu_s)).where(and_(*cond)).group_by(dkey, d.model))
+        cond = [h.kernel == "", _hours_outside(h.hour, lo, end, d0, d1)] + ([h.user == user] if user is not None else [])
+        queries.append(select(key, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(key, h.model))
     rows: dict[Any, dict[str, Any]] = {}
     with store.engine.connect() as conn:
-        for r in conn.execute(q):
+        for r in (r for q in queries for r in conn.execute(q)):
             if by == "notebook":
                 k, u, model, held, busy, n = r
                 rk = (u, k)
@@ -584,18 +616,27 @@ def series(store, *, start: float, end: float, by: str = "group", step: str = "h
         raise PeriodError(f"step={step!r}: one of {', '.join(STEPS)}", "step")
     h = USAGE_HOURLY.c
     key = getattr(h, _KEY[by])
-    cond = [h.hour >= _hour_floor(start), h.hour < end, h.kernel == ""]
-    if user is not None:
-        cond.append(h.user == user)
+    lo = _hour_floor(start)
     size = STEPS[step]
+    d0, d1 = _whole_days(lo, end) if size == DAY else (lo, lo)
+    queries = []
+    if d1 > d0:  # whole days from the daily roll-up
+        d = USAGE_DAILY.c
+        dkey = getattr(d, _KEY[by])
+        cond = [d.day >= d0, d.day < d1] + ([d.user == user] if user is not None else [])
+        queries.append(select(d.day, dkey, func.sum(d.held_gpu_s), func.sum(d.busy_gpu_s)).where(and_(*cond)).group_by(d.day, dkey))
     bucket = (h.hour - (h.hour % size)) if size != HOUR else h.hour
-    q = select(bucket.label("t"), key, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(bucket, key).order_by(bucket, key)
-    points: list[dict[str, Any]] = []
-    keys: set[str] = set()
+    cond = [h.kernel == "", _hours_outside(h.hour, lo, end, d0, d1)] + ([h.user == user] if user is not None else [])
+    queries.append(select(bucket.label("t"), key, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(bucket, key))
+    sums: dict[tuple[int, str], list[float]] = {}
     with store.engine.connect() as conn:
-        for t, k, held, busy in conn.execute(q):
-            keys.add(k)
-            points.append({"t": int(t), "key": k, "held_gpu_h": round((held or 0.0) / HOUR, 6), "busy_gpu_h": round((busy or 0.0) / HOUR, 6)})
+        for q in queries:
+            for t, k, held, busy in conn.execute(q):
+                v = sums.setdefault((int(t), k), [0.0, 0.0])
+                v[0] += held or 0.0
+                v[1] += busy or 0.0
+    points = [{"t": t, "key": k, "held_gpu_h": round(v[0] / HOUR, 6), "busy_gpu_h": round(v[1] / HOUR, 6)} for (t, k), v in sorted(sums.items())]
+    keys = {k for _, k in sums}
     return {"period": {"from": start, "to": end}, "by": by, "step": step, "keys": sorted(keys), "points": points}
 
 

@@ -1,5 +1,6 @@
 """Usage records: one accounting row per granted lease, raw usage samples (per lease and per
-kernel, with the notebook's path) pruned after a retention, and hourly roll-ups that are kept.
+kernel, with the notebook's path) pruned after a retention, and roll-ups that are kept: hourly
+per lease and kernel, daily per user, group, model and tier.
 
 Revision ID: 0004
 Revises: 0003
@@ -74,12 +75,23 @@ def upgrade() -> None:
         sa.Column("held_gpu_s", sa.Float, nullable=False),
         sa.Column("busy_gpu_s", sa.Float, nullable=False),
         sa.Column("mem_peak_mib", sa.Integer, nullable=False),
+        sqlite_with_rowid=False,  # SQLite keeps the rows in key order: a period's hours are read in one sweep
     )
-    op.create_index("ix_usage_hourly_kernel_hour", "usage_hourly", ["kernel", "hour"])
+    op.create_table(
+        "usage_daily",
+        sa.Column("day", sa.Integer, primary_key=True),
+        sa.Column("user", sa.String(255), primary_key=True),
+        sa.Column("team", sa.String(255), primary_key=True),
+        sa.Column("model", sa.String(128), primary_key=True),
+        sa.Column("tier", sa.String(64), primary_key=True),
+        sa.Column("held_gpu_s", sa.Float, nullable=False),
+        sa.Column("busy_gpu_s", sa.Float, nullable=False),
+        sqlite_with_rowid=False,
+    )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_usage_hourly_kernel_hour", "usage_hourly")
+    op.drop_table("usage_daily")
     op.drop_table("usage_hourly")
     op.drop_index("ix_usage_samples_lease_id", "usage_samples")
     op.drop_index("ix_usage_samples_t1", "usage_samples")
