@@ -4,8 +4,9 @@ Before the demo starts, its store gets three weeks of usage records written by a
 recorder (tests/usage_seed.py): alice asked for a whole A100 80 GB twenty times and never used
 more than 9 GB of it, bob used the L4s he asked for. Then:
 
-* alice's spawn form shows the right-sizing hint on the card it suggests (a smaller slice), and
-  the card that starts chosen is still the one it would be without the hint;
+* alice's spawn form shows the right-sizing hint on the card it suggests (a smaller slice) and
+  her shorter-duration hint by the duration field; the card that starts chosen and the
+  duration are still the ones they would be without the hints;
 * her "my leases" page shows her own GPU-hours and the same hint;
 * the admin's broker page shows the suggestion for alice, the cost table for the period (prices
   per GPU-hour of each model from the broker's config) and the plots, drawn without the network.
@@ -93,6 +94,11 @@ def test_an_over_asking_user_sees_the_hint_on_the_card_it_suggests_and_the_admin
                 assert page.locator("label.gpulease-card .gpulease-hint", has_text=hint["text"]).count() == 1
                 first = page.locator("input[name=choice]:checked").get_attribute("value")
                 assert first != value
+                # her other hint, a shorter duration, is by the duration field, which keeps the tier's default
+                assert page.locator(".gpulease-duration-hint").inner_text().startswith(
+                    "Suggested from your past leases: asks 8 h, uses 2 h at the median: ")
+                assert page.locator("#gpulease-duration").input_value() == ""
+                assert page.locator("label.gpulease-card .gpulease-hint").count() == 1
                 page.locator(".gpulease-choices").screenshot(path=str(ARTIFACTS / "01-spawn-form-hint-on-the-suggested-card.png"))
                 page.screenshot(path=str(ARTIFACTS / "02-spawn-form.png"), full_page=True)
 

@@ -133,6 +133,17 @@ def test_a_hint_without_a_card_shows_above_the_cards_and_nothing_is_made_up():
     assert "gpulease-hint" not in form.render_form(POOL, suggestions=[]).split("</style>")[1]
 
 
+def test_a_shorter_duration_is_suggested_by_the_duration_field_without_choosing_it():
+    duration = {"user": "alice", "kind": "duration", "text": "asks 8 h, uses 2 h at the median: 2 h would do for 90% of leases",
+                "suggested": {"kind": "whole", "model": A100, "gpus": 1, "memory_mib": 81920, "duration_s": 7200}}
+    html = form.render_form(POOL, previous={"gpus": 1, "model": A100, "duration_h": 8}, suggestions=[duration])
+    assert re.findall(r'<div class="gpulease-hint gpulease-duration-hint" role="note">([^<]*)</div>', html) == [
+        "Suggested from your past leases: asks 8 h, uses 2 h at the median: 2 h would do for 90% of leases"]
+    assert '<option value="2" data-s="7200">2 h (suggested from your past leases)</option>' in html
+    assert re.findall(r'<option value="([^"]+)"[^>]* selected>', html.split('id="gpulease-duration"')[1].split("</select>")[0]) == ["8"]
+    assert not any("Suggested" in t for t in cards(html).values())
+
+
 def test_the_form_asks_the_broker_for_the_users_own_suggestions_only():
     import asyncio
 

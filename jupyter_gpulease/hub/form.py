@@ -441,14 +441,25 @@ def _card_matches(request: dict | None, want: dict) -> bool:
     return True
 
 
-def attach_hints(suggestions: list[dict], cards: list[Choice]) -> list[str]:
+def duration_hint(suggestion: dict) -> float | None:
+    """The duration (seconds) a suggestion suggests, when that is what it is about."""
+    d = (suggestion.get("suggested") or {}).get("duration_s") if isinstance(suggestion.get("suggested"), dict) else None
+    return float(d) if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 0 else None
+
+
+def attach_hints(suggestions: list[dict], cards: list[Choice], *, durations: bool = False) -> tuple[list[str], list[dict]]:
     """Put each right-sizing suggestion on the card it suggests (the first that matches, presets
-    first); returns the texts of those that match no card (shown above the cards). The choice the
-    form starts with is not touched: a hint only says."""
-    loose = []
+    first), or, one about the duration when the form has a duration field (``durations``), by that
+    field. Returns (texts that match no card, shown above the cards; duration hints as
+    {"text", "hours"}). The choice the form starts with is not touched: a hint only says."""
+    loose, by_duration = [], []
     for s in suggestions or []:
         text = (s or {}).get("text") or ""
         if not text:
+            continue
+        seconds = duration_hint(s)
+        if seconds is not None and durations:
+            by_duration.append({"text": text, "hours": f"{seconds / 3600:g}"})
             continue
         want = suggested_request(s.get("suggested"))
         card = next((c for c in cards if want and not c.disabled and _card_matches(c.request, want)), None)
@@ -456,7 +467,7 @@ def attach_hints(suggestions: list[dict], cards: list[Choice]) -> list[str]:
             loose.append(text)
         elif text not in card.hints:
             card.hints.append(text)
-    return loose
+    return loose, by_duration
 
 
 # --------------------------------------------------------------------------- the page
@@ -546,7 +557,8 @@ def render_form(
     if not checked:
         checked = next((c.value for c in custom if c.request is not None and c.free_now), values[0] if values else "")
 
-    loose_hints = attach_hints(list(suggestions or []), cards + custom)
+    has_duration_field = bool(custom and any(c.request is not None for c in custom))
+    loose_hints, duration_hints = attach_hints(list(suggestions or []), cards + custom, durations=has_duration_field)
 
     groups: list[tuple[str, list[Choice]]] = []
     for c in custom:
@@ -588,6 +600,8 @@ def render_form(
         prev_wait=str(previous.get("max_wait_min") or ""),
         has_estimates=bool(estimates),
         hints=loose_hints,
+        duration_hints=duration_hints,
+        suggested_hours={h["hours"] for h in duration_hints},
         custom_hinted=any(c.hints for c in custom),
     )
 
