@@ -66,3 +66,15 @@ def test_the_cli_names_the_file_it_wrote(tmp_path, capsys):
     assert main(["--trace", "notebook", "--limit", "50", "--policies", "gpulease,static", "--usage-db", str(db), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "usage records: " in out and "of gpulease in" in out and str(db) in out
+
+
+def test_reclaims_that_suspend_count_as_suspends(tmp_path):
+    _, result, url = replay_with_records(tmp_path, "--trace", "notebook", "--limit", "200", "--policies", "gpulease")
+    store = LeaseStore(url)
+    try:
+        rep = UsageAPI(store).report(by="tier", start=0.0, end=result.end_time + 86400)
+    finally:
+        store.close()
+    reclaims = sum(r.reclaims for r in result.records)
+    assert rep["totals"]["reclaims"] == reclaims > 0
+    assert 0 < rep["totals"]["suspends"] <= reclaims

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, case, func, select
 from traitlets import Bool, Dict, Float, Integer, List, Unicode
 from traitlets.config import Configurable
 
@@ -298,6 +298,12 @@ class UsageRecorder:
         if kernel:
             self._add(lv, kernel, notebook, t0, t1, b, b, 0)
         self._emit(lv)
+
+    def suspended(self, lease_id: str, kernel: str = "kernel") -> None:
+        """A kernel of the lease was suspended (the simulator's reclaims that suspend)."""
+        lv = self.live.get(lease_id)
+        if lv is not None:
+            lv.suspended.add(kernel)
 
     def ended(self, lease, now: float) -> None:
         lv = self.live.pop(lease.id, None)
@@ -647,9 +653,12 @@ def lease_history(store, *, start: float, end: float, user: str | None = None) -
     if user is not None:
         cond.append(u.user == user)
     cols = [u.lease_id, u.user, u.team, u.model, u.slice_kind, u.slice, u.gpus, u.fraction, u.mem_mib, u.asked_s, u.held_s, u.held_gpu_s,
-            u.busy_gpu_s, u.mem_peak_mib, u.devices]
+            u.busy_gpu_s, u.mem_peak_mib]
+    names = [c.name for c in cols] + ["devices"]
+    # per-device figures matter only for leases of several GPUs (the rule on GPUs never busy)
+    devices = case((u.gpus > 1, u.devices), else_=None)
     with store.engine.connect() as conn:
-        return [dict(r) for r in conn.execute(select(*cols).where(and_(*cond))).mappings()]
+        return [dict(zip(names, r)) for r in conn.execute(select(*cols, devices).where(and_(*cond))).all()]
 
 
 def suggestions(store, offers: list[dict[str, Any]], *, start: float, end: float, user: str | None = None, min_leases: int = 3,

@@ -5,8 +5,8 @@ reads a broker.
 
 The replay's grants and ends reach the recorder as the broker's do (the scheduler's events);
 its busy time comes from the replay's own busy intervals (a session's bursts, a pod's work).
-The user of a record is the trace's job (the traces name no people); its group, the policy's
-tier of the job.
+The user of a record is the trace's job (the traces name no people), in no group ("none"); an
+idle reclaim that suspends the session's kernel counts as a suspend.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class UsageDB:
             rec = self.replay.by_lease.get(e.lease_id) if self.replay is not None else None
             if rec is not None and rec.lease_id == e.lease_id and rec.busy_since is not None:
                 self._busy(e.lease_id, rec.busy_since, e.time, rec.busy_milli)  # the burst the end cuts short
+            if rec is not None and e.to_state == "reclaimed" and rec.kernel_after_reclaim == "suspended":
+                self.recorder.suspended(e.lease_id)
             self.recorder.ended(lease, e.time)
             self._maybe_flush()
 
