@@ -207,7 +207,7 @@ def beats_main(port: int, servers: int, interval: float, seconds: float, out: st
             conn = conns[c]
             for i in range(c, servers, n_conns):
                 conn.user = f"user{i}"
-                status, lease = await conn.call("POST", "api/leases", {"gpus": 1, "duration_s": 86400})
+                status, lease = await conn.call("POST", "api/leases", {"gpus": 1, "duration_s": 8 * 3600})
                 if status >= 400 or lease.get("state") != "active":
                     raise RuntimeError(f"lease {i}: {status} {lease}")
                 leases.append((conn.user, lease["id"], lease["placement"]["slices"][0]["gpu_uuid"], time.time()))
@@ -297,16 +297,28 @@ def run_recorder(tmp: Path, record: bool, servers: int, interval: float, seconds
 
 
 def recorder_main(args) -> dict:
+    """Recording off and on, alternately for ``--rounds`` rounds (the machine's other load falls on both)."""
     out = []
-    with tempfile.TemporaryDirectory(prefix="bench-usage-") as tmp:
+    for rnd in range(args.rounds):
         for record in (False, True):
-            out.append(run_recorder(Path(tmp), record, args.servers, args.interval, args.seconds))
+            with tempfile.TemporaryDirectory(prefix="bench-usage-") as tmp:
+                out.append({"round": rnd + 1, **run_recorder(Path(tmp), record, args.servers, args.interval, args.seconds)})
             print(line_recorder(out[-1]), flush=True)
-    return {"recorder": out}
+    summary = {}
+    for build in ("recording off", "recording on"):
+        runs = [r for r in out if r["build"] == build]
+        summary[build] = {k: statistics.median(r[k] for r in runs) for k in ("loop_cpu_us_per_call", "other_cpu_us_per_call", "ms_p50", "ms_p99",
+                                                                               "heartbeats_per_s") if all(r.get(k) is not None for r in runs)}
+    on, off = summary["recording on"], summary["recording off"]
+    if "loop_cpu_us_per_call" in on and "loop_cpu_us_per_call" in off:
+        summary["recorder_cost_us_per_heartbeat"] = {"loop": on["loop_cpu_us_per_call"] - off["loop_cpu_us_per_call"],
+                                                     "other_threads": on["other_cpu_us_per_call"] - off["other_cpu_us_per_call"]}
+    print("medians:", json.dumps(summary), flush=True)
+    return {"recorder": out, "medians": summary}
 
 
 def line_recorder(r: dict) -> str:
-    return (f"{r['build']:<14} {r['servers']:,} servers, {r['offered_heartbeats_per_s']} heartbeats/s offered: answered {r['heartbeats_per_s']}/s, "
+    return (f"round {r['round']}: {r['build']:<14} {r['servers']:,} servers, {r['offered_heartbeats_per_s']} heartbeats/s offered: answered {r['heartbeats_per_s']}/s, "
             f"{r['errors']} errors | latency p50 {r['ms_p50']} ms, p99 {r['ms_p99']} ms | loop CPU {r.get('loop_cpu_us_per_call')} us/heartbeat "
             f"(busy {r.get('loop_busy')}), other threads {r.get('other_cpu_us_per_call')} us/heartbeat | rows: {r['rows_usage_samples']} samples, "
             f"{r['rows_usage_hourly']} hourly, {r['rows_usage_daily']} daily | db {r['db_mib']} MiB")
@@ -323,6 +335,7 @@ def main(argv=None) -> int:
     r.add_argument("--servers", type=int, default=10_000)
     r.add_argument("--interval", type=float, default=30.0, help="seconds between one server's heartbeats (the extension's default: 30)")
     r.add_argument("--seconds", type=float, default=20.0)
+    r.add_argument("--rounds", type=int, default=2, help="rounds of recording off then on (default 2)")
     r.add_argument("--out", default=str(HERE / "results" / "usage_recorder.json"))
     b = sub.add_parser("_beats")
     for a in ("port", "servers", "interval", "seconds", "out", "pid"):
