@@ -84,7 +84,7 @@ def rows_by_key(rep: dict) -> dict:
     return {r["key"]: r for r in rep["rows"]}
 
 
-def test_a_lease_held_an_hour_and_busy_twenty_minutes_is_reported_so_against_its_user_group_and_notebooks(tmp_path):
+def test_a_lease_held_an_hour_and_busy_twenty_minutes_is_reported_so_against_its_user_group_and_notebooks(tmp_path, db_url):
     clock = ManualClock(T0)
 
     async def scenario(app, client):
@@ -125,7 +125,7 @@ def test_a_lease_held_an_hour_and_busy_twenty_minutes_is_reported_so_against_its
             held = conn.exec_driver_sql("SELECT sum(held_gpu_s) FROM usage_hourly WHERE kernel = ''").scalar()
         assert held == pytest.approx(3600.0)
 
-    run_with_broker(tmp_path, scenario, clock)
+    run_with_broker(tmp_path, scenario, clock, db_url=db_url)
 
 
 def test_a_user_reads_only_their_own_usage_and_bad_questions_get_a_400_naming_the_field(tmp_path):
@@ -192,7 +192,7 @@ def test_a_share_and_a_mig_slice_are_charged_their_fraction_and_idle_time_as_the
     run_with_broker(tmp_path, scenario, clock, usage={"prices": {"A100*": price}, "currency": "EUR"})
 
 
-def test_records_continue_across_a_broker_restart_and_counters_reach_prometheus(tmp_path):
+def test_records_continue_across_a_broker_restart_and_counters_reach_prometheus(tmp_path, db_url):
     clock = ManualClock(T0)
     lease_id = {}
 
@@ -219,8 +219,8 @@ def test_records_continue_across_a_broker_restart_and_counters_reach_prometheus(
         assert busy == ['gpulease_usage_busy_gpu_seconds_total{group="physics",model="L4"} 500.0'], busy
         assert "user=" not in "".join(held + busy)  # no user label unless the admin allows it
 
-    run_with_broker(tmp_path, first, clock)
-    run_with_broker(tmp_path, second, clock)
+    run_with_broker(tmp_path, first, clock, db_url=db_url)
+    run_with_broker(tmp_path, second, clock, db_url=db_url)
 
 
 def test_raw_samples_are_pruned_after_the_retention_and_the_hourly_rollups_stay(tmp_path):
