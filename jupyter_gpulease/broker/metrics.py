@@ -192,6 +192,7 @@ class _BrokerCollector:
     def __init__(self, manager, *, per_user: bool = False):
         self.manager = manager
         self.per_user = per_user
+        self._sampled: tuple[tuple, list] | None = None  # (the sample it was built from, the families)
 
     def collect(self):
         m = self.manager
@@ -352,9 +353,20 @@ class _BrokerCollector:
     def _device_figures(self):
         """What the broker's device backend samples (broker/telemetry.py): utilization, memory,
         temperature against the card's own slowdown threshold, power, and XID errors as a
-        counter. Backends that sample nothing on the broker's machine export none of these."""
+        counter. Backends that sample nothing on the broker's machine export none of these.
+
+        These families change only with a new sample: they are built once per sample and the
+        same objects are yielded by every scrape until the next (a scrape of a large pool stays
+        cheap on the loop; see benchmarks/bench_metrics.py)."""
         telemetry = getattr(self.manager, "telemetry", None)
         samples = telemetry.current() if telemetry is not None else {}
+        key = (telemetry.sampled_at if telemetry is not None else None, bool(samples), len(self.manager.scheduler.inventory))
+        if self._sampled is None or self._sampled[0] != key:
+            self._sampled = (key, list(self._sampled_families(telemetry, samples)))
+        yield from self._sampled[1]
+        yield from self._availability()
+
+    def _sampled_families(self, telemetry, samples: dict[str, Any]):
         labels = ["uuid", "node", "model"]
         util = GaugeMetricFamily("gpulease_device_utilization_ratio", "Compute utilization of the device over the driver's last sample period (0 to 1; GPU or MIG instance)", labels=labels)
         used = GaugeMetricFamily("gpulease_device_memory_used_bytes", "Memory used on the device now (GPU or MIG instance)", labels=labels)
@@ -397,7 +409,9 @@ class _BrokerCollector:
                     xids.add_metric([uuid, *known[uuid], str(code), xid_kind(code)], n, created=telemetry.started_at)
         yield from (util, used, total, temp, slowdown, power, limit, driver_ok, xids)
 
-        # what takes a device out of new grants besides its health: a cordon, a maintenance window
+    def _availability(self):
+        """What takes a device out of new grants besides its health: a cordon, a maintenance window."""
+        labels = ["uuid", "node", "model"]
         cordoned = GaugeMetricFamily("gpulease_device_cordoned", "1 while the GPU takes no new leases because it is cordoned or draining (the admin page says why), else 0",
                                      labels=labels)
         maintenance = GaugeMetricFamily("gpulease_device_in_maintenance", "1 while a maintenance window of the GPU is under way, else 0", labels=labels)
