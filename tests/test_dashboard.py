@@ -65,7 +65,7 @@ def test_the_dashboard_is_grafana_json_with_the_four_sections():
             assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
             assert p["targets"], p["title"]
             g = p["gridPos"]
-            assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource"}
     assert len(queries(dash)) >= 30
 
