@@ -145,7 +145,7 @@ class SchedulingPass:
             if placement is not None:
                 return placement, None
             # no room even ignoring promises: no duration of this shape can start now
-            hopeless = blocker is None or (f is None and self.place(lease, None, ranked=False) is None)
+            hopeless = blocker is None or (f is None and self.place(lease, self.plan.in_window_now(), ranked=False) is None)
             st.failed[key] = 0.0 if hopeless else (lease.duration_s if f is None else min(f, lease.duration_s))
             min_d = self.queue.shape_min_duration.get(key, INF)
             if (f is None or f > min_d) and st.failed[key] <= min_d:

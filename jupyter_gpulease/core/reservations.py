@@ -147,6 +147,14 @@ class Reservations:
         """When the first maintenance window on a slice's GPU begins (inf: none)."""
         return self.win_from.get(sl.gpu_uuid, INF)
 
+    def in_window_now(self):
+        """A ``blocked`` callback for Pool.place that keeps out only the GPUs in a maintenance window
+        now (None: none is): where no lease of any length can start now."""
+        now, win_from = self.now, self.win_from
+        if not any(t <= now for t in win_from.values()):
+            return None
+        return lambda st, milli, mem, mig_uuid: win_from.get(st.gpu.uuid, INF) <= now
+
     def blocker(self, end: float):
         """A ``blocked`` callback for Pool.place: True where a slice held until ``end`` would overlap a promise."""
         if not self.any:
@@ -184,6 +192,16 @@ class Reservations:
         if self.avail is None:
             now, fa = self.now, self._free_at
             self.avail = {u: max(now, fa.get(u, now)) for u, st in self.pool.gpus.items() if not st.gpu.mig}
+            for u in self.win_from:  # a GPU that frees up inside a window is free only after it
+                if u in self.avail:
+                    self.avail[u] = self._past_windows(u, self.avail[u])
+
+    def _past_windows(self, u: str, t: float) -> float:
+        """The first time from ``t`` that is not inside a maintenance window of GPU ``u``."""
+        for w in self.windows.by_gpu.get(u, ()):
+            if w.start <= t < w.end:
+                t = w.end
+        return t
 
     def refresh(self, uuids: Iterable[str]) -> None:
         """Recompute when GPUs free up (after preemption moved some ends earlier)."""
@@ -299,5 +317,8 @@ class Reservations:
         """When a MIG instance frees up (its holder's end, or a promise's end)."""
         t = self.mig_avail.get(mig_uuid)
         if t is None:
-            t = self.mig_avail[mig_uuid] = self.end_of(holder) if holder is not None else self.now
+            t = self.end_of(holder) if holder is not None else self.now
+            if self.win_from:
+                t = self._past_windows(self.pool.mig_owner[mig_uuid].gpu.uuid, t)
+            self.mig_avail[mig_uuid] = t
         return t
