@@ -21,10 +21,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_scheduler import build  # noqa: E402
+from bench_scheduler import build
 
-from jupyter_gpulease.core.maintenance import MaintenanceWindow  # noqa: E402
-from jupyter_gpulease.core.model import LeaseState  # noqa: E402
+from jupyter_gpulease.core.maintenance import MaintenanceWindow
+from jupyter_gpulease.core.model import LeaseState
 
 
 def windows_for(s, now: float) -> list[MaintenanceWindow]:
