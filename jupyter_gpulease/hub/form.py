@@ -487,6 +487,77 @@ def tier_rows(pool: dict | None) -> list[dict]:
     return rows
 
 
+def _form_choices(pool: dict | None, presets: list[Preset], queue: list[dict], tiers: list[dict], *, allow_custom: bool,
+                  allow_cpu_only: bool, cap: float | None, estimates: dict[tuple[str, str], dict] | None,
+                  now: float) -> tuple[list[Choice], list[Choice]]:
+    """The preset cards and the custom cards, each with the broker's estimate per tier in words."""
+    cards: list[Choice] = preset_choices(presets, pool, queue)
+    custom: list[Choice] = []
+    if allow_custom and pool is not None:
+        custom = custom_choices(pool, cap=cap)
+        if allow_cpu_only and not any(p.cpu_only for p in presets):
+            custom.append(Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None,
+                                    free="starts now", free_now=True, group="Without a GPU"))
+    elif not presets and allow_cpu_only:
+        custom = [Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None, free="starts now", free_now=True,
+                         group="Without a GPU")]
+    for c in cards + custom:
+        for key_tier in ([""] if c.value.startswith("preset:") else [t["name"] for t in tiers] or [""]):
+            est = (estimates or {}).get((c.value, key_tier))
+            kind, words = estimate_words(est, now)
+            c.estimates[key_tier] = {"kind": kind, "words": words}
+        if c.value.startswith("preset:") and c.estimates.get("", {}).get("kind") == "never":
+            c.disabled = c.estimates[""]["words"]
+    return cards, custom
+
+
+def _checked_value(cards: list[Choice], custom: list[Choice], presets: list[Preset], previous: dict) -> str:
+    """Which card starts checked: the previous choice, else the default preset, else the first free GPU."""
+    values = [c.value for c in cards + custom if not c.disabled]
+    prev_value = ""
+    if previous.get("preset"):
+        prev_value = f"preset:{previous['preset']}"
+    elif previous.get("kind") == "cpu":
+        prev_value = "cpu"
+    elif any(k in previous for k in ("gpus", "share", "mig_profile")):
+        want = {k: str(previous[k]) for k in ("gpus", "share", "mig_profile") if k in previous}
+        for c in custom:
+            if c.request and all(str(c.request.get(k)) == v for k, v in want.items()) and (
+                    not previous.get("model") or str(c.request.get("model")) == str(previous.get("model"))):
+                prev_value = c.value
+                break
+    checked = prev_value if prev_value in values else ""
+    if not checked and presets:
+        d = default_preset(presets)
+        checked = f"preset:{d.slug}" if f"preset:{d.slug}" in values else ""
+    if not checked:
+        checked = next((c.value for c in custom if c.request is not None and c.free_now), values[0] if values else "")
+    return checked
+
+
+def _card_groups(custom: list[Choice]) -> list[tuple[str, list[Choice]]]:
+    """The custom cards in runs of one group, in their order."""
+    groups: list[tuple[str, list[Choice]]] = []
+    for c in custom:
+        if not groups or groups[-1][0] != c.group:
+            groups.append((c.group, []))
+        groups[-1][1].append(c)
+    return groups
+
+
+def _duration_rows(pool: dict | None, tiers: list[dict], chosen_tier: str | None) -> tuple[list[dict], float, str]:
+    """The durations offered (within the pool's minimum and the longest tier), the minimum, the chosen tier's default in words."""
+    min_s = float((pool or {}).get("min_duration_s") or 0)
+    longest = max((t["max_duration_s"] for t in tiers), default=max(DURATION_CHOICES_H) * 3600)
+    durations = [{"hours": f"{h:g}", "words": format_duration(h * 3600), "seconds": h * 3600}
+                 for h in DURATION_CHOICES_H if min_s <= h * 3600 <= longest]
+    default_words = ""
+    for t in tiers:
+        if t["name"] == chosen_tier and t["default_duration_s"]:
+            default_words = format_duration(t["default_duration_s"])
+    return durations, min_s, default_words
+
+
 def render_form(
     pool: dict | None,
     *,
@@ -518,63 +589,12 @@ def render_form(
         default_tier = tiers[0]["name"]
     chosen_tier = previous.get("tier") if previous.get("tier") in [t["name"] for t in tiers] else default_tier
 
-    cards: list[Choice] = preset_choices(presets, pool, list(queue))
-    custom: list[Choice] = []
-    if allow_custom and pool is not None:
-        custom = custom_choices(pool, cap=cap)
-        if allow_cpu_only and not any(p.cpu_only for p in presets):
-            custom.append(Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None,
-                                    free="starts now", free_now=True, group="Without a GPU"))
-    elif not presets and allow_cpu_only:
-        custom = [Choice(value="cpu", title="No GPU", detail="a CPU-only server", request=None, free="starts now", free_now=True,
-                         group="Without a GPU")]
-    for c in cards + custom:
-        for key_tier in ([""] if c.value.startswith("preset:") else [t["name"] for t in tiers] or [""]):
-            est = (estimates or {}).get((c.value, key_tier))
-            kind, words = estimate_words(est, now)
-            c.estimates[key_tier] = {"kind": kind, "words": words}
-        if c.value.startswith("preset:") and c.estimates.get("", {}).get("kind") == "never":
-            c.disabled = c.estimates[""]["words"]
-
-    # which card starts checked: the previous choice, else the default preset, else the first free GPU
-    values = [c.value for c in cards + custom if not c.disabled]
-    prev_value = ""
-    if previous.get("preset"):
-        prev_value = f"preset:{previous['preset']}"
-    elif previous.get("kind") == "cpu":
-        prev_value = "cpu"
-    elif any(k in previous for k in ("gpus", "share", "mig_profile")):
-        want = {k: str(previous[k]) for k in ("gpus", "share", "mig_profile") if k in previous}
-        for c in custom:
-            if c.request and all(str(c.request.get(k)) == v for k, v in want.items()) and (
-                    not previous.get("model") or str(c.request.get("model")) == str(previous.get("model"))):
-                prev_value = c.value
-                break
-    checked = prev_value if prev_value in values else ""
-    if not checked and presets:
-        d = default_preset(presets)
-        checked = f"preset:{d.slug}" if f"preset:{d.slug}" in values else ""
-    if not checked:
-        checked = next((c.value for c in custom if c.request is not None and c.free_now), values[0] if values else "")
-
+    cards, custom = _form_choices(pool, presets, list(queue), tiers, allow_custom=allow_custom, allow_cpu_only=allow_cpu_only,
+                                  cap=cap, estimates=estimates, now=now)
+    checked = _checked_value(cards, custom, presets, previous)
     has_duration_field = bool(custom and any(c.request is not None for c in custom))
     loose_hints, duration_hints = attach_hints(list(suggestions or []), cards + custom, durations=has_duration_field)
-
-    groups: list[tuple[str, list[Choice]]] = []
-    for c in custom:
-        if not groups or groups[-1][0] != c.group:
-            groups.append((c.group, []))
-        groups[-1][1].append(c)
-
-    min_s = float((pool or {}).get("min_duration_s") or 0)
-    longest = max((t["max_duration_s"] for t in tiers), default=max(DURATION_CHOICES_H) * 3600)
-    durations = [{"hours": f"{h:g}", "words": format_duration(h * 3600), "seconds": h * 3600}
-                 for h in DURATION_CHOICES_H if min_s <= h * 3600 <= longest]
-    prev_duration = str(previous.get("duration_h") or "")
-    default_words = ""
-    for t in tiers:
-        if t["name"] == chosen_tier and t["default_duration_s"]:
-            default_words = format_duration(t["default_duration_s"])
+    durations, min_s, default_words = _duration_rows(pool, tiers, chosen_tier)
 
     over_cap = cap is not None and cap < 1 and not any(c.request and c.request.get("kind") == "gpu" for c in custom)
     return _env.get_template("spawn_form.html").render(
@@ -587,13 +607,13 @@ def render_form(
         overview=overview(pool, list(queue)) if pool is not None else [],
         unavailable=unavailable(pool, now),
         presets=cards,
-        groups=groups,
+        groups=_card_groups(custom),
         allow_custom=allow_custom,
         checked=checked,
         tiers=tiers,
         chosen_tier=chosen_tier,
         durations=durations,
-        prev_duration=prev_duration,
+        prev_duration=str(previous.get("duration_h") or ""),
         default_words=default_words,
         min_duration=format_duration(min_s) if min_s else "",
         waits=[{"minutes": m, "words": format_duration(m * 60)} for m in WAIT_CHOICES_MIN],
