@@ -217,13 +217,14 @@ class GPULeaseBroker(PolicyConfig, Application):
         0: none. Backends that see no devices from the broker (Kubernetes, Slurm) export none. Example: 15.""",
     ).tag(config=True)
     alert_webhooks = List(
-        Dict(per_key_traits={"url": Unicode(), "format": CaselessStrEnum(["json", "slack", "teams"])}),
+        Dict(),
         help="""Where the broker POSTs alerts when they start and when they resolve, for admins
         without Prometheus (the same conditions as the shipped rules in config/gpulease-alerts.yml,
         but a broker that is down cannot say so). Each entry: ``{"url": ..., "format": "json" |
         "slack" | "teams"}`` (format default "json"). Example: [{"url":
         "https://hooks.slack.com/services/T000/B000/XXXX", "format": "slack"}].""",
     ).tag(config=True)
+
     @validate("alert_webhooks")
     def _webhooks(self, proposal):
         out = []
@@ -234,7 +235,10 @@ class GPULeaseBroker(PolicyConfig, Application):
             unknown = sorted(set(hook) - {"url", "format"})
             if unknown:
                 raise TraitError(f"alert_webhooks[{i}]: unknown key(s) {', '.join(map(repr, unknown))}; allowed: 'url', 'format'")
-            out.append({"url": url, "format": str(hook.get("format") or "json").lower()})
+            fmt = str(hook.get("format") or "json").lower()
+            if fmt not in ("json", "slack", "teams"):
+                raise TraitError(f"alert_webhooks[{i}]: 'format' must be 'json', 'slack' or 'teams', got {hook.get('format')!r}")
+            out.append({"url": url, "format": fmt})
         return out
 
     alert_check_interval = Float(30.0, min=1.0, help="Seconds between the broker's checks for its alert webhooks. Example: 30.").tag(config=True)
