@@ -210,10 +210,14 @@ class AdminPage(PageHandler):
     @web.authenticated
     async def get(self):
         self.check_admin()
+        await self.load_usage()
+        self.show()
+
+    async def load_usage(self) -> None:
+        """The usage section for the period the page asks for (none when the broker keeps no usage records)."""
         source = usage_pages.UsageSource.of(self.broker)
         if source is not None:
             self.usage = await usage_pages.admin_usage(source, MyLeasesPage.usage_period(self))
-        self.show()
 
     def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
@@ -269,6 +273,7 @@ class AdminRevokeHandler(AdminPage):
     @web.authenticated
     async def post(self, lease_id: str):
         self.check_admin()
+        await self.load_usage()  # the page after the revoke shows it too
         m = self.manager
         reason = self.get_body_argument("reason", "").strip()
         try:
