@@ -28,6 +28,7 @@ from typing import Any
 
 from ..client import BrokerClient, BrokerError
 from ..core.request import SPAWNER_META
+from ..tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class LeaseKeeper:
         self.heartbeat: dict[str, Any] = {"interval_s": heartbeat_interval, "last_ok": None, "last_error": "", "failures": 0, "sent": 0}
         self.loaded = not lease_id  # False until the starting lease was read from the broker
         self._granted = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = BackgroundTasks(log)
         self._waiter: asyncio.Task | None = None
         self._stopping = False
         self._lock = asyncio.Lock()
@@ -97,10 +98,7 @@ class LeaseKeeper:
         return self.lease if self.lease and self.lease.get("state") == "queued" else None
 
     def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.ensure_future(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-        return t
+        return self._tasks.start(coro)
 
     async def _emit(self, kind: str, lease: dict[str, Any] | None) -> None:
         if self.on_change is not None:
@@ -165,8 +163,7 @@ class LeaseKeeper:
     async def stop(self, *, release: bool = True) -> None:
         """Stop heartbeats; release the lease the server itself asked for (``release``)."""
         self._stopping = True
-        for t in list(self._tasks):
-            t.cancel()
+        await self._tasks.cancel()
         if release and self.client is not None and self.lease is not None and self.origin == "server":
             try:
                 await self.client.release(self.lease["id"], reason="the server stopped")
