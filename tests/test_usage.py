@@ -304,3 +304,29 @@ def test_an_over_asking_user_gets_right_sizing_suggestions_they_alone_may_read(t
         assert not any("group" in s for s in await usage(app, "bob", "api/usage/suggestions"))
 
     run_with_broker(tmp_path, scenario, clock)
+
+
+def test_a_lease_that_ended_while_recording_was_off_is_closed_at_its_end(tmp_path):
+    clock = ManualClock(T0)
+    ids = {}
+
+    async def on(app, client):
+        lease = await client("alice").request_lease({"gpus": 1, "model": "L4", "duration_s": 7200})
+        ids["id"] = lease["id"]
+        clock.advance(600)
+        await client("alice").heartbeat(lease["id"], {"devices": {}})
+
+    async def off(app, client):
+        clock.advance(600)
+        await client("alice").release(ids["id"])
+        clock.advance(3600)
+
+    async def on_again(app, client):
+        assert ids["id"] not in app.manager.usage_recorder.live
+        await app.manager.flush()
+        r = rows_by_key(await usage(app, "alice", since="1d"))["alice"]
+        assert r["held_gpu_h"] == pytest.approx(1200 / 3600) and r["leases"] == 1
+
+    run_with_broker(tmp_path, on, clock)
+    run_with_broker(tmp_path, off, clock, usage={"record": False})
+    run_with_broker(tmp_path, on_again, clock)

@@ -322,7 +322,9 @@ class LeaseManager:
         self.feed.last_id = await self._in_writer(self.store.last_event_id)
         self.totals = await self._in_writer(self.store.load_totals)
         if self.usage_recorder is not None:
-            self.usage_recorder.restore(await self._in_writer(self.store.load_live_usage))
+            stale = self.usage_recorder.restore(await self._in_writer(self.store.load_live_usage), live=self.committed)
+            for lid in stale:  # ended while nothing was recorded (recording off): closed at its end
+                self.usage_recorder.close_stale(lid, await self._in_writer(self.store.get_lease, lid))
         self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
         self._writer_task = asyncio.ensure_future(self._write_loop())
         done = self._stage([], tick=True)

@@ -191,8 +191,11 @@ class UsageRecorder:
         self._out = UsageBatch()
 
     # ------------------------------------------------------------------ restart
-    def restore(self, rows: Iterable[dict[str, Any]]) -> None:
-        """Go on from the accounting rows of leases that had not ended (a restarted broker)."""
+    def restore(self, rows: Iterable[dict[str, Any]], live: Iterable[str] | None = None) -> list[str]:
+        """Go on from the accounting rows of leases that had not ended (a restarted broker).
+        Returns the ids of rows whose lease is not ``live`` any more (it ended while nothing was
+        recorded): close each with :meth:`close_stale`."""
+        rows = list(rows)
         for r in rows:
             st = dict(r.get("state") or {})
             row = {k: v for k, v in r.items()}
@@ -200,6 +203,22 @@ class UsageRecorder:
                                              {k: list(v) for k, v in (st.get("dev") or {}).items()},
                                              {k: list(v) for k, v in (st.get("ker") or {}).items()},
                                              dict(st.get("nb") or {}), set(st.get("susp") or ()))
+        if live is None:
+            return []
+        live = set(live)
+        return [r["lease_id"] for r in rows if r["lease_id"] not in live]
+
+    def close_stale(self, lease_id: str, lease=None) -> None:
+        """Close the record of a lease that ended unrecorded: at its end when the store knows
+        it, else at the record's last heartbeat."""
+        lv = self.live.pop(lease_id, None)
+        if lv is None:
+            return
+        end = float(lease.ended_at) if lease is not None and lease.ended_at is not None else lv.last_t
+        self._advance(lv, lv.last_t, max(lv.last_t, end), 0.0)
+        lv.row["ended_at"] = max(lv.last_t, end)
+        lv.row["end_state"] = lease.state.value if lease is not None else "unknown"
+        self._emit(lv, final=True)
 
     # ------------------------------------------------------------------ events
     def observe(self, events: Iterable[Event], touched: Iterable[Any], now: float) -> None:
