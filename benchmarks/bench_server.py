@@ -171,7 +171,7 @@ def monitor_cost(tmp: Path, seconds: float) -> dict:
                "GPULEASE_DEVICE_BACKEND": "simulated", "GPULEASE_DEVICE_CONFIG": json.dumps(sim.config)}
         with_ext = Server(tmp / "with", extension=True, env=env, settings=(
             "c.GPULeaseExtension.sample_interval = 1.0\n"
-            "c.GPULeaseExtension.gpu_idle_timeout = 3600\n"
+            "c.GPUIdleRule.gpu_idle_timeout = 3600\n"
             "c.GPULeaseExtension.heartbeat_interval = 30\n"))
         servers.append(with_ext)
         without = Server(tmp / "without", extension=False, env={})
@@ -251,8 +251,8 @@ def reclaim_to_grant(tmp: Path, rounds: int, sample_interval: float = 1.0) -> di
                 timeout = 8.0 if case == "suspended_kernel" else 4.0
                 server = Server(folder / "server", extension=True, env=env, settings=(
                     f"c.GPULeaseExtension.sample_interval = {sample_interval}\n"
-                    f"c.GPULeaseExtension.gpu_idle_timeout = {timeout}\n"
-                    "c.GPULeaseExtension.warn_before = 1\n"
+                    f"c.GPUIdleRule.gpu_idle_timeout = {timeout}\n"
+                    "c.ReclaimActions.warn_before = 1\n"
                     f"c.GPULeaseExtension.cuda_checkpoint = {checkpoint!r}\n"))
                 if case == "suspended_kernel":
                     server.kernels(1)

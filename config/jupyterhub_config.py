@@ -190,7 +190,7 @@ if env("GPULEASE_DEMO_DIR"):
     # sets its own in the servers' jupyter_server_config.py): a kernel whose GPU sits idle is
     # warned after 30 s and suspended after 60 s (on simulated GPUs by the simulated
     # cuda-checkpoint: its variables stay); an unused lease goes back after 60 s.
-    c.Spawner.args.extend([f"--GPULeaseExtension.gpu_idle_timeout={env('GPULEASE_DEMO_IDLE_TIMEOUT', '60')}",
-                           "--GPULeaseExtension.gpu_idle_timeout_learn=False",  # the same cycle every time
-                           f"--GPULeaseExtension.warn_before={env('GPULEASE_DEMO_IDLE_WARN_BEFORE', '30')}"])
+    c.Spawner.args.extend([f"--GPUIdleRule.gpu_idle_timeout={env('GPULEASE_DEMO_IDLE_TIMEOUT', '60')}",
+                           "--GPUIdleRule.gpu_idle_timeout_learn=False",  # the same cycle every time
+                           f"--ReclaimActions.warn_before={env('GPULEASE_DEMO_IDLE_WARN_BEFORE', '30')}"])
 c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")

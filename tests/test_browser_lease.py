@@ -54,9 +54,9 @@ def demo_config(tmp_path: Path) -> Path:
 # --- test: fast heartbeats, no news pop-up (the simulated GPUs' state file is the demo's own), and
 # not the demo's one-minute idle reclaim: the lease stays while the test looks at it
 # a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
-c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPULeaseExtension.gpu_idle_timeout=", "--GPULeaseExtension.warn_before="))]
+c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPUIdleRule.gpu_idle_timeout=", "--ReclaimActions.warn_before="))]
 c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1",
-                       "--GPULeaseExtension.gpu_idle_timeout=3600"])
+                       "--GPUIdleRule.gpu_idle_timeout=3600"])
 c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
 """)
     (conf / "gpulease_config.py").write_text(
@@ -194,9 +194,9 @@ def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
         f.write(f"""
 # --- test: idle kernels are warned after 3 s and suspended after 6 s; a revoked lease leaves the server running
 # a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
-c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPULeaseExtension.gpu_idle_timeout=", "--GPULeaseExtension.warn_before="))]
-c.Spawner.args.extend(["--GPULeaseExtension.gpu_idle_timeout=6", "--GPULeaseExtension.warn_before=3",
-                       "--GPULeaseExtension.reclaim_action=suspend",
+c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPUIdleRule.gpu_idle_timeout=", "--ReclaimActions.warn_before="))]
+c.Spawner.args.extend(["--GPUIdleRule.gpu_idle_timeout=6", "--ReclaimActions.warn_before=3",
+                       "--ReclaimActions.reclaim_action=suspend",
                        "--GPULeaseExtension.cuda_checkpoint={standin_dir / 'cuda-checkpoint'}"])
 c.Spawner.environment.update({{"STANDIN_CUDA_CHECKPOINT_DIR": {str(standin_dir)!r}, "STANDIN_CUDA_CHECKPOINT_SIM_STATE": {str(sim_state)!r},
                               "STANDIN_CUDA_CHECKPOINT_REMAP": "1"}})

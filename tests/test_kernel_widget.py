@@ -45,8 +45,8 @@ def stack(tmp_path, monkeypatch):
         state_file = tmp_path / "server-alice" / "sim-gpus.json"
         server = JupyterServer(
             tmp_path, broker_url(broker),
-            extra_args=[f"--GPULeaseExtension.cuda_checkpoint={checkpoint}", f"--GPULeaseExtension.gpu_idle_timeout={IDLE_TIMEOUT_S}",
-                        "--GPULeaseExtension.gpu_idle_timeout_learn=False", "--GPULeaseExtension.warn_before=2", "--GPULeaseExtension.gaps_file="],
+            extra_args=[f"--GPULeaseExtension.cuda_checkpoint={checkpoint}", f"--GPUIdleRule.gpu_idle_timeout={IDLE_TIMEOUT_S}",
+                        "--GPUIdleRule.gpu_idle_timeout_learn=False", "--ReclaimActions.warn_before=2", "--GPUIdleRule.gaps_file="],
             extra_env={"STANDIN_CUDA_CHECKPOINT_DIR": str(standin_dir), "STANDIN_CUDA_CHECKPOINT_SIM_STATE": str(state_file),
                        "STANDIN_CUDA_CHECKPOINT_REMAP": "1"},
         )

@@ -70,8 +70,8 @@ def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs]:
         "c = get_config()  # noqa\n"
         "c.GPULeaseExtension.sample_interval = 0.25\n"
         "c.GPULeaseExtension.heartbeat_interval = 1\n"
-        "c.GPULeaseExtension.gpu_idle_timeout = 3600\n"  # the server's own idle reclaim stays out of this
-        "c.GPULeaseExtension.gpu_idle_timeout_learn = False\n"
+        "c.GPUIdleRule.gpu_idle_timeout = 3600\n"  # the server's own idle reclaim stays out of this
+        "c.GPUIdleRule.gpu_idle_timeout_learn = False\n"
     )
     bport = free_port()
     spawner_token = secrets.token_hex(16)

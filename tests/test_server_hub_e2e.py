@@ -44,8 +44,8 @@ def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs, str]:
     (conf_dir / "jupyter_server_config.py").write_text(
         "c = get_config()  # noqa\n"
         "c.GPULeaseExtension.sample_interval = 0.25\n"
-        "c.GPULeaseExtension.gpu_idle_timeout = 15\n"
-        "c.GPULeaseExtension.warn_before = 5\n"
+        "c.GPUIdleRule.gpu_idle_timeout = 15\n"
+        "c.ReclaimActions.warn_before = 5\n"
         "c.GPULeaseExtension.heartbeat_interval = 2\n"
         f"c.GPULeaseExtension.cuda_checkpoint = {checkpoint!r}\n"
     )
