@@ -1,7 +1,25 @@
-"""Broker benchmarks: throughput and latency under 200 concurrent clients, side by side with
-baseline builds and with the web framework alone; and memory holding many leases.
+"""Broker benchmarks: a guard at the load a large hub makes, side by side with a baseline build;
+on request, stress loads far above it; and memory holding many leases.
 
-    python benchmarks/bench_broker.py [--clients 200] [--seconds 20] [--base 8bdb240 ...] [--rates 500,800,1000] [--leases 100000]
+    python benchmarks/bench_broker.py [--servers 10000] [--interval 30] [--users 30] [--rounds 1] [--base f009040]
+    python benchmarks/bench_broker.py --stress [--clients 200] [--seconds 20] [--base 8bdb240 ...] [--rates 500,800,1000] [--leases 100000]
+
+0. The guard (the default): the heartbeats of ``--servers`` single-user servers, each one every
+   ``--interval`` seconds at its own moment (10,000 servers every 30 s: ~333 calls/s, each a
+   heartbeat body like the server extension's: the lease's device and two kernels), plus a
+   spawn storm in the middle of the window: ``--users`` users ask for a GPU at the same moment
+   while only 8 are free, each polls its lease until it is granted (as a spawn's progress page
+   does), holds it ``--hold`` seconds and releases it. The broker runs as its own process
+   (SQLite file, WAL, every commit fsynced) on 127.0.0.1; the servers' leases are made before
+   the window (not measured). Latency counts from the moment a heartbeat was due (open loop:
+   a broker that falls behind shows it); writes are heartbeats, requests and releases; reads
+   are the storm's polls. The broker's CPU per call over the window: its event loop's thread
+   and the other threads (the store's writer). Every ``--base`` build (a ``git worktree`` of that
+   commit; the default is the last one whose REST API ran on the lean handler of its own instead
+   of tornado.web) and this tree run ``--rounds`` times, alternately, in the same script, so
+   that all see the same machine. Target: writes p99 <= 100 ms.
+
+Stress loads (``--stress``):
 
 1. Load: the broker runs as its own process (SQLite file, WAL, synchronous=FULL: every commit
    fsyncs) on 127.0.0.1 with a pool of 256 GPUs. A second process runs ``--clients`` clients,
@@ -16,8 +34,7 @@ baseline builds and with the web framework alone; and memory holding many leases
      lease of the same size, no broker behind it) shows that floor on this machine. Two floors:
      ``tornado.web alone`` (a ``RequestHandler``, what any tornado.web service pays) and
      ``HTTP/1.1 alone`` (a bare delegate on Tornado's HTTP/1.1 server whose calls each await
-     one loop turn before they answer: the request path the broker's API runs on, see
-     ``jupyter_gpulease/broker/jsonapi.py``).
+     one loop turn before they answer: the least any HTTP/1.1 service on Tornado can cost).
    * Open loop, at each of ``--rates``: the clients' calls arrive as Poisson processes adding
      up to that many calls per second, answered or not; latency counts from when a call was
      due (no coordinated omission). This is latency at a given load.
@@ -32,7 +49,7 @@ baseline builds and with the web framework alone; and memory holding many leases
    tree run the same loads in the same script, one after the other, so all see the same
    machine. The hub's token check is left out (the caller is named by the token, as in the
    unit tests): it is a cached lookup per token.
-2. Memory: this build's process RSS before and after holding ``--leases`` live leases (1 000
+2. Memory (with ``--stress``): this build's process RSS before and after holding ``--leases`` live leases (1 000
    active on 1 000 GPUs, the rest queued), and the time of a scheduling pass over them.
 
 Figures are printed and saved as JSON (``--out``); nothing here asserts on them.
@@ -81,7 +98,7 @@ handlers.APIHandler.authenticate = authenticate
 c = Config()
 c.GPULeaseBroker.db_url = f"sqlite:///{db}"
 c.GPULeaseBroker.device_backend = "simulated"
-c.GPULeaseBroker.devices = {"gpus": json.loads(sys.argv[4])}
+c.GPULeaseBroker.devices = {"gpus": json.loads(open(sys.argv[4][1:]).read() if sys.argv[4].startswith("@") else sys.argv[4])}
 c.GPULeaseBroker.bind_url = f"http://127.0.0.1:{port}"
 c.GPULeaseBroker.base_url = "/services/gpulease/"
 c.GPULeaseBroker.config_file = ""
@@ -191,11 +208,11 @@ class Conn:
         self.port, self.user = port, user
         self.reader = self.writer = None
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async def call(self, method: str, path: str, body: dict | None = None, user: str | None = None) -> tuple[int, dict]:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         data = json.dumps(body).encode() if body is not None else b""
-        head = (f"{method} /services/gpulease/{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: token {self.user}\r\n"
+        head = (f"{method} /services/gpulease/{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: token {user or self.user}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
         self.writer.write(head.encode() + data)
         status_line = await self.reader.readline()
@@ -318,6 +335,18 @@ def load_main(port: int, clients: int, seconds: float, out: str, rate: float = 0
     asyncio.run(go())
 
 
+def wait_listening(broker: subprocess.Popen, port: int, log: Path, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if broker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the {name} broker did not start: {log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+
+
 def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate: float = 0.0, serve: str = SERVE) -> dict:
     port = free_port()
     slug = "".join(c if c.isalnum() or c in "._" else "-" for c in name)  # a file name
@@ -325,15 +354,7 @@ def run_load(src: Path, tmp: Path, name: str, clients: int, seconds: float, rate
     log = open(tmp / f"{slug}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
     broker = subprocess.Popen([sys.executable, "-c", serve, str(src), str(db), str(port), json.dumps(POOL)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if broker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the {name} broker did not start: {(tmp / f'{slug}-broker.log').read_text()[-2000:]}") from None
-                time.sleep(0.2)
+        wait_listening(broker, port, tmp / f"{slug}-broker.log", name)
         out = tmp / f"{slug}-load.json"
         subprocess.run([sys.executable, __file__, "--_load", str(port), str(clients), str(seconds), str(out), str(rate), str(broker.pid)], check=True, timeout=seconds + 300)
         res = json.loads(out.read_text())
@@ -355,6 +376,190 @@ def base_tree(rev: str, tmp: Path, name: str = "base") -> Path:
     dest = tmp / f"base-{name}"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(dest), rev], check=True, capture_output=True)
     return dest
+
+
+# --------------------------------------------------------------------------- the guard
+GUARD_FREE_GPUS = 8  # what the spawn storm's users share: the servers' leases hold the rest
+
+
+def guard_pool(servers: int) -> list[dict]:
+    nodes = -(-(servers + GUARD_FREE_GPUS) // 8)
+    return [{"node": f"n{i}", "model": "A100-SXM4-80GB", "count": 8, "memory_mib": 81920} for i in range(nodes)]
+
+
+def heartbeat_body(lease: dict, t: float, i: int) -> dict:
+    """What a server extension sends: its usage per device and per kernel (server/usage.py)."""
+    uuid = (lease.get("placement") or {}).get("slices", [{}])[0].get("gpu_uuid", "GPU-0")
+    busy = i % 3 != 0
+    return {"usage": {
+        "t": round(t, 1), "gpu_busy": busy, "last_gpu_activity": round(t - (1 if busy else 600), 1), "attribution": "pid", "lease_reclaim_at": None,
+        "devices": {uuid: {"busy_s": 1234.5 + i % 100, "idle_s": 456.7, "mem_peak_mib": 20480}},
+        "kernels": {f"{i:08x}-0000-4000-8000-{j:012x}": {"busy_s": 600.0 + j, "idle_s": 30.0, "mem_peak_mib": 10240, "state": "idle" if j else "busy",
+                                                          "name": "python3", "path": f"projects/run{j}/train.ipynb"} for j in range(2)},
+    }}
+
+
+class Pool:
+    """Keep-alive connections shared by calls (as a proxy or a hub's client pool holds them)."""
+
+    def __init__(self, port: int, size: int):
+        self.free: asyncio.Queue[Conn] = asyncio.Queue()
+        for _ in range(size):
+            self.free.put_nowait(Conn(port, ""))
+
+    async def call(self, method: str, path: str, body: dict | None, user: str) -> tuple[int, dict]:
+        conn = await self.free.get()
+        try:
+            return await conn.call(method, path, body, user)
+        finally:
+            self.free.put_nowait(conn)
+
+
+def guard_main(port: int, servers: int, interval: float, users: int, hold: float, out: str, server_pid: int) -> None:
+    """The load process of the guard (see the module doc)."""
+    import random
+
+    async def go():
+        pool = Pool(port, 256)
+        errors: list[str] = []
+        # the servers' leases, made before the window
+        leases: list[dict] = [{}] * servers
+
+        async def make(i: int) -> None:
+            status, answer = await pool.call("POST", "api/leases", {"gpus": 1, "duration_s": 8 * 3600}, f"server{i}")
+            if status != 201 or answer.get("state") != "active":
+                raise RuntimeError(f"server{i}'s lease was answered {status} {answer}")
+            leases[i] = answer
+
+        t_seed = time.perf_counter()
+        for start in range(0, servers, 1000):
+            await asyncio.gather(*(make(i) for i in range(start, min(servers, start + 1000))))
+        seed_s = time.perf_counter() - t_seed
+        lat: dict[str, list[float]] = {k: [] for k in ("heartbeat", "request", "release", "get")}
+        grants: list[float] = []
+        rng = random.Random(1)
+        phases = sorted((rng.uniform(0, interval), i) for i in range(servers))
+        storm_at = interval / 3
+        load_before = os.getloadavg()[0]
+        cpu_before = thread_cpu(server_pid)
+        t0 = time.perf_counter()
+        wall0 = time.time()
+
+        async def heartbeat(due: float, i: int) -> None:
+            lease = leases[i]
+            status, answer = await pool.call("POST", f"api/leases/{lease['id']}/heartbeat", heartbeat_body(lease, wall0 + due - t0, i), f"server{i}")
+            lat["heartbeat"].append((time.perf_counter() - due) * 1000)
+            if status != 200 or "warnings" not in answer:
+                errors.append(f"heartbeat {status} {answer.get('message', '')[:80]}")
+
+        async def heartbeats() -> None:
+            tasks = []
+            for phase, i in phases:
+                due = t0 + phase
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(heartbeat(due, i)))
+            await asyncio.gather(*tasks)
+
+        async def spawn(j: int) -> None:
+            await asyncio.sleep(storm_at)
+            conn, user = Conn(port, f"storm{j}"), f"storm{j}"  # each spawn on its own connection
+            asked = time.perf_counter()
+            status, lease = await conn.call("POST", "api/leases", {"gpus": 1, "duration_s": 3600})
+            lat["request"].append((time.perf_counter() - asked) * 1000)
+            if status != 201:
+                errors.append(f"request {status} {lease.get('message', '')[:80]}")
+                return
+            while lease.get("state") == "queued":
+                await asyncio.sleep(0.2)
+                t = time.perf_counter()
+                status, lease = await conn.call("GET", f"api/leases/{lease['id']}", None, user)
+                lat["get"].append((time.perf_counter() - t) * 1000)
+                if status != 200:
+                    errors.append(f"get {status} {lease.get('message', '')[:80]}")
+                    return
+            if lease.get("state") != "active":
+                errors.append(f"storm lease ended {lease.get('state')} unused")
+                return
+            grants.append(time.perf_counter() - asked)
+            await asyncio.sleep(hold)
+            t = time.perf_counter()
+            status, answer = await conn.call("POST", f"api/leases/{lease['id']}/release", {"reason": "benchmark"}, user)
+            lat["release"].append((time.perf_counter() - t) * 1000)
+            if status != 200:
+                errors.append(f"release {status} {answer.get('message', '')[:80]}")
+
+        await asyncio.gather(heartbeats(), *(spawn(j) for j in range(users)))
+        elapsed = time.perf_counter() - t0
+        cpu_after = thread_cpu(server_pid)
+        calls = sum(len(v) for v in lat.values())
+        writes = lat["heartbeat"] + lat["request"] + lat["release"]
+        res = {"servers": servers, "interval_s": interval, "storm_users": users, "hold_s": hold, "seed_s": round(seed_s, 1),
+               "seconds": round(elapsed, 1), "calls": calls, "calls_per_s": round(calls / elapsed, 1), "errors": len(errors), "first_errors": errors[:3],
+               "storm_grant_s_p50": round(statistics.median(grants), 2) if grants else None, "storm_grant_s_max": round(max(grants), 2) if grants else None,
+               "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+        for name, xs in (("writes", writes), ("reads", lat["get"]), *lat.items()):
+            for p in (50, 95, 99):
+                res[f"{name}_ms_p{p}"] = round(pct(xs, p), 1)
+            res[f"{name}_n"] = len(xs)
+        res.update(cpu_figures(server_pid, cpu_before, cpu_after, calls, elapsed))
+        Path(out).write_text(json.dumps(res))
+
+    asyncio.run(go())
+
+
+def run_guard(src: Path, tmp: Path, name: str, args, rnd: int) -> dict:
+    port = free_port()
+    slug = "".join(c if c.isalnum() or c in "._" else "-" for c in name) + f"-{rnd}"
+    pool_file = tmp / "guard-pool.json"
+    pool_file.write_text(json.dumps(guard_pool(args.servers)))
+    db = tmp / f"{slug}.sqlite"
+    log = open(tmp / f"{slug}-broker.log", "wb")  # noqa: SIM115 - kept open for the broker's life
+    broker = subprocess.Popen([sys.executable, "-c", SERVE, str(src), str(db), str(port), f"@{pool_file}"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    try:
+        wait_listening(broker, port, tmp / f"{slug}-broker.log", name)
+        out = tmp / f"{slug}-guard.json"
+        subprocess.run([sys.executable, __file__, "--_guard", str(port), str(args.servers), str(args.interval), str(args.users), str(args.hold), str(out), str(broker.pid)],
+                       check=True, timeout=args.interval + 600)
+        res = json.loads(out.read_text())
+    finally:
+        broker.terminate()
+        try:
+            broker.wait(30)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+        log.close()
+    served = next((line for line in (tmp / f"{slug}-broker.log").read_text().splitlines() if line.startswith("serving ")), "")
+    # that build's package answered, not another one on the path
+    res.update(build=name, round=rnd + 1, served_by_that_build=Path(served.split(" ", 1)[-1]).resolve().is_relative_to(Path(src).resolve()))
+    return res
+
+
+def guard_line(r: dict) -> str:
+    def kind(k: str) -> str:
+        return f"{k} p50/p95/p99 {r[f'{k}_ms_p50']}/{r[f'{k}_ms_p95']}/{r[f'{k}_ms_p99']} ms ({r[f'{k}_n']})"
+    cpu = f"; loop thread {r['loop_cpu_us_per_call']} µs/call ({r['loop_busy']:.0%} busy), other threads {r['other_cpu_us_per_call']} µs/call" if "loop_busy" in r else ""
+    return (f"{r['build']:>16} round {r['round']}: {r['calls_per_s']:.0f} calls/s; {kind('writes')}, {kind('reads')}; "
+            f"heartbeats p99 {r['heartbeat_ms_p99']} ms; storm: grant p50 {r['storm_grant_s_p50']} s max {r['storm_grant_s_max']} s, "
+            f"requests p99 {r['request_ms_p99']} ms, releases p99 {r['release_ms_p99']} ms; {r['errors']} errors{cpu}; "
+            f"machine load average {r['load_average'][0]} -> {r['load_average'][1]}")
+
+
+def guard_summary(runs: list[dict]) -> list[str]:
+    """Per build, over its rounds: the median of each round's figures."""
+    out = []
+    for name in dict.fromkeys(r["build"] for r in runs):
+        mine = [r for r in runs if r["build"] == name]
+
+        def med(k: str, mine: list[dict] = mine) -> float:
+            return round(statistics.median(r[k] for r in mine), 1)
+
+        ok = "met" if med("writes_ms_p99") <= 100 else "NOT met"
+        cpu = f", loop thread {med('loop_cpu_us_per_call'):.0f} µs/call, other threads {med('other_cpu_us_per_call'):.0f} µs/call" if all("loop_busy" in r for r in mine) else ""
+        out.append(f"{name:>16} ({len(mine)} round(s), medians): writes p50 {med('writes_ms_p50')} / p95 {med('writes_ms_p95')} / p99 {med('writes_ms_p99')} ms "
+                   f"(target p99 <= 100 ms: {ok}), reads p50 {med('reads_ms_p50')} / p99 {med('reads_ms_p99')} ms{cpu}, {sum(r['errors'] for r in mine)} errors")
+    return out
 
 
 # --------------------------------------------------------------------------- memory
@@ -411,47 +616,73 @@ def line(r: dict) -> str:
             f"reads p50 {r['read_ms_p50']} ms p99 {r['read_ms_p99']} ms, {r['errors']} errors ({r['clients']} clients, {r['seconds']} s){cpu}")
 
 
+GUARD_BASE = "f009040"  # the last commit whose REST API ran on a lean handler of its own (broker/jsonapi.py)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--_load":
         load_main(int(argv[1]), int(argv[2]), float(argv[3]), argv[4], float(argv[5]) if len(argv) > 5 else 0.0, int(argv[6]) if len(argv) > 6 else 0)
         return 0
+    if argv and argv[0] == "--_guard":
+        guard_main(int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4]), float(argv[5]), argv[6], int(argv[7]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stress", action="store_true", help="the stress loads and the memory figure instead of the guard")
+    p.add_argument("--servers", type=int, default=10_000, help="guard: servers sending heartbeats")
+    p.add_argument("--interval", type=float, default=30.0, help="guard: seconds between two heartbeats of a server (the window)")
+    p.add_argument("--users", type=int, default=30, help="guard: users of the spawn storm")
+    p.add_argument("--hold", type=float, default=2.0, help="guard: seconds a storm user holds its GPU before releasing it")
+    p.add_argument("--rounds", type=int, default=1, help="guard: runs of each build, alternating")
+    p.add_argument("--this-rev", default=None, help="a git revision to measure instead of the working tree")
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--seconds", type=float, default=20)
-    p.add_argument("--base", action="append", help="git revision of a baseline build, repeatable (default: 8bdb240, the broker before group commit)")
+    p.add_argument("--base", action="append", help=f"git revision of a baseline build, repeatable (default: {GUARD_BASE} for the guard, 8bdb240, the broker before group commit, for --stress)")
     p.add_argument("--base-src", default=None, help="a folder holding the baseline's jupyter_gpulease package, instead of a git worktree of --base")
     p.add_argument("--rates", default="500,800,1000", help="offered loads (calls/s, comma-separated) of the open-loop runs; '' for none")
     p.add_argument("--leases", type=int, default=100_000, help="live leases for the memory figure (0: skip it)")
-    p.add_argument("--out", default=str(HERE / "results" / "broker.json"))
+    p.add_argument("--out", default=None, help="where the JSON goes (default: benchmarks/results/broker_guard.json, or broker.json with --stress)")
     args = p.parse_args(argv)
-    revs = args.base or ["8bdb240"]
+    revs = args.base or ([GUARD_BASE] if not args.stress else ["8bdb240"])
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="bench-broker-"))
     result = {"command": "python benchmarks/bench_broker.py " + " ".join(argv), "python": sys.version.split()[0], "cpus": os.cpu_count()}
-    builds = [(f"base {rev}", Path(args.base_src).resolve() if args.base_src else base_tree(rev, tmp, rev)) for rev in revs] + [("this tree", ROOT)]
+    this = ("this tree", ROOT) if not args.this_rev else (f"this {args.this_rev}", base_tree(args.this_rev, tmp, "this"))
+    builds = [(f"base {rev}", Path(args.base_src).resolve() if args.base_src else base_tree(rev, tmp, rev)) for rev in revs] + [this]
     try:
-        # the most each build answers (closed loop), and the web framework alone under the same load
-        result["load"] = [run_load(src, tmp, name, args.clients, args.seconds) for name, src in builds]
-        result["load"] += [run_load(ROOT, tmp, name, args.clients, args.seconds, serve=serve) for name, serve in FLOORS]
-        # latency at a given load (open loop)
-        # (a build offered more than it answered in the closed loop would only queue up)
-        most = {r["build"]: r["calls_per_s"] for r in result["load"]}
-        runs = [(name, src, SERVE) for name, src in builds] + [(name, ROOT, serve) for name, serve in FLOORS]
-        result["open_loop"] = [
-            run_load(src, tmp, name, args.clients, args.seconds, rate, serve=serve) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
-            for rate in rates for name, src, serve in runs
-        ]  # fmt: skip
+        if not args.stress:
+            order = [b for rnd in range(args.rounds) for b in (builds if rnd % 2 == 0 else builds[::-1])]  # alternately
+            result["guard"] = []
+            for i, (name, src) in enumerate(order):
+                result["guard"].append(run_guard(src, tmp, name, args, i // len(builds)))
+                print(guard_line(result["guard"][-1]), flush=True)
+        else:
+            # the most each build answers (closed loop), and the web framework alone under the same load
+            result["load"] = [run_load(src, tmp, name, args.clients, args.seconds) for name, src in builds]
+            result["load"] += [run_load(ROOT, tmp, name, args.clients, args.seconds, serve=serve) for name, serve in FLOORS]
+            # latency at a given load (open loop)
+            # (a build offered more than it answered in the closed loop would only queue up)
+            most = {r["build"]: r["calls_per_s"] for r in result["load"]}
+            runs = [(name, src, SERVE) for name, src in builds] + [(name, ROOT, serve) for name, serve in FLOORS]
+            result["open_loop"] = [
+                run_load(src, tmp, name, args.clients, args.seconds, rate, serve=serve) if rate < most[name] else {"build": name, "offered_calls_per_s": rate, "skipped": f"more than the {most[name]} calls/s it answers at most"}
+                for rate in rates for name, src, serve in runs
+            ]  # fmt: skip
     finally:
         for name, src in builds:
-            if name != "this tree" and not args.base_src:
+            if src != ROOT and not (args.base_src and name.startswith("base ")):
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(src)], check=False, capture_output=True)
-    for r in result["load"] + result["open_loop"]:
-        print(line(r))
-    if args.leases:
-        result["memory"] = asyncio.run(memory(tmp, args.leases))
-        print(json.dumps(result["memory"], indent=2))
-    out = Path(args.out)
+    if not args.stress:
+        result["summary"] = guard_summary(result["guard"])
+        print("\n".join(result["summary"]))
+    else:
+        for r in result["load"] + result["open_loop"]:
+            print(line(r))
+        if args.leases:
+            result["memory"] = asyncio.run(memory(tmp, args.leases))
+            print(json.dumps(result["memory"], indent=2))
+    print(result["command"])
+    out = Path(args.out or HERE / "results" / ("broker.json" if args.stress else "broker_guard.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")
