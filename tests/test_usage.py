@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import json
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError
@@ -330,3 +331,36 @@ def test_a_lease_that_ended_while_recording_was_off_is_closed_at_its_end(tmp_pat
     run_with_broker(tmp_path, on, clock)
     run_with_broker(tmp_path, off, clock, usage={"record": False})
     run_with_broker(tmp_path, on_again, clock)
+
+
+def test_the_report_command_reads_the_broker_or_a_store_directly(tmp_path, capsys, monkeypatch):
+    from brokerutil import broker_in_thread
+    from jupyter_gpulease.broker import usage_cli
+
+    clock = ManualClock(T0)
+    monkeypatch.delenv("GPULEASE_TOKEN", raising=False)
+    with broker_in_thread(tmp_path, clock=clock, pool=POOL, confirm_timeout_s=0) as app:
+        async def work():
+            alice = BrokerClient(broker_url(app), "alice")
+            lease = await alice.request_lease({"share": 0.5, "model": A100, "duration_s": 7200})
+            clock.advance(3600)
+            await alice.release(lease["id"])
+
+        asyncio.run(work())
+        span = ["--from", str(T0 - 3600), "--to", str(T0 + 86400)]
+        assert usage_cli.main(["--url", broker_url(app), "--token", "admin-carol", *span, "--by", "group"]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert lines[1].split()[:4] == ["GROUP", "HELD", "GPU-h", "BUSY"]
+        assert lines[2].split()[:2] == ["physics", "0.5"] and lines[-1].split()[:2] == ["total", "0.5"]
+        assert usage_cli.main(["--url", broker_url(app), "--token", "alice", "--user", "bob"]) == 1
+        assert "only an admin" in capsys.readouterr().err
+        db = app.db_url
+    # the same store read directly, with prices given on the command line
+    assert usage_cli.main(["--db", db, *span, "--price", "A100*=4", "--currency", "EUR", "--format", "json", "--suggestions"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["rows"][0]["key"] == "alice" and rep["rows"][0]["cost"] == 2.0 and rep["currency"] == "EUR" and rep["suggestions"] == []
+    assert usage_cli.main(["--db", db, "--from", "2020-01-01", "--to", "2019-01-01"]) == 2
+    assert "must come before" in capsys.readouterr().err
+    assert usage_cli.main(["--db", f"sqlite:///{tmp_path / 'nothing.sqlite'}"]) == 1
+    assert "no usage records" in capsys.readouterr().err
