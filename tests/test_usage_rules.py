@@ -149,3 +149,30 @@ def test_a_period_of_whole_days_and_edge_hours_adds_up_as_the_hours_do(tmp_path,
         assert sum(p["held_gpu_h"] for p in s["points"]) == pytest.approx(held_h)
     finally:
         store.close()
+
+
+def test_postgresql_and_sqlite_give_the_same_report(tmp_path, postgres):
+    from jupyter_gpulease.broker.usage import UsageAPI
+    from jupyter_gpulease.store import LeaseStore
+
+    r = UsageRecorder(Accounting(teams={"u0": "red", "u1": "red", "u2": "blue"}))
+    t0 = 1_800_000_000.0
+    for i in range(40):  # 40 leases of 3 users, waits of 0 to 39 minutes, held 1 to 5 h
+        lz = lease(granted=t0 + i * 1800)
+        lz.id, lz.user, lz.created_at = f"L{i}", f"u{i % 3}", t0 + i * 1800 - i * 60
+        r.granted(lz, lz.granted_at)
+        lz.state, lz.ended_at = LeaseState.RELEASED, lz.granted_at + (1 + i % 5) * 3600
+        r.ended(lz, lz.ended_at)
+    batch = r.take()
+    reports = []
+    for url in (f"sqlite:///{tmp_path / 'u.sqlite'}", postgres.create_database("same_report")):
+        store = LeaseStore(url)
+        try:
+            store.write_usage(batch)
+            api = UsageAPI(store)
+            reports.append([api.report(by=by, start=t0 - 86400, end=t0 + 5 * 86400) for by in ("user", "group", "model")])
+        finally:
+            store.close()
+    assert reports[0] == reports[1]
+    by_user = {x["key"]: x for x in reports[0][0]["rows"]}
+    assert by_user["u0"]["queue_wait_p50_s"] == 1170.0  # 0, 3, …, 39 min: between 18 and 21 and reports[0][0]["totals"]["queue_wait_p95_s"] == pytest.approx(2223.0)
