@@ -169,6 +169,28 @@ def test_the_form_asks_the_broker_for_the_users_own_suggestions_only():
     assert "bob's" not in html and OVER_ASKING["text"] in cards(html)[f"mig:1g.10gb:{A100}"]
 
 
+def test_the_form_renders_without_hints_when_the_broker_has_none_to_give():
+    import asyncio
+
+    from jupyter_gpulease.client import BrokerError
+
+    class Broker:
+        async def pool(self, user, groups):
+            return POOL
+
+        async def queue(self):
+            return []
+
+        async def estimate(self, asks):
+            return [{"start": "now"} for _ in asks]
+
+        async def usage_suggestions(self, user):
+            raise BrokerError(404, "no such API: an older broker")
+
+    html = asyncio.run(form.render_for(Broker(), user="alice", groups=[], presets=[], allow_custom=True, allow_cpu_only=True))
+    assert f"gpu:1:{A100}" in cards(html) and "gpulease-hint" not in html.split("</style>")[1]
+
+
 # --------------------------------------------------------------------------- the pages, from a real broker
 PRICES = {A100: 2.5, "L4": 0.8}
 
