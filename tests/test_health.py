@@ -262,3 +262,25 @@ def test_cordons_and_windows_hold_across_a_restart(tmp_path):
 
     run(tmp_path, first)
     run(tmp_path, second)
+
+
+def test_a_server_moved_off_a_sick_gpu_keeps_its_place_ahead_across_a_restart(tmp_path):
+    async def first(app, clock, client):
+        alice, bob = client("alice"), client("bob")
+        a = await alice.request_lease({**A100, "server": "nb"})
+        await bob.request_lease(A100)
+        await sample(app)
+        app.backend.inject_xid(gpu_of(a), 79)
+        await sample(app)
+        await tick(app, clock, 61)
+        assert (await alice.get_lease(a["id"]))["state"] == "revoked"
+
+    async def second(app, clock, client):
+        carol, alice = client("carol"), client("alice")
+        c = await carol.request_lease(A100)  # waits first
+        again = await alice.request_lease({**A100, "server": "nb"})
+        assert c["state"] == again["state"] == "queued"
+        assert again["queue"]["position"] == 1 and "XID 79" in again["meta"]["moved"]["reason"]
+
+    run(tmp_path, first)
+    run(tmp_path, second)

@@ -80,7 +80,24 @@ class HealthKeeper:
         self.cordons = {r["target"]: r for r in cordons}
         self.windows = {r["id"]: r for r in windows}
         self._windows = None
+        await self._remember_moved()
         await self._apply()
+
+    MOVED_MEMORY_S = 3600.0  # how long a server whose lease was moved off a sick GPU keeps its place ahead
+
+    async def _remember_moved(self) -> None:
+        """After a restart: servers whose last lease was moved off a sick GPU (and that asked for
+        none since) still go first in their tier with their next request."""
+        m = self.manager
+        since = m.now() - self.MOVED_MEMORY_S
+        past = await m._in_writer(m.store.history, since)
+        latest: dict[tuple[str, str], Any] = {}
+        for lease in sorted([*past, *m.scheduler.leases.values()], key=lambda x: x.created_at):
+            latest[(lease.user, lease.server)] = lease
+        for key, lease in latest.items():
+            info = lease.meta.get(HEALTH_META)
+            if lease.state is LeaseState.REVOKED and isinstance(info, dict) and info.get("action") == "drain_now":
+                m.scheduler.moved.setdefault(key, info)
 
     # ------------------------------------------------------------------ the pool as the scheduler sees it
     def cordon_of(self, gpu: GPU) -> dict[str, Any] | None:
