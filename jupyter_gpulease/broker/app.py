@@ -543,8 +543,8 @@ class GPULeaseBroker(PolicyConfig, Application):
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
-        routes[-1:-1] = usage_handlers.api_handlers(self.base_url)
         routes[-1:-1] = health_api_handlers(self.base_url)
+        routes[-1:-1] = usage_handlers.api_handlers(self.base_url)
         return routes
 
     def _log_request(self, handler) -> None:

@@ -124,7 +124,6 @@ class LeaseManager:
         self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on
         # usage records (broker/usage.py): fed from each batch before its commit, written with it
         self.usage_recorder = None
-        self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on
 
     # ------------------------------------------------------------------ plumbing
     def now(self) -> float:
@@ -467,10 +466,6 @@ class LeaseManager:
 
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None, actor: str = "", key: str | None = None) -> dict[str, Any]:
         return await self._change(lease_id, lambda now: self.scheduler.extend(lease_id, now, by_s=by_s, until=until, actor=actor), key=key)
-
-    async def drain(self, lease_id: str, *, grace_s: float, reason: str, device: str, actor: str = "broker (GPU health)") -> dict[str, Any]:
-        """Move a lease off a sick GPU (see Scheduler.drain)."""
-        return await self._change(lease_id, lambda now: self.scheduler.drain(lease_id, now, grace_s=grace_s, reason=reason, device=device, actor=actor))
 
     async def drain(self, lease_id: str, *, grace_s: float, reason: str, device: str, actor: str = "broker:health") -> dict[str, Any]:
         """Move a lease off a sick GPU (see Scheduler.drain)."""
