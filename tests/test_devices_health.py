@@ -76,3 +76,18 @@ def test_the_simulated_backend_injects_xids_and_resets_across_processes(tmp_path
         assert "positive whole number" in str(e)
     else:
         raise AssertionError("an XID of 0 was taken")
+
+
+def test_a_volatile_ecc_count_back_to_zero_or_a_repair_that_took_effect_counts_a_reset():
+    fake = two_gpu_machine()
+    b = backend(fake)
+    g = fake.gpus[1]
+    g.ecc_uncorrected = 1
+    assert b.sample()[L4_UUID].health.resets == 0
+    g.ecc_uncorrected = 0  # the driver was reloaded / the GPU reset
+    assert b.sample()[L4_UUID].health.resets == 1
+    g.remapped_rows = (0, 1, 1, 0)
+    assert b.sample()[L4_UUID].health.resets == 1
+    g.remapped_rows = (0, 1, 0, 0)  # the remap took effect at the reset
+    h = b.sample()[L4_UUID].health
+    assert h.resets == 2 and h.ok

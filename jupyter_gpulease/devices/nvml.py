@@ -89,6 +89,7 @@ class NvmlBackend(DeviceBackend):
         self._xid_codes: dict[str, dict[int, int]] = {}  # GPU uuid -> count per XID code
         self._resets: dict[str, int] = {}  # GPU uuid -> resets seen (a lost GPU that answers again)
         self._was_lost: set[str] = set()
+        self._pending_repair: dict[str, tuple[int, bool]] = {}  # GPU uuid -> (volatile ECC count, a repair pending) last seen
         self._proc_util_seen: dict[str, int] = {}  # uuid -> last process-utilization time stamp (µs)
 
     # ------------------------------------------------------------------ init
@@ -298,9 +299,17 @@ class NvmlBackend(DeviceBackend):
                 elif g.uuid in self._was_lost and util is not None:  # answers again: it was reset
                     self._was_lost.discard(g.uuid)
                     self._resets[g.uuid] = self._resets.get(g.uuid, 0) + 1
+                repairs = self._memory_repairs(h)
+                pending = repairs["row_remap_pending"] or repairs["retired_pages_pending"]
+                was_ecc, was_pending = self._pending_repair.get(g.uuid, (0, False))
+                if not lost and ((was_ecc and ecc == 0) or (was_pending and not pending)):
+                    # the volatile ECC count went back to 0, or a pending repair took effect: a reset
+                    self._resets[g.uuid] = self._resets.get(g.uuid, 0) + 1
+                if not lost:
+                    self._pending_repair[g.uuid] = (int(ecc or 0), pending)
                 health = DeviceHealth(lost=lost, xid=xid, xid_count=xid_count, ecc_uncorrected=None if ecc is None else int(ecc),
                                       xids=tuple(sorted(self._xid_codes.get(g.uuid, {}).items())), resets=self._resets.get(g.uuid, 0),
-                                      **self._memory_repairs(h), throttle=self._throttle(h))
+                                      **repairs, throttle=self._throttle(h))
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
