@@ -72,7 +72,9 @@ def test_periods():
     assert period(since="1d", now=1000.0 + 86400) == (1000.0, 1000.0 + 86400)
     assert period(start="2026-11-01", end="2026-11-02") == (1793491200.0, 1793577600.0)
     assert period(start="2026-11-01T01:00+01:00", end=1793577600.0)[0] == 1793491200.0
-    for kw, field in (({"since": "x"}, "since"), ({"start": "nope"}, "from"), ({"end": "nope"}, "to"), ({"start": "2026-11-02", "end": "2026-11-01"}, "from")):
+    for kw, field in (({"since": "x"}, "since"), ({"start": "nope"}, "from"), ({"end": "nope"}, "to"), ({"start": "2026-11-02", "end": "2026-11-01"}, "from"),
+                      ({"start": "nan"}, "from"), ({"end": "inf"}, "to"), ({"start": "1e308"}, "from"), ({"start": "-5"}, "from"),
+                      ({"since": "0d"}, "since"), ({"since": "99999999999w"}, "since")):
         with pytest.raises(PeriodError) as info:
             period(**kw)
         assert info.value.field == field

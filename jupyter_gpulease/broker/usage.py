@@ -418,6 +418,8 @@ def _copy_state(st: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- periods
+MAX_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC
+MAX_SPAN_S = 100 * 366 * 86400
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(h|d|w)\s*$")
 
 
@@ -434,7 +436,10 @@ def parse_since(text: str) -> float:
     m = _SINCE.match(text or "")
     if not m:
         raise PeriodError(f"since={text!r}: give a number of hours, days or weeks, like 12h, 30d or 2w")
-    return float(m.group(1)) * {"h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+    seconds = float(m.group(1)) * {"h": 3600, "d": 86400, "w": 7 * 86400}[m.group(2)]
+    if not 0 < seconds <= MAX_SPAN_S:
+        raise PeriodError(f"since={text!r}: give more than nothing and at most 100 years")
+    return seconds
 
 
 def parse_time(text: str) -> float:
@@ -444,16 +449,20 @@ def parse_time(text: str) -> float:
 
     t = (text or "").strip()
     try:
-        return float(t)
+        v = float(t)
     except ValueError:
         pass
+    else:
+        if not (math.isfinite(v) and 0 <= v <= MAX_TIME):
+            raise PeriodError(f"{text!r} is not a time between 1970 and 9999", "from")
+        return v
     try:
         d = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
     except ValueError:
         raise PeriodError(f"{text!r} is not a date: give 2026-11-01, 2026-11-01T08:00 or Unix seconds", "from") from None
     if d.tzinfo is None:
         d = d.replace(tzinfo=dt.UTC)
-    return d.timestamp()
+    return min(max(d.timestamp(), 0.0), MAX_TIME)
 
 
 def period(*, since: str | None = None, start: str | float | None = None, end: str | float | None = None, now: float | None = None) -> tuple[float, float]:

@@ -17,7 +17,7 @@ from ..core.model import BadRequest, Forbidden
 from .handlers import APIHandler
 from .usage import BY, STEPS, PeriodError
 
-MAX_ARG = 64
+MAX_ARG = 255  # the longest argument (a user name: JupyterHub allows 255 characters)
 
 
 class _UsageHandler(APIHandler):
