@@ -26,22 +26,23 @@ import os
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..core.events import ENDED, Event
+from ..core.events import Event
 from ..core.model import Conflict, LeaseError, LeaseState, NotFound
 from ..core.request import Ask
-from ..core.scheduler import REVOKE_META
-from ..core.text import format_duration
-from ..store import Batch, LeaseStore
+from ..store import LeaseStore
+from .commit import LIVE, STOPPING, TERMINAL, GroupCommit, Unavailable
+from .ends import end_message, ended_by
 from .feed import Feed
+from .reads import LeaseReads
+
+__all__ = ["LIVE", "STOPPING", "TERMINAL", "EventListener", "LeaseManager", "SystemClock", "Unavailable", "end_message", "ended_by"]
 
 log = logging.getLogger(__name__)
 
-LIVE = (LeaseState.QUEUED.value, LeaseState.ACTIVE.value)
-TERMINAL = tuple(s.value for s in LeaseState if s.terminal)
 
 
 class SystemClock:
@@ -51,20 +52,15 @@ class SystemClock:
         return time.time()
 
 
-STOPPING = "the broker is stopping; try again in a moment (its standby or the restarted broker answers)"
-
-
-class Unavailable(LeaseError):
-    """The broker cannot commit any more (its database failed); it is stopping."""
-
-    status = 503
-
-
 EventListener = Callable[[list[dict[str, Any]], list[Event]], None]
 
 
-class LeaseManager:
-    """Owns the :class:`Scheduler` and the :class:`LeaseStore`; the only writer of lease state."""
+class LeaseManager(LeaseReads, GroupCommit):
+    """Owns the :class:`Scheduler` and the :class:`LeaseStore`; the only writer of lease state.
+
+    Its operations and its life (restore, close, pruning) are here; the group commit they go
+    through is :class:`.commit.GroupCommit`, the reads of committed state
+    :class:`.reads.LeaseReads`."""
 
     def __init__(
         self,
@@ -149,157 +145,6 @@ class LeaseManager:
 
     async def _in_reader(self, fn, *args, **kwargs):
         return await asyncio.get_running_loop().run_in_executor(self._readers, lambda: fn(*args, **kwargs))
-
-    def _stage(self, events: list[Event], leases: Iterable[Any] = (), *, tick: bool = True, key: str | None = None) -> asyncio.Future:
-        """Queue decisions for the next group commit; the future resolves once they are on disk."""
-        if self.failed is not None:
-            raise Unavailable("the broker lost its database and is stopping; try again in a few seconds")
-        if self.closed:
-            raise Unavailable(STOPPING)
-        self._pending.append((events, key))
-        for lease in leases:
-            self._pending_leases[lease.id] = lease
-        for e in events:
-            if e.kind == ENDED:
-                self._note_end(e)
-        self._pending_tick = self._pending_tick or tick
-        if self._pending_done is None:
-            self._pending_done = asyncio.get_running_loop().create_future()
-        self._wake.set()
-        return self._pending_done
-
-    async def flush(self) -> None:
-        """Wait until everything decided so far is committed."""
-        if self._pending_done is not None:
-            await asyncio.shield(self._pending_done)
-        elif self._writing is not None:
-            await asyncio.shield(self._writing)
-
-    _writing: asyncio.Future | None = None
-
-    def _note_end(self, e: Event) -> None:
-        extra = self._end_extra.setdefault(e.lease_id, {})
-        extra["actor"] = e.actor
-        lease = getattr(e, "lease", None)
-        if lease is not None and e.to_state == LeaseState.PREEMPTED.value and lease.preempted_for:
-            w = self.scheduler.leases.get(lease.preempted_for)
-            if w is not None:
-                extra["preempted_for"] = {"lease": w.id, "user": w.user, "tier": w.tier}
-
-    async def _write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.closed and self._pending_done is None and not self._pending_tick:
-                return  # closing, everything staged is written
-            await self._wake.wait()
-            self._wake.clear()
-            if self._pending_done is None and not self._pending_tick:
-                if self.closed:
-                    return
-                continue
-            done = self._pending_done or loop.create_future()
-            self._pending_done = None
-            self._writing = done
-            staged, self._pending = self._pending, []
-            touched, self._pending_leases = self._pending_leases, {}
-            events = [e for evs, _ in staged for e in evs]
-            if self._pending_tick:
-                self._pending_tick = False
-                try:
-                    more = self.scheduler.tick(self.now())
-                except Exception:  # a bug in a pass must not lose the decisions before it
-                    self.log.exception("scheduling pass failed")
-                    more = []
-                for e in more:
-                    if e.kind == ENDED:
-                        self._note_end(e)
-                events += more
-            batch = self._snapshot(staged, events, touched.values())
-            try:
-                written = await loop.run_in_executor(self._writer, self.store.write, batch) if batch else []
-            except BaseException as e:  # any failure to commit is fatal, see the module doc
-                self._fail(e, done)
-                return
-            self.commits += 1
-            self._committed(batch, written, events)
-            self._writing = None
-            if not done.done():
-                done.set_result(None)
-
-    def _snapshot(self, staged, events: list[Event], touched) -> Batch:
-        batch = Batch()
-        touched = list(touched)
-        first_of_call: dict[int, str] = {}
-        for evs, key in staged:
-            if key and evs:
-                first_of_call[id(evs[0])] = key
-        for e in events:
-            d = e.to_dict()
-            key = first_of_call.get(id(e))
-            if key:
-                d["request_key"] = key
-            batch.events.append(d)
-            lease = getattr(e, "lease", None)
-            if lease is not None:
-                batch.leases[lease.id] = lease
-        for lease in touched:
-            batch.leases[lease.id] = lease
-        for lid, lease in list(batch.leases.items()):
-            d = lease.to_dict()
-            extra = self._end_extra.get(lid)
-            if extra and d["state"] in TERMINAL:
-                d.update({"end_info": {k: v for k, v in extra.items() if k != "keep_server"}, "keep_server": bool(extra.get("keep_server"))})
-            batch.leases[lid] = d
-        if self.count_totals is not None and events:
-            batch.totals, batch.at = self.count_totals(events), self.now()
-        if self.usage_recorder is not None:
-            self.usage_recorder.observe(events, touched, self.now())
-            batch.usage = self.usage_recorder.take()
-            if batch.usage is not None and batch.usage.totals and self.count_totals is not None:
-                for k, v in batch.usage.totals.items():
-                    batch.totals[k] = batch.totals.get(k, 0.0) + v
-                batch.at = batch.at or self.now()
-        return batch
-
-    def _committed(self, batch: Batch, written: list[dict[str, Any]], events: list[Event]) -> None:
-        for key, n in batch.totals.items():
-            total = self.totals.setdefault(key, [0.0, batch.at])
-            total[0] += n
-        for lid, d in batch.leases.items():
-            if d["state"] in LIVE:
-                self.committed[lid] = d
-            else:
-                self.committed.pop(lid, None)
-                self._end_extra.pop(lid, None)
-                self.recently_ended[lid] = d
-                self.recently_ended.move_to_end(lid)
-                if len(self.recently_ended) > self.recently_ended_max:
-                    self.recently_ended.popitem(last=False)
-        users = {}
-        for e in events:
-            lease = getattr(e, "lease", None)
-            if lease is not None:
-                users[e.lease_id] = lease.user
-        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "")) for w in written)
-        for listener in self.listeners:
-            try:
-                listener(written, events)
-            except Exception:
-                self.log.exception("event listener %r failed", listener)
-
-    def _fail(self, exc: BaseException, done: asyncio.Future) -> None:
-        self.failed = exc
-        self.log.critical("Cannot write to the lease database %s: %s. Nothing more is answered; the broker stops so that it (or its standby) "
-                          "starts again from the database.", self.store.describe(), exc)
-        err = Unavailable("the broker lost its database and is stopping; try again in a few seconds")
-        for fut in (done, self._pending_done):
-            if fut is not None and not fut.done():
-                fut.set_exception(err)
-                fut.exception()  # retrieved: waiters that gave up must not log it again
-        self._pending_done = None
-        self.feed.close("the broker lost its database")
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> list[Event]:
@@ -513,253 +358,8 @@ class LeaseManager:
         pass, run dry): ``start`` now / queued (position, ETA) / never (``refused``)."""
         return self.scheduler.estimate(ask, self.now()).to_dict()
 
-    # ------------------------------------------------------------------ reading
-    async def _lease_dict(self, lease_id: str) -> dict[str, Any] | None:
-        d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
-        if d is not None:
-            return d
-        if lease_id in self.scheduler.leases:  # its first commit is pending
-            await self.flush()
-            d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
-            if d is not None:
-                return d
-        return await self._in_reader(self.store.get_lease_dict, lease_id)
-
-    async def get(self, lease_id: str) -> dict[str, Any]:
-        """The committed dict of any lease; NotFound when unknown."""
-        d = await self._lease_dict(lease_id)
-        if d is None:
-            raise NotFound(f"no lease with id {lease_id!r}", field="id")
-        return d
-
-    def live(self, user: str | None = None) -> list[dict[str, Any]]:
-        leases = self.committed.values() if user is None else (d for d in self.committed.values() if d["user"] == user)
-        return sorted(leases, key=lambda d: (d["created_at"], d["seq"]))
-
-    async def list(self, *, user: str | None = None, state: str = "live", limit: int | None = None) -> list[dict[str, Any]]:
-        """Leases by ``state``: 'live' (queued+active), a state name, 'ended', or 'all'.
-
-        Live ones as committed; ended ones from the store, newest first, at most ``limit``.
-        Every lease appears once: one ended after its live copy was taken shows as ended.
-        """
-        if state in ("live", *LIVE):
-            leases = self.live(user)
-            return leases if state == "live" else [d for d in leases if d["state"] == state]
-        if state == "all":
-            live = self.live(user)  # first: a lease that ends meanwhile is then in the store
-            ended = await self._in_reader(self.store.list_lease_dicts, user, TERMINAL, limit=limit)
-            gone = {d["id"] for d in ended}
-            return [d for d in live if d["id"] not in gone] + ended
-        states = TERMINAL if state == "ended" else (state,)
-        return await self._in_reader(self.store.list_lease_dicts, user, states, limit=limit)
-
-    async def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> list[dict]:
-        """Committed events after ``since``: from memory when recent, else from the store."""
-        events = self.feed.since(since, user=user, lease_id=lease_id, limit=limit)
-        if events is None:
-            events = await self._in_reader(self.store.events_since, since, lease_id, limit, user=user)
-        return events
-
-    def queue_info(self, d: dict[str, Any]) -> dict[str, Any] | None:
-        """Position, length, ETA and what it waits for, of a lease queued as committed."""
-        if d["state"] != LeaseState.QUEUED.value:
-            return None
-        try:
-            q = self.scheduler.queue_info(d["id"])
-        except NotFound:
-            return None
-        if q is not None:
-            q["may_start_sooner_at"] = self.may_start_sooner_at(d["id"], q.get("eta"))
-        return q
-
-    def may_start_sooner_at(self, lease_id: str, eta: float | None) -> float | None:
-        """When a queued lease may start before its ETA because what it waits for sits idle: the
-        holders of the GPUs reserved for it all said in their heartbeats (``usage.lease_reclaim_at``)
-        that idle reclaim gives their lease back by then if they stay idle. None when one of them
-        computes, says nothing, or the deadline is not before the ETA. (The scheduler plans with
-        lease ends only; this is the broker's reading of the heartbeats.)"""
-        promised = {u for u, lid in self.scheduler._found.promised_to.items() if lid == lease_id}
-        if not promised:
-            return None
-        now = self.now()
-        latest = None
-        for lease in self.scheduler.leases.values():
-            if lease.state is not LeaseState.ACTIVE or lease.placement is None:
-                continue
-            if not any(sl.gpu_uuid in promised or (sl.mig_uuid and sl.mig_uuid in promised) for sl in lease.placement.slices):
-                continue
-            at = (lease.usage or {}).get("lease_reclaim_at")
-            if isinstance(at, bool) or not isinstance(at, (int, float)) or at <= now:
-                return None  # a holder that computes (or says nothing) keeps it until its lease ends
-            latest = at if latest is None else max(latest, float(at))
-        if latest is None or (eta is not None and latest >= eta):
-            return None
-        return round(latest, 1)
-
-    def queue(self) -> list[dict[str, Any]]:
-        """Committed queued leases in scheduling order, each with its queue info."""
-        out = []
-        for lease in self.scheduler.queue():
-            d = self.committed.get(lease.id)
-            if d is not None and d["state"] == LeaseState.QUEUED.value:
-                out.append(d)
-        return out
-
-    def pool(self) -> dict[str, Any]:
-        sched = self.scheduler
-        health = self.health
-        return {
-            "devices": [g.to_dict() | ((health.device_note(g) or {}) if health else {}) for g in sched.inventory.values()],
-            **({"health": health.state_json()} if health else {}),
-            "capacity": sched.capacity(),
-            "queue_length": sched.queue_length(),
-            "default_tier": sched.policy.default_tier,
-            "draining": self.draining,
-        }
-
-    def inventory(self):
-        return list(self.scheduler.inventory.values())
-
-    def tiers_for(self, user: str, groups: Iterable[str], *, every: bool = False):
-        groups = tuple(groups)
-        return [t for t in self.policy.tiers.values() if every or t.allows(user, groups)]
-
-    def usage(self, user: str, groups: Iterable[str]) -> dict[str, Any]:
-        return self.scheduler.user_usage(user, tuple(groups), self.now())
-
-    def lease_counts(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
-        for d in self.committed.values():
-            k = (d["state"], d["tier"])
-            counts[k] = counts.get(k, 0) + 1
-        return counts
-
-    def held_by_model(self) -> dict[str, float]:
-        held: dict[str, float] = {}
-        for d in self.committed.values():
-            if d["state"] == LeaseState.ACTIVE.value and d.get("placement"):
-                for s in d["placement"]["slices"]:
-                    held[s["model"]] = held.get(s["model"], 0.0) + float(s.get("share", 1))
-        return held
-
-    # ------------------------------------------------------------------ the lease as JSON
-    def lease_json(self, d: dict[str, Any], *, viewer: str | None = None, admin: bool = True) -> dict[str, Any]:
-        """A committed lease as the API shows it to ``viewer``: queue info while queued, the end
-        in words after it ended (names of other users only to admins)."""
-        out = {k: v for k, v in d.items() if k != "end_info"}
-        q = self.queue_info(d)
-        if q is not None:
-            out["queue"] = q
-        if d["state"] in TERMINAL:
-            out["ended_by"] = ended_by(d, viewer=viewer, admin=admin or self.show_preemptor_names)
-            out["end_message"] = end_message(d, out["ended_by"])
-            out.setdefault("keep_server", False)
-        return out
-
-    def warnings(self, d: dict[str, Any]) -> list[dict[str, Any]]:
-        """What the holder should be told now: a coming preemption, a near expiry, the end."""
-        now = self.now()
-        out = []
-        if d["state"] in TERMINAL:
-            out.append({"kind": "ended", "at": d.get("ended_at"), "message": end_message(d, ended_by(d, viewer=d["user"], admin=self.show_preemptor_names))})
-            return out
-        if d["state"] != LeaseState.ACTIVE.value:
-            return out
-        revoke = (d.get("meta") or {}).get(REVOKE_META) if not d.get("preempted_for") else None
-        if d.get("preempt_at") and isinstance(revoke, dict) and revoke.get("drain"):
-            pass  # moved off a sick GPU: the health warning says so
-        elif d.get("preempt_at") and isinstance(revoke, dict):
-            out.append({"kind": "preemption", "at": d["preempt_at"],
-                        "message": f"an admin ends this lease in {format_duration(d['preempt_at'] - now)}: {revoke.get('reason') or 'no reason given'}"})
-        elif d.get("preempt_at"):
-            out.append({"kind": "preemption", "at": d["preempt_at"], "message": f"this lease will be preempted in {format_duration(d['preempt_at'] - now)} for a waiting higher-tier request"})
-        exp = d.get("expires_at")
-        warn = self.policy.warn_before_s or 0
-        if exp is not None and exp - now <= warn:
-            out.append({"kind": "expiring", "at": exp, "message": f"this lease expires in {format_duration(exp - now)}"})
-        if self.unleased_warnings is not None:
-            out += self.unleased_warnings(d["user"])
-        if self.health is not None:
-            out += self.health.warnings(d)
-        return out
 
 
-# --------------------------------------------------------------------------- ends in words
-def ended_by(d: dict[str, Any], *, viewer: str | None, admin: bool) -> dict[str, Any]:
-    """Who or what ended a lease, as ``viewer`` may see it."""
-    info = d.get("end_info") or {}
-    actor = info.get("actor", "")
-    state = d["state"]
-    if state == LeaseState.PREEMPTED.value:
-        out: dict[str, Any] = {"kind": "preemption"}
-        pf = info.get("preempted_for") or {}
-        if pf.get("tier"):
-            out["tier"] = pf["tier"]
-        if pf.get("user") and (admin or pf["user"] == viewer):
-            out["user"] = pf["user"]
-        if admin and pf.get("lease"):
-            out["lease"] = pf["lease"]
-        return out
-    if actor == "broker" or actor.startswith("broker:"):
-        return {"kind": "idle" if state == LeaseState.RECLAIMED.value else "broker"}
-    if actor.startswith("admin:"):
-        return {"kind": "admin", "user": actor.split(":", 1)[1]}
-    if actor.startswith("service:"):
-        return {"kind": "service", "name": actor.split(":", 1)[1]}
-    if actor == d["user"] or not actor:
-        return {"kind": "idle" if state == LeaseState.RECLAIMED.value else "holder"}
-    return {"kind": "user", "user": actor}
-
-
-_STATE_WORDS = {
-    "released": "Released",
-    "expired": "Expired",
-    "reclaimed": "Reclaimed because its GPUs sat idle",
-    "preempted": "Preempted",
-    "revoked": "Revoked",
-    "withdrawn": "Withdrawn",
-    "failed": "Failed",
-}
-
-
-def _unrepeated(state: str, reason: str) -> tuple[str, bool]:
-    """The reason less a first word that repeats what the head already says, and whether what is
-    left continues the head's sentence: 'released from the notebook' under 'Released' gives
-    ('from the notebook', True); 'idle: …' under 'Reclaimed because its GPUs sat idle' gives
-    ('…', False)."""
-    low = reason.lower()
-    for word in (state, "idle") if state == LeaseState.RECLAIMED.value else (state,):
-        rest = reason[len(word) + 1:].strip()
-        if low == word:
-            return "", False
-        if low.startswith(word + ":"):
-            return rest, False
-        if low.startswith(word + " ") and rest:
-            return rest, word == state
-    return reason, False
-
-
-def end_message(d: dict[str, Any], by: dict[str, Any]) -> str:
-    """One sentence a user understands: what happened, by whom, why."""
-    state = d["state"]
-    head = _STATE_WORDS.get(state, state.capitalize())
-    reason, continues = _unrepeated(state, (d.get("end_reason") or "").strip().rstrip("."))
-    kind = by.get("kind")
-    if state == LeaseState.PREEMPTED.value:
-        whom = f" of {by['user']}" if by.get("user") else ""
-        tier = f"a waiting {by['tier']!r} request{whom}" if by.get("tier") else "a waiting higher-tier request"
-        return f"Preempted: its GPUs were needed for {tier}."
-    if kind == "admin":
-        head += f" by {by['user']} (admin)"
-    elif kind == "service" and by.get("name"):
-        head += f" by the service {by['name']}"
-    elif kind == "user":
-        head += f" by {by['user']}"
-    elif kind == "broker" and state not in ("expired", "withdrawn"):
-        head += " by the broker"
-    if reason and continues:
-        return f"{head} {reason}."
-    return f"{head}: {reason}." if reason else f"{head}."
 
 
 def _usage_lookback(policy) -> float:
