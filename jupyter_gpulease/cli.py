@@ -19,8 +19,9 @@ def register(name: str, module: str, func: str, help: str) -> None:
 
 def _usage() -> str:
     lines = ["usage: jupyter gpulease <command> [options]", "", "commands:"]
+    width = max(map(len, SUBCOMMANDS))
     for name, (_, _, help) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<10} {help}")
+        lines.append(f"  {name:<{width}} {help}")
     lines.append("")
     lines.append("Run 'jupyter gpulease <command> --help' for a command's options.")
     return "\n".join(lines)
