@@ -178,3 +178,28 @@ def test_postgresql_and_sqlite_give_the_same_report(tmp_path, postgres):
     assert reports[0] == reports[1]
     by_user = {x["key"]: x for x in reports[0][0]["rows"]}
     assert by_user["u0"]["queue_wait_p50_s"] == 1170.0  # 0, 3, …, 39 min: between 18 and 21 and reports[0][0]["totals"]["queue_wait_p95_s"] == pytest.approx(2223.0)
+
+
+def test_a_raw_sample_gathers_the_heartbeats_of_its_interval_and_the_end_writes_the_last():
+    r = UsageRecorder(sample_s=300.0)
+    lz = lease(granted=0.0)
+    r.granted(lz, 0.0)
+    for i in range(1, 21):  # 20 heartbeats, 30 s apart: 10 minutes
+        lz.usage = {"devices": {"GPU-0": {"busy_s": 15.0 * i, "idle_s": 15.0 * i}}}
+        r.heartbeat(lz, 30.0 * i)
+    samples = r.take().samples
+    assert [(s[3], s[4]) for s in samples] == [(0.0, 300.0)]  # the first five minutes; the next still gathering
+    assert samples[0][5] == pytest.approx(300.0) and samples[0][6] == pytest.approx(150.0)
+    lz.state, lz.ended_at = LeaseState.RELEASED, 630.0
+    r.ended(lz, 630.0)
+    samples = r.take().samples
+    assert [(s[3], s[4]) for s in samples] == [(300.0, 600.0), (600.0, 630.0)]
+    assert sum(s[5] for s in samples) == pytest.approx(330.0)
+    # 0: a sample per heartbeat
+    r = UsageRecorder(sample_s=0.0)
+    lz = lease(granted=0.0)
+    r.granted(lz, 0.0)
+    for i in range(1, 4):
+        lz.usage = {"devices": {}}
+        r.heartbeat(lz, 30.0 * i)
+    assert [(s[3], s[4]) for s in r.take().samples] == [(0.0, 30.0), (30.0, 60.0)]  # the third waits for the next

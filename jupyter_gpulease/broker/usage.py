@@ -76,8 +76,14 @@ class GPULeaseUsage(Configurable):
         help="""The team each user's hours count to, overriding ``group_order``. Example: {"alice": "physics"}.""",
     ).tag(config=True)
     sample_retention_days = Float(
-        30.0, min=0.0, help="""Days raw usage samples are kept; older ones are deleted once an hour. The
-        hourly roll-ups (what reports read) are kept for good. 0: keep every sample. Example: 14.""",
+        7.0, min=0.0, help="""Days raw usage samples are kept; older ones are deleted once an hour. The
+        hourly and daily roll-ups (what reports read) are kept for good. 0: keep every sample. Example: 14.""",
+    ).tag(config=True)
+    sample_interval_s = Float(
+        300.0, min=0.0, help="""Seconds of heartbeats one raw usage sample gathers (per lease and per kernel):
+        10,000 servers beating every 30 s make some 3,000 samples a minute with 0, 300 with 300. A
+        sample is written when the next one begins or the lease ends (a broker that stops meanwhile
+        loses the raw sample, never the roll-ups). Example: 60.""",
     ).tag(config=True)
     suggestion_min_leases = Integer(
         3, min=1, help="""Leases of a user or group a right-sizing suggestion needs as evidence. Example: 5.""",
@@ -161,6 +167,8 @@ class _Live:
     ker: dict[str, list[float]] = field(default_factory=dict)
     nb: dict[str, str] = field(default_factory=dict)  # kernel -> notebook path
     suspended: set[str] = field(default_factory=set)
+    # raw samples being gathered, per kernel ("" the lease): [notebook, t0, t1, held, busy, mem]
+    pending: dict[str, list] = field(default_factory=dict)
 
 
 def _hours(t0: float, t1: float):
@@ -183,9 +191,11 @@ class UsageRecorder:
     Pure bookkeeping (no I/O): the broker calls it on the event loop before a commit, the
     simulator from its replay loop."""
 
-    def __init__(self, accounting: Accounting | None = None, *, keep_samples: bool = True, per_user_metrics: bool = False):
+    def __init__(self, accounting: Accounting | None = None, *, keep_samples: bool = True, per_user_metrics: bool = False,
+                 sample_s: float = 300.0):
         self.accounting = accounting or Accounting()
         self.keep_samples = keep_samples
+        self.sample_s = sample_s  # a raw sample gathers the heartbeats of up to this many seconds
         self.per_user_metrics = per_user_metrics
         self.live: dict[str, _Live] = {}
         self._out = UsageBatch()
@@ -347,6 +357,7 @@ class UsageRecorder:
             if now > lv.last_t:
                 self._advance(lv, lv.last_t, now, 0.0)
                 self._emit(lv)
+            self._flush_samples(lv)
 
     def take(self) -> UsageBatch | None:
         """What was recorded since the last call (None: nothing)."""
@@ -371,7 +382,13 @@ class UsageRecorder:
         row = lv.row
         out = self._out
         if self.keep_samples:
-            out.samples.append((row["lease_id"], kernel, notebook, t0, t1, held, busy, mem))
+            p = lv.pending.get(kernel)
+            if p is not None and t1 - p[1] <= self.sample_s:
+                p[0], p[2], p[3], p[4], p[5] = notebook or p[0], max(p[2], t1), p[3] + held, p[4] + busy, max(p[5], mem)
+            else:
+                if p is not None:
+                    out.samples.append((row["lease_id"], kernel, *p))
+                lv.pending[kernel] = [notebook, t0, t1, held, busy, mem]
         span = t1 - t0
         parts = list(_hours(t0, t1)) if span > 0 else [(int(t0 // HOUR) * HOUR, 1.0)]
         span = span if span > 0 else 1.0
@@ -402,7 +419,14 @@ class UsageRecorder:
                 t[("usage_user_held", ul)] = t.get(("usage_user_held", ul), 0.0) + held
                 t[("usage_user_busy", ul)] = t.get(("usage_user_busy", ul), 0.0) + busy
 
+    def _flush_samples(self, lv: _Live) -> None:
+        for kernel, p in lv.pending.items():
+            self._out.samples.append((lv.row["lease_id"], kernel, *p))
+        lv.pending.clear()
+
     def _emit(self, lv: _Live, final: bool = False) -> None:
+        if final:
+            self._flush_samples(lv)
         lv.row["state"] = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
                                             "susp": sorted(lv.suspended)}
         # a copy: the writer thread serialises it while the loop goes on changing the live row
