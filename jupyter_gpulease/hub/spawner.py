@@ -468,19 +468,32 @@ class GPULeaseSimpleLocalProcessSpawner(GPULeaseSpawner, SimpleLocalProcessSpawn
 
 
 def _attach_when_loaded_by_hub() -> None:
-    """JupyterHub imports its spawner class while it loads its config, inside its running
-    ``initialize()`` on the hub's event loop: the lease spawner then attaches to that hub
-    (:func:`.lifecycle.attach_to_running_hub`) as the loop's next step, before the hub starts
-    its services. Imported anywhere else (no running loop, no JupyterHub instance) nothing
-    happens; the first lease spawner a hub makes attaches too, in case the module was imported
-    before the hub's loop ran."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    from . import lifecycle
+    """Loaded into a JupyterHub process: take part in the hub's start and shutdown
+    (:func:`.lifecycle.attach_to_running_hub`). JupyterHub has no start hook for a spawner: it
+    imports every spawner entry point while it constructs its app (for ``--help-all``), before
+    its instance and its event loop exist, and at start makes spawners only for servers that
+    run. So the hub's ``init_spawners`` step (run once, at start, on its loop) gets a first action
+    that attaches when the hub's spawner class is a lease spawner; the class carries a marker so
+    this happens once. Anywhere else nothing happens (the first lease spawner a hub makes
+    attaches too, as a second way in)."""
+    import sys
 
-    loop.call_soon(lifecycle.attach_to_running_hub)
+    app_module = sys.modules.get("jupyterhub.app")
+    if app_module is None:
+        return
+    hub_class = app_module.JupyterHub
+    if getattr(hub_class, "gpulease_start_hook", False):
+        return
+    init_spawners = hub_class.init_spawners
+
+    async def init_spawners_with_leases(self, *args, **kwargs):
+        from . import lifecycle
+
+        lifecycle.attach_to_running_hub()
+        return await init_spawners(self, *args, **kwargs)
+
+    hub_class.init_spawners = init_spawners_with_leases
+    hub_class.gpulease_start_hook = True
 
 
 _attach_when_loaded_by_hub()
