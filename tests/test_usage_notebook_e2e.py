@@ -119,14 +119,20 @@ def test_a_busy_and_an_idle_kernel_in_one_lease_count_as_busy_and_idle_gpu_secon
             sim.prune()
             return len(sim.processes()) >= n
 
-        started = time.time()
         asyncio.run(run_cell(hub, "alice", alice, kernels["idle.ipynb"],
                              "from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=0, memory_gb=2, seconds=0)"))
         asyncio.run(run_cell(hub, "alice", alice, kernels["busy.ipynb"],
                              f"from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=90, memory_gb=4, seconds={BUSY_S})"))
         wait_for(lambda: on_gpu(2), 60, "both kernels hold memory on the simulated GPU")
+
+        def execution_state(name):
+            code, k = hub.request("GET", f"{hub.url}/user/alice/api/kernels/{kernels[name]}", token=alice)
+            return k.get("execution_state") if code == 200 else None
+
         # the busy cell runs its course, then a few heartbeats carry the last of it
-        time.sleep(max(0.0, BUSY_S - (time.time() - started)) + 4)
+        wait_for(lambda: execution_state("busy.ipynb") == "busy", 30, "busy.ipynb's cell did not start")
+        wait_for(lambda: execution_state("busy.ipynb") == "idle", BUSY_S + 60, "busy.ipynb's cell did not end", interval=0.5)
+        time.sleep(4)
 
         # the lease ends with the server: its record is complete
         assert hub.api("DELETE", "users/alice/server")[0] in (202, 204)
