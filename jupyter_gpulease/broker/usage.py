@@ -552,73 +552,14 @@ def report(store, accounting: Accounting, *, start: float, end: float, by: str =
     the lease rows (leases granted in it). ``user``: only that user's leases."""
     if by not in BY:
         raise PeriodError(f"by={by!r}: one of {', '.join(BY)}", "by")
-    h = USAGE_HOURLY.c
     lo = _hour_floor(start)
-    key = h.notebook if by == "notebook" else getattr(h, _KEY[by])
-    queries = []
-    if by == "notebook":
-        cond = [h.hour >= lo, h.hour < end, h.kernel != ""]
-        if user is not None:
-            cond.append(h.user == user)
-        queries.append(select(key.label("key"), h.user, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s), func.count(func.distinct(h.lease_id)))
-                       .where(and_(*cond)).group_by(key, h.user, h.model))
-    else:
-        # whole days from the daily roll-up, the hours at the period's edges from the hourly one
-        d0, d1 = _whole_days(lo, end)
-        d = USAGE_DAILY.c
-        dkey = getattr(d, _KEY[by])
-        if d1 > d0:
-            cond = [d.day >= d0, d.day < d1] + ([d.user == user] if user is not None else [])
-            queries.append(select(dkey, d.model, func.sum(d.held_gpu_s), func.sum(d.busy_gpu_s)).where(and_(*cond)).group_by(dkey, d.model))
-        cond = [h.kernel == "", _hours_outside(h.hour, lo, end, d0, d1)] + ([h.user == user] if user is not None else [])
-        queries.append(select(key, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(key, h.model))
     rows: dict[Any, dict[str, Any]] = {}
+    total_waits = (None, None)
     with store.engine.connect() as conn:
-        for r in (r for q in queries for r in conn.execute(q)):
-            if by == "notebook":
-                k, u, model, held, busy, n = r
-                rk = (u, k)
-            else:
-                k, model, held, busy = r
-                rk = k
-            row = rows.get(rk)
-            if row is None:
-                row = rows[rk] = _empty_row(k if by != "notebook" else (k or "(a kernel without a notebook)"))
-                if by == "notebook":
-                    row["user"] = u
-                    row["leases"] = 0
-            row["_held"] += held or 0.0
-            row["_busy"] += busy or 0.0
-            row["cost"] += accounting.cost(model, held or 0.0, busy or 0.0)
-            if by == "notebook":
-                row["leases"] += n
+        for r in (r for q in _usage_queries(by, lo, end, user) for r in conn.execute(q)):
+            _add_usage(rows, r, by, accounting)
         if by != "notebook":
-            lcol = getattr(USAGE_LEASES.c, _KEY[by])
-            u = USAGE_LEASES.c
-            lcond = [u.granted_at >= start, u.granted_at < end]
-            if user is not None:
-                lcond.append(u.user == user)
-            q2 = select(lcol, func.count(), func.sum(u.reclaims), func.sum(u.suspends), func.sum(u.preemptions)).where(and_(*lcond)).group_by(lcol)
-            for k, n, rec, sus, pre in conn.execute(q2):
-                row = rows.setdefault(k, _empty_row(k))
-                row.update(leases=int(n), reclaims=int(rec or 0), suspends=int(sus or 0), preemptions=int(pre or 0))
-            if store.dialect == "postgresql":  # the percentiles in the database (the same linear interpolation)
-                p50, p95 = (func.percentile_cont(q).within_group(u.queue_wait_s) for q in (0.5, 0.95))
-                for k, a, b in conn.execute(select(lcol, p50, p95).where(and_(*lcond)).group_by(lcol)):
-                    rows[k]["queue_wait_p50_s"], rows[k]["queue_wait_p95_s"] = _round(a), _round(b)
-                a, b = conn.execute(select(p50, p95).where(and_(*lcond))).one()
-                total_waits = (_round(a), _round(b))
-            else:
-                waits: dict[Any, list[float]] = {}
-                everyone: list[float] = []
-                for k, w in conn.execute(select(lcol, u.queue_wait_s).where(and_(*lcond)).order_by(lcol, u.queue_wait_s)):
-                    waits.setdefault(k, []).append(w)
-                    everyone.append(w)
-                for k, ws in waits.items():
-                    rows[k]["queue_wait_p50_s"] = _round(_percentile(ws, 0.5))
-                    rows[k]["queue_wait_p95_s"] = _round(_percentile(ws, 0.95))
-                everyone.sort()
-                total_waits = (_round(_percentile(everyone, 0.5)), _round(_percentile(everyone, 0.95)))
+            total_waits = _add_lease_figures(conn, store.dialect, rows, by, start, end, user)
     totals = _empty_row("total")
     for r in rows.values():
         totals["_held"] += r["_held"]
@@ -633,6 +574,76 @@ def report(store, accounting: Accounting, *, start: float, end: float, by: str =
     return {"period": {"from": start, "to": end, "hours_from": lo}, "by": by, "rows": out_rows, "totals": _finish(totals),
             "currency": accounting.currency, "charge_idle": accounting.charge_idle}
 
+
+def _usage_queries(by: str, lo: float, end: float, user: str | None) -> list:
+    """The roll-up queries of a report: per notebook from the hourly kernel rows; otherwise whole
+    days from the daily roll-up and the hours at the period's edges from the hourly one."""
+    h = USAGE_HOURLY.c
+    key = h.notebook if by == "notebook" else getattr(h, _KEY[by])
+    if by == "notebook":
+        cond = [h.hour >= lo, h.hour < end, h.kernel != ""] + ([h.user == user] if user is not None else [])
+        return [select(key.label("key"), h.user, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s), func.count(func.distinct(h.lease_id)))
+                .where(and_(*cond)).group_by(key, h.user, h.model)]
+    queries = []
+    d0, d1 = _whole_days(lo, end)
+    d = USAGE_DAILY.c
+    dkey = getattr(d, _KEY[by])
+    if d1 > d0:
+        cond = [d.day >= d0, d.day < d1] + ([d.user == user] if user is not None else [])
+        queries.append(select(dkey, d.model, func.sum(d.held_gpu_s), func.sum(d.busy_gpu_s)).where(and_(*cond)).group_by(dkey, d.model))
+    cond = [h.kernel == "", _hours_outside(h.hour, lo, end, d0, d1)] + ([h.user == user] if user is not None else [])
+    queries.append(select(key, h.model, func.sum(h.held_gpu_s), func.sum(h.busy_gpu_s)).where(and_(*cond)).group_by(key, h.model))
+    return queries
+
+
+def _add_usage(rows: dict[Any, dict[str, Any]], r, by: str, accounting: Accounting) -> None:
+    """One roll-up result row added to the report's rows (held, busy, cost; leases per notebook)."""
+    if by == "notebook":
+        k, u, model, held, busy, n = r
+        rk = (u, k)
+    else:
+        k, model, held, busy = r
+        rk = k
+    row = rows.get(rk)
+    if row is None:
+        row = rows[rk] = _empty_row(k if by != "notebook" else (k or "(a kernel without a notebook)"))
+        if by == "notebook":
+            row["user"] = u
+            row["leases"] = 0
+    row["_held"] += held or 0.0
+    row["_busy"] += busy or 0.0
+    row["cost"] += accounting.cost(model, held or 0.0, busy or 0.0)
+    if by == "notebook":
+        row["leases"] += n
+
+
+def _add_lease_figures(conn, dialect: str, rows: dict[Any, dict[str, Any]], by: str, start: float, end: float,
+                       user: str | None) -> tuple:
+    """Lease counts, reclaims, suspends, preemptions and queue-wait percentiles per key, from the
+    lease rows granted in [start, end); returns the percentiles over every lease."""
+    lcol = getattr(USAGE_LEASES.c, _KEY[by])
+    u = USAGE_LEASES.c
+    lcond = [u.granted_at >= start, u.granted_at < end] + ([u.user == user] if user is not None else [])
+    q2 = select(lcol, func.count(), func.sum(u.reclaims), func.sum(u.suspends), func.sum(u.preemptions)).where(and_(*lcond)).group_by(lcol)
+    for k, n, rec, sus, pre in conn.execute(q2):
+        row = rows.setdefault(k, _empty_row(k))
+        row.update(leases=int(n), reclaims=int(rec or 0), suspends=int(sus or 0), preemptions=int(pre or 0))
+    if dialect == "postgresql":  # the percentiles in the database (the same linear interpolation)
+        p50, p95 = (func.percentile_cont(q).within_group(u.queue_wait_s) for q in (0.5, 0.95))
+        for k, a, b in conn.execute(select(lcol, p50, p95).where(and_(*lcond)).group_by(lcol)):
+            rows[k]["queue_wait_p50_s"], rows[k]["queue_wait_p95_s"] = _round(a), _round(b)
+        a, b = conn.execute(select(p50, p95).where(and_(*lcond))).one()
+        return _round(a), _round(b)
+    waits: dict[Any, list[float]] = {}
+    everyone: list[float] = []
+    for k, w in conn.execute(select(lcol, u.queue_wait_s).where(and_(*lcond)).order_by(lcol, u.queue_wait_s)):
+        waits.setdefault(k, []).append(w)
+        everyone.append(w)
+    for k, ws in waits.items():
+        rows[k]["queue_wait_p50_s"] = _round(_percentile(ws, 0.5))
+        rows[k]["queue_wait_p95_s"] = _round(_percentile(ws, 0.95))
+    everyone.sort()
+    return _round(_percentile(everyone, 0.5)), _round(_percentile(everyone, 0.95))
 
 def _empty_row(key) -> dict[str, Any]:
     return {"key": key, "_held": 0.0, "_busy": 0.0, "cost": 0.0, "leases": 0, "reclaims": 0, "suspends": 0, "preemptions": 0,
