@@ -172,6 +172,7 @@ def monitor_cost(tmp: Path, seconds: float) -> dict:
         with_ext = Server(tmp / "with", extension=True, env=env, settings=(
             "c.GPULeaseExtension.sample_interval = 1.0\n"
             "c.GPUIdleRule.gpu_idle_timeout = 3600\n"
+            "c.GPUIdleRule.gpu_idle_timeout_learn = False\n"
             "c.GPULeaseExtension.heartbeat_interval = 30\n"))
         servers.append(with_ext)
         without = Server(tmp / "without", extension=False, env={})
@@ -252,6 +253,7 @@ def reclaim_to_grant(tmp: Path, rounds: int, sample_interval: float = 1.0) -> di
                 server = Server(folder / "server", extension=True, env=env, settings=(
                     f"c.GPULeaseExtension.sample_interval = {sample_interval}\n"
                     f"c.GPUIdleRule.gpu_idle_timeout = {timeout}\n"
+                    "c.GPUIdleRule.gpu_idle_timeout_learn = False\n"  # the fixed timeout, every round
                     "c.ReclaimActions.warn_before = 1\n"
                     f"c.GPULeaseExtension.cuda_checkpoint = {checkpoint!r}\n"))
                 if case == "suspended_kernel":
