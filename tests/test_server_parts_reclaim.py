@@ -140,6 +140,26 @@ async def test_before_a_preemption_ends_the_lease_the_kernels_holding_the_gpu_ar
 
 
 @run
+async def test_a_deadline_without_the_broker_s_words_says_why_the_lease_ends_early(tmp_path):
+    r = rig(tmp_path)
+    at = r.clock() + 60
+    # a move off a sick GPU whose warning went with an earlier heartbeat: the reason, not a preemption
+    drained = dict(r.keeper.lease, preempt_at=at, meta={"revoke": {"reason": "moved off its GPU: GPU 0: XID 79", "drain": True}})
+    await r.keeper.on_warnings([], drained)
+    said = [w["message"] for w in r.events("warning") if w["kind"] == "preemption"]
+    assert said and said[-1].startswith("The GPU lease is being moved off its GPU: GPU 0: XID 79: it ends in")
+    assert not any("higher-priority" in m for m in said)
+    # the broker's own health warning in the same answer: nothing added
+    n = len(said)
+    await r.keeper.on_warnings([{"kind": "gpu_unhealthy", "at": at + 1, "message": "GPU 0 fails"}], dict(drained, preempt_at=at + 1))
+    assert len([w for w in r.events("warning") if w["kind"] == "preemption"]) == n
+    # an admin's revoke: their reason
+    await r.keeper.on_warnings([], dict(r.keeper.lease, preempt_at=at + 2, meta={"revoke": {"reason": "node maintenance"}}))
+    assert [w["message"] for w in r.events("warning") if w["kind"] == "preemption"][-1].startswith(
+        "The GPU lease is being revoked (node maintenance): it ends in")
+
+
+@run
 async def test_the_broker_s_unleased_use_warnings_are_said_once_and_their_end_too(tmp_path):
     r = rig(tmp_path)
     w = {"kind": "unleased_use", "at": 5.0, "pid": 77, "device_uuid": "GPU-x", "message": "Process 77 uses GPU-x.", "deadline": r.clock() + 60}

@@ -63,8 +63,9 @@ class BrokerWarnings:
         if preempt_at and float(preempt_at) != self._noticed:
             preempt_at = self._noticed = float(preempt_at)
             self._suspend_at = preempt_at - max(2 * self.sample_interval, 10.0)
-            if not any(w.get("kind") == WarningKind.PREEMPTION for w in warnings):  # say it ourselves if the broker did not
-                self.announce.warn(WarningKind.PREEMPTION, f"The GPU lease is being preempted for a higher-priority request: it ends in "
+            said = (WarningKind.PREEMPTION, WarningKind.GPU_UNHEALTHY, WarningKind.MAINTENANCE)
+            if not any(w.get("kind") in said for w in warnings):  # say it ourselves if the broker did not
+                self.announce.warn(WarningKind.PREEMPTION, f"{_why_it_ends(lease)}: it ends in "
                                    f"{fmt_duration(max(0.0, preempt_at - self.clock()))}.{self.saving_words()}", deadline=preempt_at)
 
     def lease_ended(self) -> None:
@@ -111,3 +112,13 @@ class BrokerWarnings:
             if rec.state == OK and rec.gpu is not None and rec.gpu.holds_memory:
                 rec.state = ACTING
                 rec.task = self.tasks.start(self.actions.suspend_or_leave(rec, "the GPU lease is being preempted"))
+
+
+def _why_it_ends(lease: dict[str, Any]) -> str:
+    """Why a lease with a deadline before its expiry ends early: an admin's revoke or a move off a
+    sick GPU (their reason, from the lease), else a preemption for a higher-priority request."""
+    revoke = (lease.get("meta") or {}).get("revoke")
+    if isinstance(revoke, dict) and revoke.get("reason"):
+        reason = str(revoke["reason"])
+        return f"The GPU lease is being revoked ({reason})" if not revoke.get("drain") else f"The GPU lease is being {reason}"
+    return "The GPU lease is being preempted for a higher-priority request"
