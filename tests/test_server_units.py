@@ -39,6 +39,16 @@ def test_an_idle_kernel_is_warned_then_acted_on_then_the_lease_returns():
     assert ret.kind == "return_lease" and ret.deadline == 600  # the GPU was last seen in use at 0
 
 
+def test_a_short_timeout_warns_at_half_of_it_not_as_soon_as_the_kernel_falls_idle():
+    t = ReclaimTracker(IdleRule(timeout_s=120), threshold_pct=5, warn_before_s=300)
+    t.lease_granted(0)
+    t.observe(0, [idle()])  # idle from 0: deadline 120, a 300 s warning would go out at once
+    assert t.plan(1, 120, lease_active=True) == []
+    assert t.plan(59, 120, lease_active=True) == []
+    [warn] = t.plan(60, 120, lease_active=True)
+    assert (warn.kind, warn.deadline) == ("warn", 120)
+
+
 def test_computing_or_executing_resets_the_idle_clock_and_records_the_gap():
     t = tracker()
     t.observe(0, [idle()])

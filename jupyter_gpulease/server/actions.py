@@ -55,7 +55,7 @@ class ReclaimActions(LoggingConfigurable):
         list(FALLBACK_ACTIONS), "restart",
         help="""The action when ``suspend`` cannot be used (no cuda-checkpoint, not x86-64, a MIG slice) or fails.""",
     ).tag(config=True)
-    warn_before = Float(300.0, min=0.0, help="""Seconds before a reclaim that the warning goes out in the feed. Example: 300.""").tag(config=True)
+    warn_before = Float(300.0, min=0.0, help="""Seconds before a reclaim that the warning goes out in the feed, at most half the idle timeout (a 2-min timeout warns after 1 min idle, not at once). Example: 300.""").tag(config=True)
     on_reclaim = Enum(
         ["keep", "stop"], "keep",
         help="""After the idle lease went back: ``keep`` the server running without a GPU (new kernels get none until a

@@ -7,7 +7,7 @@ tells it how each kernel uses the GPU (:meth:`ReclaimTracker.observe`) and asks 
 
 For a kernel that holds GPU memory and stays GPU-idle, its *deadline* is the start of its idle
 period plus the timeout; a ``keep`` postpones it, but never by more than ``max_keep_s``. A
-warning goes out ``warn_before_s`` ahead, then the kernel is acted on. When no kernel holds GPU
+warning goes out ``warn_before_s`` ahead (at most half the timeout), then the kernel is acted on. When no kernel holds GPU
 memory, the lease itself has a deadline: the last time any kernel used the GPU (or the grant)
 plus the timeout; the lease goes back then — at once, after the last kernel's GPU was reclaimed.
 """
@@ -130,6 +130,9 @@ class ReclaimTracker:
         out: list[Decision] = []
         if not lease_active or timeout_s is None:
             return out
+        # the warning goes out warn_before_s ahead, but not before half the timeout: a short (learnt)
+        # timeout must not warn as soon as a kernel falls idle
+        warn_s = min(self.warn_before_s, timeout_s / 2)
         for kid, k in self.kernels.items():
             deadline = self.kernel_deadline(kid, timeout_s)
             if deadline is None or k.acted_at is not None:
@@ -138,7 +141,7 @@ class ReclaimTracker:
             if now >= deadline:
                 k.acted_at = now
                 out.append(Decision("act", deadline, idle_s, kid))
-            elif now >= deadline - self.warn_before_s and k.warned_for != deadline:
+            elif now >= deadline - warn_s and k.warned_for != deadline:
                 k.warned_for = deadline
                 out.append(Decision("warn", deadline, idle_s, kid))
         deadline = self.lease_deadline(timeout_s)
@@ -146,7 +149,7 @@ class ReclaimTracker:
             idle_s = now - (self.gpu_used_at or now)
             if now >= deadline:
                 out.append(Decision("return_lease", deadline, idle_s))
-            elif now >= deadline - self.warn_before_s and self.lease_warned_for != deadline:
+            elif now >= deadline - warn_s and self.lease_warned_for != deadline:
                 self.lease_warned_for = deadline
                 out.append(Decision("warn_lease", deadline, idle_s))
         return out
