@@ -410,24 +410,10 @@ class NvmlBackend(DeviceBackend):
                 log.warning("NVML: critical XID error %s on GPU %s", int(ev.eventData), uuid)
 
     def _memory_repairs(self, h: Any) -> dict[str, bool]:
-        """Retired pages pending (older GPUs) and row remapping pending or failed (Ampere on)."""
-        out = {"retired_pages_pending": False, "row_remap_pending": False, "row_remap_failed": False}
-        pending = self._query("nvmlDeviceGetRetiredPagesPendingStatus", h)
-        if pending is not None:
-            out["retired_pages_pending"] = int(pending) == int(getattr(self._nvml, "NVML_FEATURE_ENABLED", 1))
-        rows = self._query("nvmlDeviceGetRemappedRows", h)
-        if rows is not None and len(rows) >= 4:
-            out["row_remap_pending"], out["row_remap_failed"] = bool(rows[2]), bool(rows[3])
-        return out
+        return memory_repairs(self._query, h, int(getattr(self._nvml, "NVML_FEATURE_ENABLED", 1)))
 
     def _throttle(self, h: Any) -> tuple[str, ...]:
-        """The clock throttle reasons that say something is wrong (heat, power), by name."""
-        reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons", h)
-        if reasons is None:
-            reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons", h)
-        if reasons is None:
-            return ()
-        return tuple(name for name, bit in THROTTLE_BITS if int(reasons) & bit)
+        return throttle_reasons(self._query, h)
 
     def _processes(self, h: Any, uuid: str, by_gi: dict[int, str]) -> tuple[ProcessSample, ...] | None:
         """Compute (and graphics) processes on a device; ``None`` when the driver won't say."""
@@ -468,6 +454,28 @@ class NvmlBackend(DeviceBackend):
 
 
 # ---------------------------------------------------------------------- helpers
+def memory_repairs(query: Any, h: Any, enabled: int = 1) -> dict[str, bool]:
+    """Retired pages pending (older GPUs) and row remapping pending or failed (Ampere on);
+    ``query(fn_name, handle)`` answers None where the driver does not say."""
+    out = {"retired_pages_pending": False, "row_remap_pending": False, "row_remap_failed": False}
+    pending = query("nvmlDeviceGetRetiredPagesPendingStatus", h)
+    if pending is not None:
+        out["retired_pages_pending"] = int(pending) == enabled
+    rows = query("nvmlDeviceGetRemappedRows", h)
+    if rows is not None and len(rows) >= 4:
+        out["row_remap_pending"], out["row_remap_failed"] = bool(rows[2]), bool(rows[3])
+    return out
+
+
+def throttle_reasons(query: Any, h: Any) -> tuple[str, ...]:
+    """The clock throttle reasons that say something is wrong (heat, power), by name."""
+    reasons = query("nvmlDeviceGetCurrentClocksEventReasons", h)
+    if reasons is None:
+        reasons = query("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+    if reasons is None:
+        return ()
+    return tuple(name for name, bit in THROTTLE_BITS if int(reasons) & bit)
+
 def _init_message(nv: ModuleType, e: Exception) -> str:
     fallback = "Use the 'simulated' or 'static' device backend on machines without NVIDIA GPUs."
     if isinstance(e, getattr(nv, "NVMLError_LibraryNotFound", ())):
