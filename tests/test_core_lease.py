@@ -123,11 +123,19 @@ def test_the_kinds_are_the_strings_the_parts_send():
 
     assert WarningKind(WARNING_KIND) is WarningKind.UNLEASED_USE
     # every kind a warning is published with in the server extension and the broker is a WarningKind
+    # the broker's warnings (lease reads, health) are dicts with a literal kind; the server's are
+    # published with WarningKind members (a literal kind there would be a bare string again)
     sent = set()
-    for path in [*(ROOT / "jupyter_gpulease" / "server").glob("*.py"), ROOT / "jupyter_gpulease" / "broker" / "manager.py"]:
-        src = path.read_text()
-        sent |= set(re.findall(r"_warn\(\s*\"(\w+)\"", src)) | set(re.findall(r"out\.append\(\{\"kind\": \"(\w+)\"", src))
-    assert sent and sent <= {k.value for k in WarningKind}, sent - {k.value for k in WarningKind}
+    for name in ("reads.py", "health.py"):  # the lease's warnings, the health and maintenance warnings
+        sent |= set(re.findall(r"out\.append\(\{\"kind\": \"(\w+)\"", (ROOT / "jupyter_gpulease" / "broker" / name).read_text()))
+    assert {"preemption", "expiring", "gpu_unhealthy", "maintenance"} <= sent
+    assert sent <= {k.value for k in WarningKind}, sent - {k.value for k in WarningKind}
+    server_calls = []
+    for path in (ROOT / "jupyter_gpulease" / "server").glob("*.py"):
+        server_calls += re.findall(r"\.warn\(\s*([\w.\"]+)", path.read_text())
+    assert server_calls and not any(c.startswith('"') for c in server_calls), server_calls
+    members = {c.split(".", 1)[1] for c in server_calls if c.startswith("WarningKind.")}
+    assert members and members <= set(WarningKind.__members__)
     assert KernelState.SUSPENDED.put_aside and KernelState.RESUMING.put_aside and not KernelState.OK.put_aside
 
 
