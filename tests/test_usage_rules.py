@@ -113,6 +113,26 @@ def test_the_recorder_counts_intervals_caps_busy_at_held_and_survives_a_counter_
     assert "L1" not in r.live and r.take() is None
 
 
+def test_heartbeats_records_are_handed_over_every_write_interval_grants_and_ends_at_once():
+    r = UsageRecorder(write_s=60.0)
+    lz = lease(granted=0.0)
+    r.granted(lz, 0.0)
+    assert r.take(0.0).leases["L1"]["held_gpu_s"] == 0.0  # a grant: at once
+    for t in (30.0, 50.0):
+        lz.usage = {"devices": {"GPU-0": {"busy_s": t / 2, "idle_s": t / 2}}}
+        r.heartbeat(lz, t)
+        assert r.take(t) is None  # a heartbeat's commit carries no usage rows
+    lz.usage = {"devices": {"GPU-0": {"busy_s": 40.0, "idle_s": 40.0}}}
+    r.heartbeat(lz, 80.0)
+    b = r.take(80.0)  # 80 s after the last hand-over: the three heartbeats in one batch
+    assert b.leases["L1"]["held_gpu_s"] == 80.0 and b.leases["L1"]["busy_gpu_s"] == 40.0
+    assert b.leases["L1"]["state"]["last_t"] == 80.0  # what a restarted broker goes on from
+    assert sum(v[5] for (h, lid, k), v in b.hours.items() if not k) == pytest.approx(80.0)
+    lz.state, lz.ended_at = LeaseState.RELEASED, 90.0
+    r.ended(lz, 90.0)
+    assert r.take(90.0).leases["L1"]["held_gpu_s"] == 90.0  # an end: at once
+
+
 def test_a_share_counts_its_fraction():
     r = UsageRecorder()
     lz = lease(share_milli=250)

@@ -202,7 +202,8 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
 
         self.usage_settings = s = GPULeaseUsage(parent=self)
         if s.record:
-            self.manager.usage_recorder = UsageRecorder(s.accounting(), per_user_metrics=self.metrics_per_user, sample_s=s.sample_interval_s)
+            self.manager.usage_recorder = UsageRecorder(s.accounting(), per_user_metrics=self.metrics_per_user, sample_s=s.sample_interval_s,
+                                                       write_s=s.write_interval_s)
         self.usage = UsageAPI(self.store, s.accounting(), offers=lambda: offers_of(self.manager.inventory()), clock=self.clock.now,
                               min_leases=s.suggestion_min_leases, suggestion_days=s.suggestion_days)
 

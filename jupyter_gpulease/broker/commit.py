@@ -136,7 +136,7 @@ class GroupCommit:
             batch.totals, batch.at = self.count_totals(events), self.now()
         if self.usage_recorder is not None:
             self.usage_recorder.observe(events, touched, self.now())
-            batch.usage = self.usage_recorder.take()
+            batch.usage = self.usage_recorder.take(self.now())  # heartbeats' records every write_interval_s
             if batch.usage is not None and batch.usage.totals and self.count_totals is not None:
                 for k, v in batch.usage.totals.items():
                     batch.totals[k] = batch.totals.get(k, 0.0) + v

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import fnmatch
+import heapq
 import io
 import math
 import re
@@ -84,6 +85,15 @@ class GPULeaseUsage(Configurable):
         10,000 servers beating every 30 s make some 3,000 samples a minute with 0, 300 with 300. A
         sample is written when the next one begins or the lease ends (a broker that stops meanwhile
         loses the raw sample, never the roll-ups). Example: 60.""",
+    ).tag(config=True)
+    write_interval_s = Float(
+        300.0, min=0.0, help="""Seconds between two writes of what one lease's heartbeats added to its usage
+        records (accounting row, roll-ups, counters); each lease on its own schedule, so the writes
+        spread like the heartbeats and most heartbeat commits carry no usage rows. Grants and ends
+        are written with their own commit. Heartbeats report cumulative figures, so a broker that
+        stops in between loses nothing of a lease that goes on: its next heartbeat counts from the
+        last written state. Reports see a live lease's figures at most this late. 0: with every
+        heartbeat. Example: 60.""",
     ).tag(config=True)
     suggestion_min_leases = Integer(
         3, min=1, help="""Leases of a user or group a right-sizing suggestion needs as evidence. Example: 5.""",
@@ -169,6 +179,8 @@ class _Live:
     suspended: set[str] = field(default_factory=set)
     # raw samples being gathered, per kernel ("" the lease): [notebook, t0, t1, held, busy, mem]
     pending: dict[str, list] = field(default_factory=dict)
+    acc: UsageBatch = field(default_factory=UsageBatch)  # roll-up increments not handed over yet
+    taken_at: float | None = None  # when this record was last handed over (None: at the next take)
 
 
 def _hours(t0: float, t1: float):
@@ -192,8 +204,11 @@ class UsageRecorder:
     simulator from its replay loop."""
 
     def __init__(self, accounting: Accounting | None = None, *, keep_samples: bool = True, per_user_metrics: bool = False,
-                 sample_s: float = 300.0):
+                 sample_s: float = 300.0, write_s: float = 0.0):
         self.accounting = accounting or Accounting()
+        self.write_s = write_s  # a lease's heartbeats are handed over at most this often (grants and ends at once)
+        self._dirty: dict[str, _Live] = {}  # live records changed since their last hand-over
+        self._due: list[tuple[float, str]] = []  # heap of (when a dirty record is due, lease id)
         self.keep_samples = keep_samples
         self.sample_s = sample_s  # a raw sample gathers the heartbeats of up to this many seconds
         self.per_user_metrics = per_user_metrics
@@ -261,7 +276,7 @@ class UsageRecorder:
             "devices": {}, "state": {},
         }
         self.live[lease.id] = _Live(row, granted, f["weights"])
-        self._emit(self.live[lease.id])
+        self._emit(self.live[lease.id], urgent=True)
 
     def heartbeat(self, lease, now: float) -> None:
         """A heartbeat's usage (``lease.usage``: cumulative busy/idle seconds per device and
@@ -356,11 +371,28 @@ class UsageRecorder:
         for lv in self.live.values():
             if now > lv.last_t:
                 self._advance(lv, lv.last_t, now, 0.0)
-                self._emit(lv)
             self._flush_samples(lv)
+            self._emit(lv)
 
-    def take(self) -> UsageBatch | None:
-        """What was recorded since the last call (None: nothing)."""
+    def take(self, now: float | None = None) -> UsageBatch | None:
+        """What was recorded since the last call (None: nothing). With ``now``, what a lease's
+        heartbeats added waits until ``write_s`` passed since that lease's last hand-over (each
+        lease on its own schedule, so the writes spread like the heartbeats); a grant or an end
+        goes at once. Without ``now`` (the simulator), everything."""
+        if now is None:
+            due = list(self._dirty)
+            self._due.clear()
+        else:
+            due = []
+            while self._due and self._due[0][0] <= now:
+                due.append(heapq.heappop(self._due)[1])
+        for lid in due:
+            lv = self._dirty.pop(lid, None)
+            if lv is None:
+                continue
+            self._merge(lv)
+            self._out.leases[lid] = _row_copy(lv)
+            lv.taken_at = now
         if not self._out:
             return None
         out, self._out = self._out, UsageBatch()
@@ -380,7 +412,7 @@ class UsageRecorder:
 
     def _add(self, lv: _Live, kernel: str, notebook: str, t0: float, t1: float, held: float, busy: float, mem: int) -> None:
         row = lv.row
-        out = self._out
+        out = lv.acc
         if self.keep_samples:
             p = lv.pending.get(kernel)
             if p is not None and t1 - p[1] <= self.sample_s:
@@ -421,17 +453,51 @@ class UsageRecorder:
 
     def _flush_samples(self, lv: _Live) -> None:
         for kernel, p in lv.pending.items():
-            self._out.samples.append((lv.row["lease_id"], kernel, *p))
+            lv.acc.samples.append((lv.row["lease_id"], kernel, *p))
         lv.pending.clear()
 
-    def _emit(self, lv: _Live, final: bool = False) -> None:
-        if final:
-            self._flush_samples(lv)
-        lv.row["state"] = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
-                                            "susp": sorted(lv.suspended)}
-        # a copy: the writer thread serialises it while the loop goes on changing the live row
-        self._out.leases[lv.row["lease_id"]] = {**lv.row, "devices": {k: dict(v) for k, v in lv.row["devices"].items()},
-                                                "state": _copy_state(lv.row["state"])}
+    def _merge(self, lv: _Live) -> None:
+        """Hand a record's roll-up increments, samples and counters over to the next write."""
+        acc, out = lv.acc, self._out
+        out.samples.extend(acc.samples)
+        for key, v in acc.hours.items():
+            o = out.hours.get(key)
+            if o is None:
+                out.hours[key] = v
+            else:
+                o[0] = v[0] or o[0]
+                o[5] += v[5]
+                o[6] += v[6]
+                o[7] = max(o[7], v[7])
+        for key, v in acc.days.items():
+            o = out.days.setdefault(key, [0.0, 0.0])
+            o[0] += v[0]
+            o[1] += v[1]
+        for key, v in acc.totals.items():
+            out.totals[key] = out.totals.get(key, 0.0) + v
+        lv.acc = UsageBatch()
+
+    def _emit(self, lv: _Live, final: bool = False, *, urgent: bool = False) -> None:
+        lid = lv.row["lease_id"]
+        if not final:
+            if urgent:
+                lv.taken_at = None
+            if lid not in self._dirty or urgent:
+                self._dirty[lid] = lv  # copied when taken
+                heapq.heappush(self._due, (-math.inf if lv.taken_at is None else lv.taken_at + self.write_s, lid))
+            return
+        self._flush_samples(lv)
+        self._dirty.pop(lid, None)
+        self._merge(lv)
+        self._out.leases[lid] = _row_copy(lv, final=True)
+
+
+def _row_copy(lv: _Live, final: bool = False) -> dict[str, Any]:
+    """The accounting row as it is now, with the state a restarted broker goes on from (none once
+    it ended); a copy: the writer thread serialises it while the loop goes on changing the live row."""
+    lv.row["state"] = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
+                                        "susp": sorted(lv.suspended)}
+    return {**lv.row, "devices": {k: dict(v) for k, v in lv.row["devices"].items()}, "state": _copy_state(lv.row["state"])}
 
 
 def _copy_state(st: dict[str, Any]) -> dict[str, Any]:
