@@ -16,10 +16,7 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import subprocess
 import threading
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,9 +24,9 @@ import pytest
 import yaml
 
 from brokerutil import ManualClock, broker_in_thread, patch_auth
-from hubharness import free_port, wait_for
+from hubharness import wait_for
 from jupyter_gpulease.client import BrokerClient
-from test_broker_prometheus import Prometheus
+from test_broker_prometheus import Prometheus, ReadyProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "gpulease-alerts.yml"
@@ -80,42 +77,14 @@ class Receiver:
         self.server.server_close()
 
 
-class Alertmanager:
+class Alertmanager(ReadyProcess):
     """A real Alertmanager on 127.0.0.1, its config and data in ``tmp``, no cluster gossip."""
 
+    name = "Alertmanager"
+
     def __init__(self, tmp: Path, config: dict):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = tmp / "alertmanager.yml"
-        cfg.write_text(yaml.safe_dump(config))
-        self.log = tmp / "alertmanager.log"
-        self.proc = subprocess.Popen(
-            [ALERTMANAGER, f"--config.file={cfg}", f"--storage.path={tmp / 'alertmanager-data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--cluster.listen-address="],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        wait_for(self._ready, 60, f"Alertmanager did not become ready:\n{self.log_tail()}", interval=0.3)
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"Alertmanager exited:\n{self.log_tail()}")
-        try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__()
+        self.start(tmp, config, [ALERTMANAGER, f"--storage.path={tmp / 'alertmanager-data'}", "--cluster.listen-address="])
 
 
 def quick_rules(tmp: Path) -> Path:

@@ -216,24 +216,27 @@ def test_the_shipped_scrape_config_is_valid_and_readme_shows_it_verbatim():
         assert check.returncode == 0, check.stdout + check.stderr
 
 
-class Prometheus:
-    """A real Prometheus on 127.0.0.1 with a config and a data folder in ``tmp``."""
+class ReadyProcess:
+    """A real Prometheus-family binary on 127.0.0.1 (Prometheus, Alertmanager): its YAML config and
+    log in ``tmp``, started by :meth:`start`, ready when ``/-/ready`` answers 200."""
 
-    def __init__(self, tmp: Path, config: dict):
+    name = ""
+
+    def start(self, tmp: Path, config: dict, argv: list[str]) -> None:
+        cfg = tmp / f"{self.name.lower()}.yml"
+        cfg.write_text(yaml.safe_dump(config))
+        self.log = tmp / f"{self.name.lower()}.log"
+        self.proc = subprocess.Popen([*argv, f"--config.file={cfg}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._ready, 60, f"{self.name} did not become ready:\n{self.log_tail()}", interval=0.3)
+
+    def __init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = tmp / "prometheus.yml"
-        cfg.write_text(yaml.safe_dump(config))
-        self.log = tmp / "prometheus.log"
-        self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'prometheus-data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        wait_for(self._ready, 60, f"Prometheus did not become ready:\n{self.log_tail()}", interval=0.3)
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"Prometheus exited:\n{self.log_tail()}")
+            raise AssertionError(f"{self.name} exited:\n{self.log_tail()}")
         try:
             with urllib.request.urlopen(self.url + "/-/ready", timeout=5) as r:
                 return r.status == 200
@@ -243,15 +246,6 @@ class Prometheus:
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
-    def query(self, promql: str) -> list[dict]:
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}), timeout=10) as r:
-            reply = json.load(r)
-        assert reply["status"] == "success", reply
-        return reply["data"]["result"]
-
-    def values(self, promql: str) -> list[float]:
-        return [float(s["value"][1]) for s in self.query(promql)]
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -260,6 +254,25 @@ class Prometheus:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+class Prometheus(ReadyProcess):
+    """A real Prometheus on 127.0.0.1 with a config and a data folder in ``tmp``."""
+
+    name = "Prometheus"
+
+    def __init__(self, tmp: Path, config: dict):
+        super().__init__()
+        self.start(tmp, config, [PROMETHEUS, f"--storage.tsdb.path={tmp / 'prometheus-data'}"])
+
+    def query(self, promql: str) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}), timeout=10) as r:
+            reply = json.load(r)
+        assert reply["status"] == "success", reply
+        return reply["data"]["result"]
+
+    def values(self, promql: str) -> list[float]:
+        return [float(s["value"][1]) for s in self.query(promql)]
 
 
 PROMETHEUS_SERVICE = """
