@@ -12,7 +12,6 @@ JupyterLab warns her. Screenshots go to test-artifacts/browser/health-*.png.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,7 @@ from hubharness import wait_for
 from jupyter_gpulease.devices.simulated import SimulatedBackend
 from test_browser import ARTIFACTS, CHROMIUM_ARGS, login, start_from_form
 from test_demo import Demo
-from test_unleased_browser import broker_get
+from test_unleased_browser import broker_get, demo_config
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -34,24 +33,7 @@ BIOS = "BIOS update of the node"
 
 def health_config(tmp_path: Path) -> Path:
     """The example configs; the broker samples the GPUs every second, servers beat every 2 s."""
-    conf = tmp_path / "config"
-    conf.mkdir()
-    shutil.copy(ROOT / "config" / "jupyterhub_config.py", conf / "jupyterhub_config.py")
-    labconf = tmp_path / "labconf" / "labconfig"
-    labconf.mkdir(parents=True)
-    (labconf / "page_config.json").write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    with open(conf / "jupyterhub_config.py", "a") as f:
-        f.write(f"""
-# --- test: servers ask the broker every 2 s; no news pop-up
-c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1"])
-c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
-""")
-    (conf / "gpulease_config.py").write_text(
-        "c = get_config()  # noqa: F821\n"
-        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n"
-        "c.GPULeaseBroker.device_sample_interval = 1\n"
-    )
-    return conf
+    return demo_config(tmp_path, "c.GPULeaseBroker.device_sample_interval = 1\n")
 
 
 def broker_post(demo: Demo, path: str, body: dict):

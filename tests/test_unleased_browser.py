@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 30  # time enough to look at the admin page and bob's JupyterLab before the process is stopped
 
 
-def unleased_config(tmp_path: Path) -> Path:
-    """The example configs; the broker checks every second and stops unleased use after the grace."""
+def demo_config(tmp_path: Path, broker_settings: str) -> Path:
+    """The example configs with ``broker_settings`` (lines of the broker's config) added; servers
+    ask the broker every 2 s; JupyterLab shows no news pop-up."""
     conf = tmp_path / "config"
     conf.mkdir()
     shutil.copy(ROOT / "config" / "jupyterhub_config.py", conf / "jupyterhub_config.py")
@@ -49,13 +50,16 @@ c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")
 """)
     (conf / "gpulease_config.py").write_text(
         "c = get_config()  # noqa: F821\n"
-        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n"
-        "c.GPULeaseBroker.unleased_check_interval = 1\n"
-        "c.GPULeaseBroker.unleased_use = 'kill'\n"
-        f"c.GPULeaseBroker.unleased_grace_s = {GRACE_S}\n"
+        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n" + broker_settings
     )
     return conf
 
+
+def unleased_config(tmp_path: Path) -> Path:
+    """The example configs; the broker checks every second and stops unleased use after the grace."""
+    return demo_config(tmp_path, "c.GPULeaseBroker.unleased_check_interval = 1\n"
+                                 "c.GPULeaseBroker.unleased_use = 'kill'\n"
+                                 f"c.GPULeaseBroker.unleased_grace_s = {GRACE_S}\n")
 
 def broker_get(demo: Demo, path: str):
     """The broker's API through the hub's proxy, with the spawner's token (it holds the admin scope)."""
