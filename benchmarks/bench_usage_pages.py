@@ -30,16 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_usage import A100, fill  # noqa: E402  (the same records as the report's benchmark)
-
-
-def best_of(repeat: int, fn) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+from bench_usage import A100, fill, timed  # noqa: E402  (the same records as the report's benchmark)
 
 
 def figures(url: str, records: int, repeat: int) -> dict:
@@ -58,7 +49,7 @@ def figures(url: str, records: int, repeat: int) -> dict:
             with store.engine.connect() as conn:
                 return conn.exec_driver_sql("SELECT count(*), sum(held_gpu_s) FROM usage_hourly WHERE kernel = ''").one()
 
-        s, _ = best_of(repeat, floor)
+        s, _ = timed(floor, repeat)
         res["floor_count_sum_s"] = round(s, 3)
         for since in ("30d", "90d"):
             period = usage_pages.parse_period(since, None, None, now)
@@ -72,16 +63,16 @@ def figures(url: str, records: int, repeat: int) -> dict:
                 api.series(by="model", step=step, **span)
                 return api.suggestions(**span)
 
-            s, _ = best_of(repeat, one_after_another)
+            s, _ = timed(one_after_another, repeat)
             res[f"admin_{since}_queries_one_after_another_s"] = round(s, 3)
-            s, section = best_of(repeat, lambda period=period: asyncio.run(usage_pages.admin_usage(source, period)))
+            s, section = timed(lambda period=period: asyncio.run(usage_pages.admin_usage(source, period)), repeat)
             res[f"admin_{since}_section_s"] = round(s, 3)
             ctx = dict(base_url="/services/gpulease/", hub_home="/hub/home", usage=section, active=[], queue=[], pool=[], now=now, now_text="",
                        draining=False, unleased=[], unleased_action=None, graces=pages.REVOKE_GRACES, xsrf="x")
-            s, html = best_of(repeat, lambda ctx=ctx: pages.render("admin.html", **ctx))
+            s, html = timed(lambda ctx=ctx: pages.render("admin.html", **ctx), repeat)
             res[f"admin_{since}_html_s"] = round(s, 4)
             res[f"admin_{since}_html_kib"] = round(len(html.encode()) / 1024)
-            s, _ = best_of(repeat, lambda period=period: asyncio.run(usage_pages.my_usage(source, "user007", period)))
+            s, _ = timed(lambda period=period: asyncio.run(usage_pages.my_usage(source, "user007", period)), repeat)
             res[f"my_leases_{since}_s"] = round(s, 3)
     finally:
         store.close()
