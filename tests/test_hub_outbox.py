@@ -109,7 +109,7 @@ def test_a_poll_never_waits_out_the_brokers_retries_and_asks_nothing_while_the_h
         async def hang(lid):
             await asyncio.sleep(3600)
         broker.get_lease = hang
-        s.link.connected = False
+        s.link.feed.connected = False  # the feed is away: poll() reads the lease itself
         assert await asyncio.wait_for(s.poll(), 20) is None  # bounded: about 5 s, not the client's 30 s
         s.link.shutting_down = True
         assert await asyncio.wait_for(s.poll(), 1) is None

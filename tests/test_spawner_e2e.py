@@ -468,6 +468,7 @@ def test_the_hub_checks_the_broker_url_and_token_and_says_what_is_wrong(hub1):
     """One line for the admin: connected, an invalid token, a token without the admin scope, a URL
     that leads elsewhere (here: the hub itself), nothing listening."""
     from jupyter_gpulease.hub.link import BrokerLink
+    from jupyter_gpulease.hub.linkcheck import check_broker_once
 
     hub, url, token = hub1
     assert "connected; the spawner's token may ask for leases on behalf of users" in hub.log_file.read_text()
@@ -475,7 +476,7 @@ def test_the_hub_checks_the_broker_url_and_token_and_says_what_is_wrong(hub1):
 
     async def check(u, t):
         link = BrokerLink(u, t, timeout=10)
-        return await link._check_once()
+        return await check_broker_once(link.client, u)
 
     def run(u, t):
         return asyncio.run(check(u, t))
@@ -493,7 +494,7 @@ def test_the_hub_checks_the_broker_url_and_token_and_says_what_is_wrong(hub1):
     async def left_draining():
         link = BrokerLink(url, token, timeout=10)
         assert await link.client.drain(True) is True
-        checked = await link._check_once()
+        checked = await check_broker_once(link.client, url)
         return checked, await link.client.pool()
     (line, kind), pool = asyncio.run(left_draining())
     assert kind == "" and pool["draining"] is False

@@ -477,7 +477,7 @@ def test_poll_reads_the_lease_itself_when_the_feed_is_away():
         s.user_options = {"gpus": 1}
         await s.start()
         await s.link.close()  # no feed: only poll() can notice
-        s.link.connected = False
+        assert not s.link.connected
         broker.end("L1", "revoked", actor="admin")
         status = await s.poll()
         return s, status

@@ -20,12 +20,18 @@ process holds one :class:`BrokerLink` per broker it talks to:
   the hub's :class:`~.outbox.ReleaseOutbox` (a small file) and sent from there until the broker
   has it, also by the next hub process when this one exits or dies first;
 * **a start-up check** of the broker URL and the token, logged as one line for the admin.
+
+The link holds its parts as objects of their own, built in its ``__init__``: the event feed
+(:class:`~.linkfeed.LeaseFeed`), the lease ends with their outbox (:class:`~.linkends.LeaseEnds`)
+and the check (the functions of :mod:`.linkcheck`). It keeps the watches, the lease refreshes
+and the queue refresh itself, and tells the parts what to do with a lease through callables.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -34,9 +40,9 @@ from tornado.httpclient import AsyncHTTPClient
 
 from ..client import Backoff, BrokerClient, BrokerError
 from ..tasks import BackgroundTasks
-from .linkcheck import LinkCheck
-from .linkends import LIVE_STATES, LinkEnds
-from .linkfeed import LinkFeed
+from . import linkcheck
+from .linkends import LIVE_STATES, LeaseEnds
+from .linkfeed import REFRESH_KINDS, LeaseFeed
 from .outbox import ReleaseOutbox
 
 log = logging.getLogger("jupyter_gpulease.hub")
@@ -145,7 +151,7 @@ class LeaseWatch:
             self.link._forget(self)
 
 
-class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
+class BrokerLink:
     """The hub process's connection to one broker (see the module doc).
 
     Get it with :meth:`for_settings`; one per (event loop, URL, token). ``client`` may be given
@@ -175,28 +181,40 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
         self.client = client
         self.timeout = timeout
         self.queue_refresh_interval = queue_refresh_interval
-        self.feed_timeout = feed_timeout
         self.watches: dict[str, set[LeaseWatch]] = {}
         self.spawners: weakref.WeakSet = weakref.WeakSet()
-        self.event_listeners: list[Callable[[dict], None]] = []  # see add_event_listener
-        self.connected = False  # the feed is caught up: watches hear of every change at once
         self.problem = ""  # why the broker cannot be used, for the admin ("" when fine)
         self.problem_kind = ""  # "unreachable", "url", "token", "scope"
         self.checked = False
-        self._cursor: int | None = None
-        self._feed_task: asyncio.Task | None = None
+        self.shutting_down = False  # the hub stops its servers: polls do not ask the broker
         self._queue_task: asyncio.Task | None = None
         self._queue_kick = asyncio.Event()
         self._refresh: set[str] = set()
         self._refresh_task: asyncio.Task | None = None
-        self._ending: dict[str, asyncio.Task] = {}
-        self._ending_why: dict[str, tuple[str, str, str]] = {}  # lease id -> (reason, state, who)
         self._tasks = BackgroundTasks(log)
         self._closed = False
-        self.shutting_down = False  # the hub stops its servers: polls do not ask the broker
-        self.outbox = ReleaseOutbox(outbox_path) if outbox_path else None
-        self._outbox_task: asyncio.Task | None = None
-        self._outbox_kick = asyncio.Event()
+        # the feed runs while a watch, a live spawner or an event listener (the device guard)
+        # needs it: a lease a server took itself must be heard of with no spawner following it
+        self.feed = LeaseFeed(
+            client,
+            on_event=self._on_feed_event,
+            resync=self._resync,
+            needed=lambda: bool(self.watches or self.spawners),
+            on_connected=lambda: self._clear_problem("unreachable"),
+            on_unreachable=lambda message: self._note_problem(
+                "unreachable", f"the lease broker at {self.url} is not answering: {message}"),
+            background=self.background,
+            logger=self.log,
+            feed_timeout=feed_timeout,
+        )
+        self.ends = LeaseEnds(
+            client,
+            ReleaseOutbox(outbox_path) if outbox_path else None,
+            on_lease=self._update,
+            on_gone=self.refresh,
+            background=self.background,
+            logger=self.log,
+        )
 
     @classmethod
     def for_settings(cls, url: str, token: str, **kw: Any) -> BrokerLink:
@@ -222,6 +240,20 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def connected(self) -> bool:
+        """The feed is caught up: watches hear of every change at once."""
+        return self.feed.connected
+
+    @property
+    def feed_timeout(self) -> float:
+        return self.feed.feed_timeout
+
+    @property
+    def outbox(self) -> ReleaseOutbox | None:
+        """Where lease ends the broker did not take yet are kept (None: in memory only)."""
+        return self.ends.outbox
+
     def __repr__(self) -> str:
         return f"BrokerLink({self.url!r})"
 
@@ -234,7 +266,7 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
         """Follow ``lease_id`` (``lease``: its JSON as last read, if at hand)."""
         w = LeaseWatch(self, lease_id, lease)
         self.watches.setdefault(lease_id, set()).add(w)
-        self._ensure_feed()
+        self.feed.start()
         if w.state == "queued":
             self._ensure_queue_refresh()
         if lease is None:
@@ -245,23 +277,9 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
         """Call ``listener(event)`` with every event of the feed, of any lease of any user (the
         event names the lease, not its user: read the lease to know whose it is), and with
         ``{"kind": "resync"}`` each time the feed (re)connects, when events may have been
-        missed. Returns a function that removes it. Listeners run on the event loop and must
-        not block."""
-        self.event_listeners.append(listener)
-        self._ensure_feed()
-
-        def remove() -> None:
-            if listener in self.event_listeners:
-                self.event_listeners.remove(listener)
-
-        return remove
-
-    def _tell_listeners(self, ev: dict) -> None:
-        for listener in list(self.event_listeners):
-            try:
-                listener(ev)
-            except Exception:
-                self.log.exception("A lease event listener failed on %s", ev.get("kind"))
+        missed. The feed runs while a listener is registered. Returns a function that removes
+        it. Listeners run on the event loop and must not block."""
+        return self.feed.add_listener(listener)
 
     def _forget(self, w: LeaseWatch) -> None:
         ws = self.watches.get(w.lease_id)
@@ -331,6 +349,41 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
         self._update(lease)
         return lease
 
+    # ------------------------------------------------------------------ what the feed brings
+    async def _resync(self) -> None:
+        """Read every followed lease again (the feed (re)connects): what changed while it was
+        away counts now."""
+        ids = list(self.watches)
+        if not ids:
+            return
+        live = {lease["id"]: lease for lease in await self.client.list_leases(state="live")}
+        for lid in ids:
+            if lid in live:
+                self._update(live[lid])
+            else:
+                self.refresh(lid)  # ended meanwhile: read its end
+
+    def _on_feed_event(self, ev: dict) -> None:
+        """One event of the feed: the watches of its lease hear of it."""
+        kind = ev.get("kind")
+        if kind in ("requested", "granted", "ended") and self._queue_task is not None and not self._queue_task.done():
+            self._queue_kick.set()
+        lid = ev.get("lease_id")
+        if lid not in self.watches:
+            return
+        for w in self._watches_of(lid):
+            w.deliver(ev)
+        if kind in ("warned", "preempt-warned"):
+            for w in self._watches_of(lid):
+                w.warn(ev)
+        if kind == "ended":
+            # known at once from the event; the lease JSON (end reason, who) follows
+            for w in self._watches_of(lid):
+                w.update(state=ev.get("to_state") or "ended", end_reason=ev.get("reason", ""),
+                         ended_actor=ev.get("actor", ""), ended_at=ev.get("time"))
+        if kind in REFRESH_KINDS:
+            self.refresh(lid)
+
     # ------------------------------------------------------------------ the queue
     def _queued_ids(self) -> list[str]:
         return [lid for lid, ws in self.watches.items() if any(w.state == "queued" for w in ws)]
@@ -371,6 +424,62 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
             except TimeoutError:
                 pass
 
+    # ------------------------------------------------------------------ ending leases
+    def end_lease(self, lease_id: str, reason: str, *, state: str = "released", who: str = "") -> asyncio.Task:
+        """Release (or, while queued, withdraw) ``lease_id`` until the broker has it; see
+        :meth:`.LeaseEnds.end_lease` (the task ends with the lease JSON, or None)."""
+        return self.ends.end_lease(lease_id, reason, state=state, who=who)
+
+    async def end_server_leases(self, user: str, server: str, reason: str, *, keep: tuple[str, ...] = (),
+                                wait: float = 3.0) -> int | None:
+        """End every live lease bound to ``user``'s ``server`` except ``keep``; see
+        :meth:`.LeaseEnds.end_server_leases` (None: left to the outbox)."""
+        return await self.ends.end_server_leases(user, server, reason, keep=keep, wait=wait)
+
+    def kick_outbox(self) -> None:
+        """Send what the outbox holds, in the background, until the broker has all of it."""
+        self.ends.kick_outbox()
+
+    def persist_pending(self) -> int:
+        """Write every end still under way into the outbox (the hub is exiting); returns how many."""
+        return self.ends.persist_pending()
+
+    @property
+    def ending(self) -> list[str]:
+        """Ids of leases whose release has not reached the broker yet."""
+        return self.ends.ending
+
+    async def flush(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s for every pending release; returns the ids still pending."""
+        return await self.ends.flush(timeout)
+
+    # ------------------------------------------------------------------ the check
+    def _note_problem(self, kind: str, text: str) -> None:
+        self.problem_kind, self.problem = kind, text
+
+    def _clear_problem(self, kind: str) -> None:
+        if self.problem_kind == kind:
+            self.problem_kind, self.problem = "", ""
+
+    async def check(self, *, patience: float = 120, clock: Callable[[], float] = time.monotonic) -> str:
+        """Check the URL and the token once the broker answers; log ONE line for the admin and
+        return it (see :func:`.linkcheck.check_broker`); the link keeps the outcome as its
+        ``problem`` and ``problem_kind``."""
+        line, kind = await linkcheck.check_broker(
+            self.client, self.url, timeout=self.timeout, patience=patience, clock=clock, logger=self.log,
+            on_unreachable=lambda line: self._note_problem(linkcheck.UNREACHABLE, line))
+        self.checked = True
+        if kind:
+            self._note_problem(kind, line)
+        else:
+            self._clear_problem(self.problem_kind)
+        return line
+
+    def user_message(self) -> str:
+        """What a user is told when a spawn cannot reach the broker because of a known problem."""
+        return linkcheck.user_message(self.problem_kind)
+
+    # ------------------------------------------------------------------ closing
     async def drain(self, on: bool, reason: str = "") -> bool:
         """Ask the broker to stop (``on``) or resume granting; False when it cannot (an older
         broker without drain mode, or none reachable)."""
@@ -383,10 +492,11 @@ class BrokerLink(LinkFeed, LinkEnds, LinkCheck):
             return False
         return True
 
-    # ------------------------------------------------------------------ closing
     async def close(self) -> None:
-        """Stop the feed and the queue refresh (pending releases are left to finish)."""
+        """Stop the feed, the queue refresh and the outbox loop (pending releases are left to finish)."""
         self._closed = True
-        for task in (self._feed_task, self._queue_task, self._refresh_task):
+        self.feed.close()
+        self.ends.close()
+        for task in (self._queue_task, self._refresh_task):
             if task is not None and not task.done():
                 task.cancel()

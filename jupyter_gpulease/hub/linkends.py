@@ -1,22 +1,73 @@
 """Ending leases from the hub: releases retried until the broker has them, kept in the outbox
 file when it does not answer (sent later by this hub or the next), the ends of a server's leases
-(its own and those it took itself), and the flush at shutdown. A part of :class:`.link.BrokerLink`.
+(its own and those it took itself), and the flush at shutdown.
+
+:class:`LeaseEnds` does this with a broker client and a :class:`~.outbox.ReleaseOutbox`; it tells
+its owner (:class:`.link.BrokerLink`) of each lease the broker ended through the callables it
+was given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from ..client import Backoff, BrokerError
 from ..core.request import SPAWNER_META
+from ..tasks import BackgroundTasks
+from .outbox import ReleaseOutbox
+
+log = logging.getLogger("jupyter_gpulease.hub")
 
 LIVE_STATES = ("queued", "active")
 
 
-class LinkEnds:
-    """The lease ends of :class:`.link.BrokerLink` (its attributes are the link's)."""
+def _nothing(*args: Any) -> None:
+    return None
 
+
+class LeaseEnds:
+    """The hub's lease ends to the broker, with the outbox that keeps them (see the module doc).
+
+    ``client``: :class:`~jupyter_gpulease.client.BrokerClient`'s ``release`` and ``list_leases``
+    (or a fake). ``outbox``: where ends the broker did not take at the first try are kept (None:
+    in memory only). ``on_lease(lease)``: the lease JSON the broker answered a release with.
+    ``on_gone(lease_id)``: the broker had nothing to end (an unknown lease, or one ended
+    already): the owner reads it again. ``background(coro)``: starts a task (default: a
+    :class:`BackgroundTasks` of its own).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        outbox: ReleaseOutbox | None = None,
+        *,
+        on_lease: Callable[[dict], Any] = _nothing,
+        on_gone: Callable[[str], Any] = _nothing,
+        background: Callable[[Coroutine], asyncio.Task] | None = None,
+        logger: logging.Logger | logging.LoggerAdapter | None = None,
+    ):
+        self.client = client
+        self.outbox = outbox
+        self.on_lease = on_lease
+        self.on_gone = on_gone
+        self.log = logger or log
+        self.closed = False
+        self._background = background or BackgroundTasks(self.log).start
+        self._ending: dict[str, asyncio.Task] = {}
+        self._ending_why: dict[str, tuple[str, str, str]] = {}  # lease id -> (reason, state, who)
+        self._outbox_task: asyncio.Task | None = None
+        self._outbox_kick = asyncio.Event()
+
+    def close(self) -> None:
+        """Stop sending the outbox (its entries stay in the file); ends under way finish."""
+        self.closed = True
+        self._outbox_kick.set()
+
+    # ------------------------------------------------------------------ one lease
     def end_lease(self, lease_id: str, reason: str, *, state: str = "released", who: str = "") -> asyncio.Task:
         """Release (or, while queued, withdraw) ``lease_id`` until the broker has it.
 
@@ -27,7 +78,7 @@ class LinkEnds:
         task = self._ending.get(lease_id)
         if task is None or task.done():
             self._ending_why[lease_id] = (reason, state, who or lease_id)
-            task = self._ending[lease_id] = self.background(self._end_until_done(lease_id, reason, state, who or lease_id))
+            task = self._ending[lease_id] = self._background(self._end_until_done(lease_id, reason, state, who or lease_id))
             task.add_done_callback(lambda t, lid=lease_id: self._ending_done(lid, t))
         return task
 
@@ -45,7 +96,7 @@ class LinkEnds:
                 lease = await self.client.release(lease_id, reason=reason, state=state)
             except BrokerError as e:
                 if e.status in (404, 409):  # unknown, or ended already: nothing left to end
-                    self.refresh(lease_id)
+                    self.on_gone(lease_id)
                     self._outbox_done_lease(lease_id)
                     return None
                 if e.status == 0 or e.status == 429 or e.status >= 500:
@@ -59,7 +110,7 @@ class LinkEnds:
                 self.log.error("The broker refused to release lease %s of %s: %s", lease_id, who, e)
                 self._outbox_done_lease(lease_id)
                 return None
-            self._update(lease)
+            self.on_lease(lease)
             self._outbox_done_lease(lease_id)
             done = "Withdrew queued" if lease.get("state") == "withdrawn" else "Released"
             after = f" after {tries} tries" if tries > 1 else ""
@@ -70,6 +121,7 @@ class LinkEnds:
         if self.outbox is not None:
             self.outbox.done_lease(lease_id)
 
+    # ------------------------------------------------------------------ a server's leases
     async def end_server_leases(self, user: str, server: str, reason: str, *, keep: tuple[str, ...] = (),
                                 wait: float = 3.0) -> int | None:
         """End every live lease bound to ``user``'s ``server`` (``meta.spawner`` is
@@ -101,17 +153,17 @@ class LinkEnds:
     # ------------------------------------------------------------------ the outbox
     def kick_outbox(self) -> None:
         """Send what the outbox holds, in the background, until the broker has all of it."""
-        if self.outbox is None or not self.outbox or self._closed:
+        if self.outbox is None or not self.outbox or self.closed:
             return
         self._outbox_kick.set()
         if self._outbox_task is None or self._outbox_task.done():
-            self._outbox_task = self.background(self._run_outbox())
+            self._outbox_task = self._background(self._run_outbox())
 
     async def _run_outbox(self) -> None:
         outbox = self.outbox
         delays = Backoff(first=1.0, cap=30.0).delays()
         announced = False
-        while outbox and not self._closed:
+        while outbox and not self.closed:
             self._outbox_kick.clear()
             if not announced:
                 self.log.info("GPU lease ends left to send to the broker: %d (sent as soon as it answers)", len(outbox))
