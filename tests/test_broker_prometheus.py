@@ -3,7 +3,7 @@
 In-process tests (a clock the test moves, the caller named by the token) check the series'
 values; the end-to-end test runs a real JupyterHub with the broker as its managed service (one
 active process, one standby) and a real Prometheus that scrapes it through the hub's proxy with
-the shipped scrape config (config/prometheus.yml, which README includes), then kills the active
+the shipped scrape config (config/prometheus.yml, which the alerts guide shows), then kills the active
 broker and asks Prometheus whether any counter was reset.
 """
 
@@ -207,9 +207,9 @@ def test_a_broker_that_takes_over_the_store_continues_every_counter(tmp_path, mo
 
 
 # --------------------------------------------------------------------------- end to end
-def test_the_shipped_scrape_config_is_valid_and_readme_shows_it_verbatim():
-    readme = (ROOT / "README.md").read_text()
-    assert SCRAPE_CONFIG.read_text().strip() in readme
+def test_the_shipped_scrape_config_is_valid_and_the_guide_shows_it_verbatim():
+    guide = (ROOT / "docs" / "how-to" / "alerts-and-dashboard.md").read_text()
+    assert SCRAPE_CONFIG.read_text().strip() in guide
     promtool = shutil.which("promtool")
     if promtool is not None:
         check = subprocess.run([promtool, "check", "config", str(SCRAPE_CONFIG)], check=False, capture_output=True, text=True, timeout=60)

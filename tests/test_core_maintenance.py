@@ -188,10 +188,19 @@ def test_xid_classes():
     assert assess({}, temperature_c=89, slowdown_c=90) == []
 
 
-def test_readme_shows_the_one_xid_table():
+def test_the_docs_show_the_one_xid_table():
+    """The XID reference page is generated from the table itself, and the health guide links to it."""
+    import importlib.util
+    import sys
     from pathlib import Path
 
     from jupyter_gpulease.core.health import xid_table_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert xid_table_markdown() in readme
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    spec = importlib.util.spec_from_file_location("gpulease_reference", docs / "_ext" / "gpulease_reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = reference  # its dataclasses look their module up there
+    spec.loader.exec_module(reference)
+    assert "% gpulease-generate: xid" in (docs / "reference" / "xid.md").read_text()
+    assert reference.xid_reference().strip() == xid_table_markdown()
+    assert "../reference/xid.md" in (docs / "how-to" / "health-and-maintenance.md").read_text()

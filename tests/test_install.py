@@ -1,9 +1,10 @@
-"""An admin's first day, from README alone: the built wheel installed (not editable) into a fresh
-virtual environment, a hub configured with README's snippets, a spawn that gets a lease and a server.
+"""An admin's first day, from the documentation alone: the built wheel installed (not editable) into a
+fresh virtual environment, a hub configured with the guides' snippets, a spawn that gets a lease and a server.
 
-The config files are README's own code blocks (``# jupyterhub_config.py`` and
-``# gpulease_config.py``), read from README.md when the test runs, so README and this test
-cannot drift apart. Only what every hub already has of its own is added after them: ports
+The config files are the guides' own code blocks (``# jupyterhub_config.py`` and
+``# gpulease_config.py``): the tutorial "Add GPU leases to an existing JupyterHub", then the
+how-to guides whose snippets add to the same two files, read when the test runs, so the guides
+and this test cannot drift apart. Only what every hub already has of its own is added after them: ports
 and paths on 127.0.0.1 in a temporary folder, an authenticator with two users in two groups,
 and (as the test runs as root without system users) SimpleLocalProcessSpawner's lease class.
 
@@ -31,7 +32,16 @@ from hubharness import ADMIN_SCOPES, HubHarness, free_port, wait_for
 pytestmark = pytest.mark.timeout(900)
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# the pages an admin follows on the first day, in this order: the tutorial, then the how-to guides
+# whose snippets add to the same two files (Prometheus' service, alerts, unleased use, prices)
+GUIDES = [DOCS / "tutorials" / "existing-hub.md", DOCS / "how-to" / "alerts-and-dashboard.md",
+          DOCS / "how-to" / "unleased-use.md", DOCS / "how-to" / "prices-and-groups.md"]
+TUTORIAL = GUIDES[0]
+
+
+def guides_text() -> str:
+    return "\n".join(p.read_text() for p in GUIDES)
 ARTIFACTS = ROOT / "test-artifacts" / "install"  # the hub's log of the last run
 
 
@@ -41,14 +51,14 @@ def readme_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def readme_file(name: str, text: str | None = None) -> str:
-    """README's code for the file ``name``: every block whose first line is ``# <name>``, in order."""
-    blocks = [code for _, code in readme_blocks(README.read_text() if text is None else text)
+    """The guides' code for the file ``name``: every block whose first line is ``# <name>``, in order."""
+    blocks = [code for _, code in readme_blocks(guides_text() if text is None else text)
               if code.splitlines() and code.splitlines()[0].strip() == f"# {name}"]
-    assert blocks, f"README.md has no code block that starts with '# {name}'"
+    assert blocks, f"the guides have no code block that starts with '# {name}'"
     return "\n".join(blocks)
 
 
-def test_readme_snippets_are_found_and_complete():
+def test_the_guides_snippets_are_found_and_complete():
     """The blocks the admin test uses exist, and say what issue 14 found missing."""
     hub = readme_file("jupyterhub_config.py")
     broker = readme_file("gpulease_config.py")
@@ -56,12 +66,12 @@ def test_readme_snippets_are_found_and_complete():
                    "jupyterhub-singleuser", "c.Spawner.poll_interval", "server_token_scopes"):
         assert needle in hub, needle
     assert '"static"' in broker and "group_quotas" in broker and "tiers" in broker
-    install = [code for lang, code in readme_blocks(README.read_text()) if lang == "bash" and "pip install jupyter-gpulease" in code]
-    assert install, "README tells the admin to pip install jupyter-gpulease"
+    install = [code for lang, code in readme_blocks(TUTORIAL.read_text()) if lang == "bash" and "pip install jupyter-gpulease" in code]
+    assert install, "the tutorial tells the admin to pip install jupyter-gpulease"
 
 
-def test_readme_roles_agree_with_the_example_config():
-    """README's roles and the annotated example's (config/jupyterhub_config.py) grant the same scopes."""
+def test_the_tutorials_roles_agree_with_the_example_config():
+    """The tutorial's roles and the annotated example's (config/jupyterhub_config.py) grant the same scopes."""
     def roles(code: str) -> dict[str, set[str]]:
         out = {}
         for m in re.finditer(r'\{"name": "([\w-]+)", "scopes": \[([^\]]*)\]', code):
@@ -99,7 +109,7 @@ class Browser:
 
 
 class InstalledHub(HubHarness):
-    """A hub whose config is README's snippet plus the site's own settings, run from another venv."""
+    """A hub whose config is the guides' snippets plus the site's own settings, run from another venv."""
 
     def __init__(self, tmp_path: Path, *, python: Path, readme_config: str):
         super().__init__(tmp_path, users=["alice", "bob"], groups={"students": ["alice"], "staff": ["bob"]})
@@ -113,7 +123,7 @@ class InstalledHub(HubHarness):
         home.mkdir(exist_ok=True)
         site = [
             "",
-            "# ---- the site's own settings (every hub has its own): not from README ----",
+            "# ---- the site's own settings (every hub has its own): not from the guides ----",
             f"c.JupyterHub.bind_url = {self.url!r}",
             f"c.JupyterHub.hub_bind_url = 'http://127.0.0.1:{self.hub_port}'",
             f"c.JupyterHub.db_url = {('sqlite:///' + str(self.dir / 'jupyterhub.sqlite'))!r}",
@@ -130,7 +140,7 @@ class InstalledHub(HubHarness):
             "c.JupyterHub.spawner_class = 'gpulease-simple'",
             f"c.SimpleLocalProcessSpawner.home_dir_template = {str(home / '{username}')!r}",
             "c.Spawner.args = ['--allow-root']",
-            # the test's own admin token, added to README's lists as an admin adds to them
+            # the test's own admin token, added to the guides' lists as an admin adds to them
             f"c.JupyterHub.services.append({{'name': 'site-admin', 'api_token': {self.admin_token!r}}})",
             "c.JupyterHub.load_roles.append({'name': 'site-admin', 'services': ['site-admin'], 'scopes': "
             f"{[*ADMIN_SCOPES, 'custom:gpulease:admin', 'access:services!service=gpulease']!r}}})",
@@ -149,7 +159,7 @@ def build_wheel(dist: Path) -> Path:
 
 
 def fresh_venv_with(wheel: Path, venv: Path) -> Path:
-    """A new virtual environment with the wheel installed by pip, as README's install step does."""
+    """A new virtual environment with the wheel installed by pip, as the tutorial's install step does."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
@@ -178,7 +188,7 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
     server = listing("server", "extension", "list")
     assert re.search(r"jupyter_gpulease\S* enabled", server), server
 
-    # README's snippets, in the site's own folders (README's /etc/jupyterhub, /srv/jupyterhub) and with a free port
+    # the guides' snippets, in the site's own folders (their /etc/jupyterhub, /srv/jupyterhub) and with a free port
     etc, srv = tmp_path / "etc", tmp_path / "srv"
     etc.mkdir()
     srv.mkdir()
@@ -189,7 +199,7 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
 
     (etc / "gpulease_config.py").write_text(site(readme_file("gpulease_config.py")))
     hub = InstalledHub(tmp_path / "hub", python=py, readme_config=site(readme_file("jupyterhub_config.py")))
-    # README: the spawner's and Prometheus' tokens in the hub's environment; the hub's venv is not on PATH (Spawner.cmd names it)
+    # the guides: the spawner's and Prometheus' tokens in the hub's environment; the hub's venv is not on PATH (Spawner.cmd names it)
     hub.env = {"GPULEASE_SPAWNER_TOKEN": secrets.token_hex(32), "GPULEASE_PROMETHEUS_TOKEN": secrets.token_hex(32),
                "PATH": "/usr/local/bin:/usr/bin:/bin"}
     hub.start()
@@ -200,7 +210,7 @@ def test_an_admin_follows_readme_from_pip_install_to_a_leased_server(tmp_path):
         status, pool = hub.request("GET", f"{broker}/pool", token=hub.admin_token)
         assert {m: c["gpus"] for m, c in pool["capacity"].items()} == {"A100-SXM4-80GB": 4, "L40S": 4}
 
-        # alice (a student; README's quota: 2 GPUs at a time) picks a GPU on the spawn form
+        # alice (a student; the tutorial's quota: 2 GPUs at a time) picks a GPU on the spawn form
         alice = Browser(hub.url, "alice", hub.password)
         form = alice.get("/hub/spawn")
         offered = set(re.findall(r'value="gpu:(\d+):A100-SXM4-80GB"', form))

@@ -110,8 +110,8 @@ def test_without_the_broker_the_culler_decides_by_activity_alone():
     assert asyncio.run(decide()) == [False, True]
 
 
-def test_readme_and_the_example_config_run_the_culler_alike():
-    """README's culler blocks, config/jupyterhub_config.py's culler entry and config/idle_culler_config.py agree,
+def test_the_guide_and_the_example_config_run_the_culler_alike():
+    """The idle-culler guide's blocks, config/jupyterhub_config.py's culler entry and config/idle_culler_config.py agree,
     and the role holds every scope the culler and the hook need."""
     import re
     from pathlib import Path
@@ -119,8 +119,8 @@ def test_readme_and_the_example_config_run_the_culler_alike():
     from jupyter_gpulease.server.culler import CULLER_ROLE_SCOPES
 
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    blocks = {b.splitlines()[0]: b for b in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)}
+    guide = (root / "docs" / "how-to" / "idle-culler.md").read_text()
+    blocks = {b.splitlines()[0]: b for b in re.findall(r"^```python\n(.*?)^```", guide, re.S | re.M)}
     hub = blocks["# jupyterhub_config.py: the idle culler (after the services and roles above)"]
     hook = blocks["# idle_culler_config.py"]
     example = (root / "config" / "jupyterhub_config.py").read_text()

@@ -1,5 +1,5 @@
 """The idle culler's GPU hook end to end: jupyterhub-idle-culler 2 run by a real JupyterHub as
-README's hub config says (its service entry, role and config file are README's own code blocks,
+the idle-culler guide's hub config says (its service entry, role and config file are the guide's own code blocks,
 with short timeouts), the broker as the hub's managed service on a simulated pool, the lease
 spawner, and real single-user servers with the extension.
 
@@ -31,6 +31,7 @@ from serverutil import SimGPUs
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "how-to" / "idle-culler.md"
 POOL = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034}]
 TIMEOUT = 30  # the culler's --timeout
 GPU_IDLE_LIMIT = 18  # the hook's: a server whose GPU lease is idle goes after this long without activity
@@ -38,15 +39,15 @@ CULL_EVERY = 2
 
 
 def readme_block(first_line: str) -> str:
-    """README's code block whose first line is ``first_line``."""
-    blocks = [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)]
+    """The idle-culler guide's code block whose first line is ``first_line``."""
+    blocks = [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", GUIDE.read_text(), re.S | re.M)]
     found = [b for b in blocks if b.splitlines()[0].strip() == first_line]
-    assert len(found) == 1, f"README.md has {len(found)} code blocks that start with {first_line!r}"
+    assert len(found) == 1, f"{GUIDE.name} has {len(found)} code blocks that start with {first_line!r}"
     return found[0]
 
 
 def culler_service(config_file: Path) -> tuple[dict, dict]:
-    """README's service entry and role of the culler, with this test's timeouts and config file."""
+    """The guide's service entry and role of the culler, with this test's timeouts and config file."""
     from traitlets.config import Config
 
     c = Config()

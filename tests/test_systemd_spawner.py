@@ -469,7 +469,7 @@ class UserCreatingStandIn(SystemdSpawner):
 
 
 class TLJHLeaseSpawner(GPULeaseSystemdSpawner, UserCreatingStandIn):
-    """What the README's TLJH snippet defines over TLJH's UserCreatingSpawner."""
+    """What the TLJH tutorial's snippet defines over TLJH's UserCreatingSpawner."""
 
 
 def test_over_tljhs_user_creating_spawner_the_user_is_made_and_the_unit_locked(fake_systemd):
@@ -504,8 +504,8 @@ class UserCreatingSpawner(SystemdSpawner):
 '''
 
 
-def test_readmes_tljh_snippet_configures_a_hub_with_the_lease_spawner_over_tljhs(tmp_path, monkeypatch):
-    """README's ``jupyterhub_config.d/gpulease.py``, run as TLJH runs it (after TLJH's own config,
+def test_the_tljh_tutorials_snippet_configures_a_hub_with_the_lease_spawner_over_tljhs(tmp_path, monkeypatch):
+    """The TLJH tutorial's ``jupyterhub_config.d/gpulease.py``, run as TLJH runs it (after TLJH's own config,
     with the same ``c``), /opt/tljh moved into the test's folder and TLJH's module stood in for."""
     import re
     from pathlib import Path
@@ -513,8 +513,8 @@ def test_readmes_tljh_snippet_configures_a_hub_with_the_lease_spawner_over_tljhs
     from jupyterhub.app import JupyterHub
     from traitlets.config import Config
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    (snippet,) = [code for code in re.findall(r"^```python\n(.*?)^```", readme, re.S | re.M)
+    tutorial = (Path(__file__).resolve().parent.parent / "docs" / "tutorials" / "tljh.md").read_text()
+    (snippet,) = [code for code in re.findall(r"^```python\n(.*?)^```", tutorial, re.S | re.M)
                   if code.startswith("# /opt/tljh/config/jupyterhub_config.d/gpulease.py")]
     (tmp_path / "state").mkdir()
     pkg = tmp_path / "pkgs" / "tljh"
