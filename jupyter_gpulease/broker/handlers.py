@@ -55,6 +55,21 @@ class BrokerHandler:
         return self.settings["gpulease_broker"]
 
     @property
+    def hub_side(self):
+        """What the broker asks of its hub (:class:`.hubside.HubSide`: a user's groups)."""
+        return self.settings["gpulease_hub_side"]
+
+    @property
+    def health(self):
+        """The GPU health keeper (:class:`.health.HealthKeeper`); None where this broker keeps none."""
+        return self.settings.get("gpulease_health")
+
+    @property
+    def unleased(self):
+        """The detector of unleased GPU use (:class:`.unleased.UnleasedDetector`); None where off."""
+        return self.settings.get("gpulease_unleased")
+
+    @property
     def limits(self) -> inputs.Limits:
         return self.settings.get("gpulease_limits") or inputs.Limits()
 
@@ -353,7 +368,7 @@ class PoolHandler(APIHandler):
                 raise Forbidden(f"only callers with the {self.admin_scope} scope may see another user's tiers and quota", field="user")
             groups = tuple(self.get_arguments("group"))
             if not groups:
-                groups = await self.broker.user_groups(user)
+                groups = await self.hub_side.user_groups(user)
             name = user
         else:
             name, groups = self.caller_name, self.caller_groups
@@ -362,7 +377,7 @@ class PoolHandler(APIHandler):
         out.update(
             {
                 "tiers": [t.to_dict() for t in m.tiers_for(name, groups, every=every)],
-                "min_duration_s": getattr(m.policy, "min_duration_s", None),
+                "min_duration_s": m.policy.min_duration_s,
                 "user": name,
                 "usage": m.usage(name, groups),
             }
