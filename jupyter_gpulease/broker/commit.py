@@ -178,9 +178,10 @@ class GroupCommit:
                 self.fail(e, done)
                 return
             self.commits += 1
-            for lid, d in batch.leases.items():
-                if d["state"] not in LIVE:
-                    self.end_extra.pop(lid, None)
+            if self.end_extra:  # forget what was kept for ends now on disk
+                for lid, d in batch.leases.items():
+                    if d["state"] not in LIVE:
+                        self.end_extra.pop(lid, None)
             self.on_committed(batch, written, events)
             self._writing = None
             if not done.done():

@@ -3,9 +3,10 @@
 Authentication is JupyterHub's: API handlers take ``Authorization: token …`` (HubAuth) and
 answer 401 instead of redirecting. Callers with the admin scope (``custom:gpulease:admin`` by
 default) or hub admins act on every lease; everyone else on their own. Handlers talk to the
-:class:`~jupyter_gpulease.broker.manager.LeaseManager` only, and every answer they give about a
-lease is its committed state (see the manager's contract). Input is bounded and parsed by
-:mod:`jupyter_gpulease.broker.inputs`.
+:class:`~jupyter_gpulease.broker.manager.LeaseManager` about leases, and every answer they give
+about a lease is its committed state (see the manager's contract); the other parts they read
+(the hub side, the health keeper, the unleased-use detector) are in the web app's settings.
+Input is bounded and parsed by :mod:`jupyter_gpulease.broker.inputs`.
 """
 
 from __future__ import annotations
