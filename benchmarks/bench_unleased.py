@@ -71,7 +71,7 @@ async def measure(n: int, rounds: int, folder: Path) -> dict:
             t0 = time.perf_counter()
             await det.check()
             whole.append(time.perf_counter() - t0)
-        return {"processes": n, "findings": len(app.manager.unleased), "first_check_ms": round(1000 * first, 2),
+        return {"processes": n, "findings": len(app.unleased.findings), "first_check_ms": round(1000 * first, 2),
                 "sample_ms_median": round(1000 * statistics.median(sample), 2),
                 "decision_on_loop_ms_median": round(1000 * statistics.median(decide), 3),
                 "check_ms_median": round(1000 * statistics.median(whole), 2)}

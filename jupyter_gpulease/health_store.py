@@ -2,7 +2,7 @@
 
 Small tables written rarely (an admin's action, a device that turned sick or came back), each
 change in its own transaction on the store's writer connection (the leader's): call these from
-the store's writer thread (``LeaseManager._in_writer``); reads may come from any thread.
+the store's writer thread (``LeaseManager.in_writer``); reads may come from any thread.
 """
 
 from __future__ import annotations

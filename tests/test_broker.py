@@ -288,7 +288,7 @@ def test_the_admin_page_lists_holders_queue_and_pool():
         await m.start()
         await m.request(Ask(user="alice", request=parse_request({"gpus": 2, "model": "A100*"})))
         await m.request(Ask(user="bob<script>", request=parse_request({"gpus": 1, "model": "A100*"})))
-        page = render_admin_page(m)
+        page = render_admin_page(m, health=app.health)
         await m.close()
         return page
 
@@ -463,7 +463,7 @@ def test_admins_see_another_users_tiers_and_quota_others_get_403(tmp_path):
 def test_the_check_with_the_hub_revokes_leases_whose_server_is_gone_after_the_grace(tmp_path):
     import logging
 
-    from jupyter_gpulease.broker.app import GPULeaseBroker
+    from jupyter_gpulease.broker.hubapi import RECONCILE_REASON
 
     hub = _FakeHub()
     hub.users["alice"] = {"name": "alice", "servers": {"": {"name": "", "ready": True}}}
@@ -489,15 +489,15 @@ def test_the_check_with_the_hub_revokes_leases_whose_server_is_gone_after_the_gr
             c = await admin.request_lease({"gpus": 1, "user": "carol", "meta": spawned})  # unknown to the hub
             d = await admin.request_lease({"gpus": 1, "user": "bob", "server": "gpu"})  # not a spawner's: never checked
             assert all(x["state"] == "active" for x in (a, b, c, d))
-            assert await app.reconcile() == []  # gone, but granted just now
+            assert await app.hub_side.reconcile() == []  # gone, but granted just now
             clock.advance(60)
-            assert await app.reconcile() == []  # gone for 60 s only
+            assert await app.hub_side.reconcile() == []  # gone for 60 s only
             clock.advance(61)
-            assert sorted(await app.reconcile()) == sorted([b["id"], c["id"]])
+            assert sorted(await app.hub_side.reconcile()) == sorted([b["id"], c["id"]])
             for x in (b, c):
                 ended = await admin.get_lease(x["id"])
                 assert ended["state"] == "revoked"
-                assert ended["end_reason"] == GPULeaseBroker.RECONCILE_REASON
+                assert ended["end_reason"] == RECONCILE_REASON
             assert (await admin.get_lease(a["id"]))["state"] == "active"
             assert (await admin.get_lease(d["id"]))["state"] == "active"
             assert {name for _, name, _ in hub.calls} == {"alice", "bob", "carol"}
@@ -506,16 +506,16 @@ def test_the_check_with_the_hub_revokes_leases_whose_server_is_gone_after_the_gr
             # a server that comes back within the grace resets it
             del hub.users["alice"]["servers"][""]
             clock.advance(10)
-            assert await app.reconcile() == []
+            assert await app.hub_side.reconcile() == []
             hub.users["alice"]["servers"][""] = {"name": ""}
             clock.advance(200)
-            assert await app.reconcile() == []
+            assert await app.hub_side.reconcile() == []
             # a hub that does not answer changes nothing, and says so once
             hub.stop()
             del hub.users["alice"]["servers"][""]
             for _ in range(3):
                 clock.advance(300)
-                assert await app.reconcile() == []
+                assert await app.hub_side.reconcile() == []
             assert (await admin.get_lease(a["id"]))["state"] == "active"
             assert sum("Lease check with the hub skipped" in m for m in messages) == 1
         finally:
@@ -593,9 +593,9 @@ def test_the_check_with_the_hub_withdraws_a_queued_lease_whose_spawn_the_hub_for
             a = await admin.request_lease({"gpus": 1, "model": "A100*", "user": "alice", "meta": spawned})
             b = await admin.request_lease({"gpus": 1, "model": "A100*", "user": "bob", "meta": spawned})
             assert (held["state"], a["state"], b["state"]) == ("active", "queued", "queued")
-            assert await app.reconcile() == []  # asked for just now
+            assert await app.hub_side.reconcile() == []  # asked for just now
             clock.advance(121)
-            assert await app.reconcile() == [b["id"]]
+            assert await app.hub_side.reconcile() == [b["id"]]
             assert (await admin.get_lease(b["id"]))["state"] == "withdrawn"
             assert (await admin.get_lease(a["id"]))["state"] == "queued"
             # the GPU that frees up goes to the spawn that is still waiting, not to the forgotten one

@@ -318,7 +318,7 @@ def test_broker_ends_leases_on_a_lost_node_and_queues_requests_for_a_cordoned_on
             cordoned["spec"]["unschedulable"] = True
             write_nodes(path, [cordoned])
             os.utime(path, ns=(2, 2))
-            await app._refresh_inventory()
+            await app.jobs.refresh_inventory()
             lost = await alice.get_lease(t4["id"])
             assert lost["state"] == "failed" and "left the pool" in lost["end_reason"]
             kept = await bob.get_lease(a100["id"])
@@ -328,13 +328,13 @@ def test_broker_ends_leases_on_a_lost_node_and_queues_requests_for_a_cordoned_on
 
             write_nodes(path, [node("gpu-a100-0")])  # uncordoned
             os.utime(path, ns=(3, 3))
-            await app._refresh_inventory()
+            await app.jobs.refresh_inventory()
             await app.manager.tick()
             assert (await alice.get_lease(waiting["id"]))["state"] == "active"
 
             # a failed read keeps the pool: an API hiccup must not end leases
             path.unlink()
-            await app._refresh_inventory()
+            await app.jobs.refresh_inventory()
             assert (await bob.get_lease(a100["id"]))["state"] == "active"
         finally:
             await app.stop_async()

@@ -167,7 +167,7 @@ def test_admin_cordon_drain_uncordon_hold_and_bad_input(tmp_path):
         assert got["hold"] is True and got["mode"] == "cordon"
         form = render_form(await alice.pool(), now=clock.now())
         assert form.count("unavailable: firmware update at noon") == 2  # both GPUs of n1, on the spawn form
-        page = render_admin_page(app.manager, "admin-dan")
+        page = render_admin_page(app.manager, "admin-dan", health=app.health)
         assert "firmware update at noon" in page and "held out until an admin uncordons it" in page
         pool = await alice.pool()
         assert all(not d["healthy"] and d["cordon"]["reason"] == "firmware update at noon" for d in pool["devices"] if d["node"] == "n1")
@@ -228,7 +228,7 @@ def test_maintenance_windows_over_rest_keep_grants_out_and_warn_holders_ahead(tm
         assert "maintenance window" in b["queue"]["waiting_for"] and "BIOS update" in b["queue"]["waiting_for"]
         assert device(await bob.pool(), gpu)["maintenance"]["reason"] == "BIOS update"
         assert "maintenance in 1 h for 2 h: BIOS update" in render_form(await bob.pool(), now=clock.now())
-        page = render_admin_page(app.manager, "admin-dan")
+        page = render_admin_page(app.manager, "admin-dan", health=app.health)
         assert 'data-window="' + w["id"] + '"' in page and "BIOS update" in page
         # a short one fits before it
         short = await bob.request_lease({**A100, "duration_s": 1800})

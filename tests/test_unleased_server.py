@@ -98,7 +98,7 @@ async def test_bobs_process_on_alices_gpu_is_reported_warned_and_stopped_after_t
         assert sample(metrics, 'gpulease_unleased_processes{model="L4"}') == 1
         assert sample(metrics, 'gpulease_unleased_memory_bytes{model="L4"}') == 2048 * 1024 * 1024
         assert sample(metrics, 'gpulease_unleased_findings_total{model="L4",owner="hub_user"}') == 1
-        page = render_admin_page(broker.manager)
+        page = render_admin_page(broker.manager, unleased=broker.unleased)
         row = page.split(f'<tr data-pid="{bob.pid}">', 1)[1].split("</tr>", 1)[0]
         assert "<td>bob</td>" in row and "L4 #" in row and "<td>alice</td>" in row and "2048 MiB" in row and "stopped in" in row
 
@@ -171,7 +171,7 @@ def test_a_lease_holders_heartbeat_answer_carries_the_warning_of_his_process_on_
         mine = await client("bob").request_lease({"gpus": 1, "duration_s": 3600})
         sim.backend.add_process(mine["placement"]["slices"][0]["gpu_uuid"], bob.pid, 100)  # his own GPU: fine
         await app.unleased.check()
-        assert app.manager.unleased == []
+        assert app.unleased.findings == []
         sim.backend.add_process(theirs["placement"]["slices"][0]["gpu_uuid"], bob.pid, 512)  # and alice's
         await app.unleased.check()
         reply = await client("bob").heartbeat(mine["id"], {})
@@ -184,7 +184,7 @@ def test_a_lease_holders_heartbeat_answer_carries_the_warning_of_his_process_on_
         second = await client("bob").request_lease({"gpus": 2, "duration_s": 3600})
         assert second["state"] == "active"
         await app.unleased.check()
-        assert app.manager.unleased == []
+        assert app.unleased.findings == []
         _, events = await _events(client)
         assert [(e["kind"], e["data"].get("why")) for e in events] == [("unleased-use", None), ("unleased-ended", "leased")]
 
@@ -210,7 +210,7 @@ def test_under_report_nobody_is_warned_and_a_stranger_is_reported_as_not_a_hub_u
         lease = await client("alice").request_lease({"gpus": 1, "duration_s": 3600})
         sim.backend.add_process(lease["placement"]["slices"][0]["gpu_uuid"], stranger.pid, 300)
         await app.unleased.check()
-        [finding] = app.manager.unleased
+        [finding] = app.unleased.findings
         name = "uid 61236" if os.getuid() == 0 else pwd.getpwuid(os.getuid()).pw_name
         assert finding["owner"] == f"{name} (not a hub user)" and finding["user"] == "" and finding["holders"] == ["alice"]
         assert (await client("alice").heartbeat(lease["id"], {}))["warnings"] == []
@@ -245,7 +245,7 @@ def test_a_process_the_broker_may_not_signal_is_reported_as_not_stopped_with_the
         _, events = await _events(client)
         stop = next(e for e in events if e["kind"] == "unleased-stop")["data"]["stop"]
         assert stop["outcome"] == "not_stopped" and "must run as root" in stop["message"]
-        assert app.manager.unleased[0]["stop"]["outcome"] == "not_stopped"
+        assert app.unleased.findings[0]["stop"]["outcome"] == "not_stopped"
         assert bob.poll() is None
 
     try:

@@ -81,14 +81,18 @@ def p95(values: list[float]) -> float | None:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[float] = (), xid_since: dict[str, float] | None = None) -> list[Alert]:
-    """Every alert that fires now, from the broker's memory (pure but for reading ``manager``).
+def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[float] = (), xid_since: dict[str, float] | None = None,
+             telemetry=None, health=None, unleased=None) -> list[Alert]:
+    """Every alert that fires now, from the broker's memory (pure but for reading ``manager``
+    and, where the broker runs them, its device ``telemetry``, GPU ``health`` keeper and
+    ``unleased``-use detector).
 
     ``recent_waits``: seconds waited by leases whose wait ended in the last half hour;
     ``xid_since``: device uuid -> broker time of its last new device-kind XID."""
     out: list[Alert] = []
-    gpus = {g.uuid: g for g in manager.inventory()}
-    sound = backend_healthy(manager)
+    inventory = manager.inventory()
+    gpus = {g.uuid: g for g in inventory}
+    sound = backend_healthy(health)
     live = list(manager.committed.values())
     for d in live:
         idle = lease_idle_s(d, now)
@@ -98,7 +102,6 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
             out.append(Alert("GPULeaseIdleLease", d["id"], "warning",
                              f"{d['user']}'s lease {d['id'][:8]} ({gpus_of} on {slices[0].get('node', '?')}) has sat idle for {format_duration(idle)}",
                              {"lease": d["id"], "user": d["user"], "tier": d["tier"]}))
-    telemetry = getattr(manager, "telemetry", None)
     samples = telemetry.current() if telemetry is not None else {}
     for uuid, s in sorted(samples.items()):
         g = gpus.get(uuid)
@@ -116,7 +119,7 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
         if not sound.get(g.uuid, g.healthy):
             out.append(Alert("GPULeaseDeviceUnhealthy", g.uuid, "critical", f"GPU {g.index} ({g.model}) on {g.node} is reported unhealthy by the device backend",
                              {"uuid": g.uuid, "node": g.node, "model": g.model}))
-    for uuid, reason in sorted(cordons(manager).items()):
+    for uuid, reason in sorted(cordons(health, inventory).items()):
         g = gpus.get(uuid)
         if g is not None:
             out.append(Alert("GPULeaseDeviceCordoned", uuid, "warning", f"GPU {g.index} ({g.model}) on {g.node} takes no new leases: {reason}",
@@ -136,9 +139,8 @@ def evaluate(manager, limits: Thresholds, now: float, *, recent_waits: list[floa
         out.append(Alert("GPULeaseQueueWaitHigh", "queue", "warning",
                          f"95% of the waits in the queue are under {format_duration(q)}, over the limit of {format_duration(limits.queue_wait_p95_s)} "
                          f"({len(waits)} waits in the last {format_duration(QUEUE_WINDOW_S)})", {}))
-    unleased = getattr(manager, "unleased", None) or []
     by_gpu: dict[str, list[dict]] = {}
-    for f in unleased:
+    for f in unleased.findings if unleased is not None else ():
         by_gpu.setdefault(str(f.get("gpu_uuid", "")), []).append(f)
     for uuid, found in sorted(by_gpu.items()):
         g = gpus.get(uuid)
@@ -191,11 +193,16 @@ def payload(fmt: str, alert: Alert, status: str, *, started: float, ended: float
 
 
 class BrokerAlerts:
-    """Checks and delivers (see the module doc)."""
+    """Checks and delivers (see the module doc). Reads the ``manager`` and, where the broker runs
+    them (None: not), its device ``telemetry``, GPU ``health`` keeper and ``unleased``-use
+    detector; hears of grants through :meth:`on_events` (a listener of the manager's commits)."""
 
     def __init__(self, manager, webhooks: list[dict[str, str]], *, limits: Thresholds | None = None, link: str = "",
-                 retry_s: float = 300.0, logger: logging.Logger | None = None):
+                 retry_s: float = 300.0, logger: logging.Logger | None = None, telemetry=None, health=None, unleased=None):
         self.manager = manager
+        self.telemetry = telemetry
+        self.health = health
+        self.unleased = unleased
         self.webhooks = [dict(w) for w in webhooks]
         self.limits = limits or Thresholds()
         self.link = link
@@ -208,9 +215,9 @@ class BrokerAlerts:
         self._waits: deque[tuple[float, float]] = deque()  # (when the wait ended, seconds waited)
         self._xid_since: dict[str, float] = {}
         self._xid_counts: dict[str, float] = {}
-        manager.listeners.append(self._on_events)
 
-    def _on_events(self, written, events) -> None:
+    def on_events(self, written, events) -> None:
+        """A listener of the manager's commits: the waits that ended in a grant."""
         for e in events:
             if e.kind == GRANTED:
                 w = e.data.get("waited_s")
@@ -221,7 +228,7 @@ class BrokerAlerts:
                     self._waits.append((e.time, float(w)))
 
     def _new_xids(self, now: float) -> None:
-        telemetry = getattr(self.manager, "telemetry", None)
+        telemetry = self.telemetry
         if telemetry is None:
             return
         from .telemetry import xid_kind
@@ -241,7 +248,8 @@ class BrokerAlerts:
         while self._waits and self._waits[0][0] < now - QUEUE_WINDOW_S:
             self._waits.popleft()
         self._new_xids(now)
-        alerts = evaluate(self.manager, self.limits, now, recent_waits=[w for _, w in self._waits], xid_since=self._xid_since)
+        alerts = evaluate(self.manager, self.limits, now, recent_waits=[w for _, w in self._waits], xid_since=self._xid_since,
+                          telemetry=self.telemetry, health=self.health, unleased=self.unleased)
         current = {(a.name, a.key): a for a in alerts}
         for k, a in current.items():
             if k not in self.firing:

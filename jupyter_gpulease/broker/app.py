@@ -12,8 +12,10 @@ This module wires config into the parts; each part has one job:
 * :mod:`.checks` — config mistakes found before they cost anything.
 * :mod:`.settings` — what an admin sets (``c.GPULeaseBroker.*``, besides the policy);
   :mod:`.jobs` — the periodic jobs; :mod:`.hubside` — what the broker asks of its hub;
-  :mod:`.orphan` — serving on, then handing over, when the supervisor died. These are parts of
-  :class:`GPULeaseBroker` (mixins); this module builds the parts, serves and stops.
+  :mod:`.orphan` — serving on, then handing over, when the supervisor died.
+
+:meth:`GPULeaseBroker.build_parts` builds every part of the broker and hands each what it
+needs (what the broker is made of reads there); this module also serves and stops.
 
 Run by JupyterHub as a managed service (``c.JupyterHub.services``), or by hand with the
 ``JUPYTERHUB_*`` environment variables of an external service::
@@ -46,7 +48,7 @@ from ..core.policy_config import PolicyConfig
 from ..tasks import BackgroundTasks
 from . import checks
 from .checks import ConfigError
-from .hubside import HubSide
+from .hubside import HubSide, hub_home_url
 from .inputs import Limits
 from .jobs import PeriodicJobs
 from .manager import LeaseManager
@@ -65,8 +67,12 @@ def load_openapi() -> dict:
     return json.loads(resources.files(__package__).joinpath("openapi.json").read_text())
 
 
-class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, PolicyConfig, Application):
-    """Hands out GPU leases from a shared pool to JupyterHub users."""
+class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
+    """Hands out GPU leases from a shared pool to JupyterHub users.
+
+    Its settings are declared on :class:`BrokerSettings` and :class:`PolicyConfig` (traits
+    only); its parts, built by :meth:`build_parts`, are held here (None until built, or where
+    the config turns them off)."""
 
     name = "jupyter-gpulease-broker"
     description = "The GPU lease broker: a JupyterHub service that queues, grants, extends and ends GPU leases."
@@ -144,68 +150,101 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
         for line in checks.policy_warnings(self.policy):
             self.log.warning("Config %s: %s", self.config_file or "(command line)", line)
         if build_manager and not self.check_config:
-            checks.build(self, self.init_manager, what="the pool and the database")
+            checks.build(self, self.build_parts, what="the pool and the database")
 
-    def init_manager(self) -> None:
+    # the parts (see build_parts)
+    backend = scheduler = store = manager = usage_settings = usage = hub_side = None
+    health = telemetry = unleased = metrics = alerts = dcgm = jobs = orphan = None
+    hub_auth = hub_oauth = web_app = http_server = None
+    _hub = None
+
+    def build_parts(self) -> None:
+        """Build every part of the broker and hand each what it needs, in this order: each part
+        is built after the parts it is given. The parts that hold the manager are handed to it
+        last (``LeaseManager.wire``)."""
         from ..core.scheduler import Scheduler
         from ..devices import get_backend
         from ..store import LeaseStore
         from .feed import Feed
-        from .metrics import BrokerMetrics
+        from .health import HealthKeeper
+        from .metrics import BrokerMetrics, count_events
+        from .usage import GPULeaseUsage, UsageAPI, UsageRecorder, offers_of
 
-        self.backend = get_backend(self.device_backend, self.devices)
-        inventory = self.backend.inventory()
-        self._inventory = list(inventory)
-        self._refreshing = False
-        self.log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
+        log = self.log
+        self.backend = backend = get_backend(self.device_backend, self.devices)
+        inventory = backend.inventory()
+        log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
         self.scheduler = Scheduler(inventory, self.policy)
-        self.store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
+        self.store = store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
+        self.usage_settings = us = GPULeaseUsage(parent=self)
+        recorder = UsageRecorder(us.accounting(), per_user_metrics=self.metrics_per_user, sample_s=us.sample_interval_s,
+                                 write_s=us.write_interval_s) if us.record else None
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
-        self.manager = LeaseManager(self.scheduler, self.store, clock=self.clock, logger=self.log, feed=feed, show_preemptor_names=self.show_preemptor_names)
-        self.metrics = BrokerMetrics(self.manager, per_user=self.metrics_per_user)
-        self.init_usage()
-        self.manager.listeners.append(self._on_events)
-        self.unleased = None
-        if self.unleased_check_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
-            from .unleased import UnleasedDetector
-
-            self.unleased = UnleasedDetector(self.manager, self.backend, action=self.unleased_use.lower(), grace_s=self.unleased_grace_s,
-                                             hub_user_exists=self._hub_user_exists, logger=self.log,
-                                             show_holders=self.show_preemptor_names)
-
-        self.telemetry = self.alerts = self.dcgm = None
-        if self.device_sample_interval > 0 and self.backend.name in BACKENDS_WITH_PROCESSES:
-            from .telemetry import DeviceTelemetry
-
-            self.telemetry = DeviceTelemetry(self.manager, self.backend, interval_s=self.device_sample_interval, logger=self.log)
+        self.manager = manager = LeaseManager(self.scheduler, store, clock=self.clock, logger=log, feed=feed, show_preemptor_names=self.show_preemptor_names,
+                                              count_totals=count_events, usage_recorder=recorder, on_fatal=self._lost_database)
+        self.usage = UsageAPI(store, us.accounting(), offers=lambda: offers_of(manager.inventory()), clock=self.clock.now,
+                              min_leases=us.suggestion_min_leases, suggestion_days=us.suggestion_days)
+        self.hub_side = HubSide(manager, self.policy, hub=lambda: self.hub, tasks=self._tasks, logger=log, stop_servers_on_end=self.stop_servers_on_end,
+                                stop_server_states=self.stop_server_states, reconcile_grace=self.reconcile_grace,
+                                reconcile_interval=self.reconcile_interval, config_file=self.config_file)
+        self.health = HealthKeeper(manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
+                                   drain_grace_s=self.health_drain_grace_s, logger=log)
+        self._build_device_parts(manager)
+        self.metrics = BrokerMetrics(manager, per_user=self.metrics_per_user, telemetry=self.telemetry, health=self.health, unleased=self.unleased)
         if self.alert_webhooks:
             from .alerts import BrokerAlerts, Thresholds
 
             self.alerts = BrokerAlerts(
-                self.manager, self.alert_webhooks, logger=self.log, retry_s=self.alert_retry_s, link=self.public_url.rstrip("/") + self.base_url + "admin",
+                manager, self.alert_webhooks, logger=log, retry_s=self.alert_retry_s, link=self.public_url.rstrip("/") + self.base_url + "admin",
                 limits=Thresholds(idle_lease_s=self.alert_idle_lease_s, hot_margin_c=self.alert_hot_margin_c, xid_window_s=self.alert_xid_window_s,
-                                  queue_wait_p95_s=self.alert_queue_wait_p95_s))
-        from .health import HealthKeeper
-
-        self.health = HealthKeeper(self.manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
-                                   drain_grace_s=self.health_drain_grace_s, logger=self.log)
-        if self.telemetry is not None:
-            self.telemetry.listeners.append(self.health.on_samples)
+                                  queue_wait_p95_s=self.alert_queue_wait_p95_s),
+                telemetry=self.telemetry, health=self.health, unleased=self.unleased)
         if self.dcgm_hpc_job_mapping_dir:
             from .dcgm import DcgmJobMap
 
-            self.dcgm = DcgmJobMap(self.manager, self.dcgm_hpc_job_mapping_dir, logger=self.log)
+            self.dcgm = DcgmJobMap(manager, self.dcgm_hpc_job_mapping_dir, logger=log)
+        manager.wire(listeners=[p.on_events for p in (self.hub_side, self.alerts, self.dcgm) if p is not None], health=self.health,
+                     warnings=[self.health.warnings] if self.unleased is None else [self.unleased.lease_warnings, self.health.warnings])
+        self.jobs = PeriodicJobs(
+            manager, backend=backend, tasks=self._tasks, logger=log, tick_s=self.tick_interval, inventory=inventory, backend_name=self.device_backend,
+            inventory_s=self.inventory_interval or float(getattr(backend, "inventory_refresh_s", 0) or 0),
+            hub_check=self.hub_side.check, reconcile_s=self.reconcile_interval, event_retention_days=self.event_retention_days,
+            usage_retention_days=us.sample_retention_days, lock_check=store.dialect == "postgresql",
+            unleased=self.unleased, unleased_check_s=self.unleased_check_interval, telemetry=self.telemetry, sample_s=self.device_sample_interval,
+            alerts=self.alerts, alert_check_s=self.alert_check_interval, dcgm=self.dcgm)
+        self.orphan = OrphanHandover(store, in_writer=manager.in_writer, stop=self._request_stop, worker=self.worker,
+                                     hub_grace_s=self.orphan_hub_grace_s, logger=log)
 
-    def init_usage(self) -> None:
-        """Usage records (the recorder feeds on the manager's batches) and the report over the store."""
-        from .usage import GPULeaseUsage, UsageAPI, UsageRecorder, offers_of
+    def _build_device_parts(self, manager) -> None:
+        """The parts that look at the devices from the broker's machine (where its backend sees
+        them): the device samples (the health keeper listens to them) and the unleased-use check."""
+        from .telemetry import DeviceTelemetry
+        from .unleased import UnleasedDetector
 
-        self.usage_settings = s = GPULeaseUsage(parent=self)
-        if s.record:
-            self.manager.usage_recorder = UsageRecorder(s.accounting(), per_user_metrics=self.metrics_per_user, sample_s=s.sample_interval_s,
-                                                       write_s=s.write_interval_s)
-        self.usage = UsageAPI(self.store, s.accounting(), offers=lambda: offers_of(self.manager.inventory()), clock=self.clock.now,
-                              min_leases=s.suggestion_min_leases, suggestion_days=s.suggestion_days)
+        here = self.backend.name in BACKENDS_WITH_PROCESSES
+        if self.device_sample_interval > 0 and here:
+            self.telemetry = DeviceTelemetry(manager, self.backend, interval_s=self.device_sample_interval, logger=self.log,
+                                             listeners=[self.health.on_samples])
+        if self.unleased_check_interval > 0 and here:
+            self.unleased = UnleasedDetector(manager, self.backend, action=self.unleased_use.lower(), grace_s=self.unleased_grace_s,
+                                             hub_user_exists=self.hub_side.user_exists, logger=self.log, show_holders=self.show_preemptor_names)
+
+    @property
+    def hub(self):
+        """The Hub API with the broker's own token (where the hub is: the environment, else the
+        web app's HubAuth)."""
+        from ..client import HubClient
+
+        if self._hub is None:
+            auth = self.hub_auth
+            api_url = os.environ.get("JUPYTERHUB_API_URL") or (auth.api_url if auth is not None else "")
+            token = os.environ.get("JUPYTERHUB_API_TOKEN") or (auth.api_token if auth is not None else "")
+            self._hub = HubClient(api_url or "http://127.0.0.1:8081/hub/api", token)
+        return self._hub
+
+    def hub_home_url(self) -> str:
+        """The hub's home page, for links from the broker's pages."""
+        return hub_home_url()
 
     @property
     def limits(self) -> Limits:
@@ -219,7 +258,7 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
 
         hub_auth = HubAuth(parent=self, base_url=self.base_url, cache_max_age=int(self.token_cache_max_age))
         hub_oauth = HubOAuth(parent=self, base_url=self.base_url, cache_max_age=int(self.token_cache_max_age))
-        self.hub_auth = hub_auth
+        self.hub_auth, self.hub_oauth = hub_auth, hub_oauth
         settings = {
             "hub_auth": hub_auth,
             "hub_oauth": hub_oauth,
@@ -228,6 +267,9 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
             "login_url": hub_oauth.login_url,
             "gpulease_manager": self.manager,
             "gpulease_broker": self,
+            "gpulease_hub_side": self.hub_side,
+            "gpulease_health": self.health,
+            "gpulease_unleased": self.unleased,
             "gpulease_admin_scope": self.admin_scope,
             "gpulease_metrics": self.metrics,
             "gpulease_openapi": load_openapi(),
@@ -261,10 +303,6 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
         level("%d %s %s %.1fms", status, handler.request.method, handler.request.path, 1000 * handler.request.request_time())
 
 
-    def _background(self, coro) -> None:
-        """Run ``coro`` as a task that is kept referenced until done (the loop holds tasks weakly)."""
-        self._tasks.start(coro, what="a background task of the broker")
-
     # ------------------------------------------------------------------ running
     async def wait_for_leadership(self) -> bool:
         """Wait until this broker holds the database's lock (False: told to stop first)."""
@@ -291,7 +329,7 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
         self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
         await self._listen(url.port or 80, url.hostname or "127.0.0.1")
         self.backend.start()  # a backend that follows its source (the Kubernetes node watch) does it on this loop
-        self._start_jobs()
+        self.jobs.start()
         self.log.info("GPU lease broker %s active (pid %d), listening on %s%s", __version__, os.getpid(), self.bind_url.rstrip("/"), self.base_url)
         return True
 
@@ -310,18 +348,18 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
         """Stop listening, commit what was decided, let go of the database's lock (the next
         broker may take over from here on), then end the calls and connections left."""
         self._stop_waiting.set()
-        for p in getattr(self, "periodic", ()):
-            p.stop()
-        if self._successor_check is not None:
-            self._successor_check.stop()
-        server = getattr(self, "http_server", None)
+        if self.jobs is not None:
+            self.jobs.stop()
+        if self.orphan is not None:
+            self.orphan.stop()
+        server = self.http_server
         if server is not None:
             server.stop()
-        if getattr(self, "alerts", None) is not None:
+        if self.alerts is not None:
             await self.alerts.close()
-        if getattr(self, "unleased", None) is not None:
+        if self.unleased is not None:
             await self.unleased.close()
-        if getattr(self, "manager", None):
+        if self.manager is not None:
             led = self.store.leader
             await self.manager.close()  # calls that come now are answered 503; the lock is let go
             if led:
@@ -336,23 +374,28 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
                 await asyncio.wait_for(server.close_all_connections(), 2)
             except TimeoutError:
                 pass
-        if getattr(self, "backend", None):
+        if self.backend is not None:
             self.backend.close()
         self.log.info("GPU lease broker stopped")
 
+    lost_database: BaseException | None = None  # why the database failed under this broker
+    _exit_on_lost_database = False  # a broker process (_run) ends at once; one embedded in tests answers 503 until stopped
 
-    def _fatal(self, exc: BaseException) -> None:
-        """The database failed under the broker: end this process at once (see the manager)."""
-        logging.shutdown()
-        os._exit(EXIT_LOST_DB)
+    def _lost_database(self, exc: BaseException) -> None:
+        """The database failed under the broker (the manager's ``on_fatal``): a broker process
+        ends at once (see the manager), so that its standby or the restarted broker carries on."""
+        self.lost_database = exc
+        if self._exit_on_lost_database:
+            logging.shutdown()
+            os._exit(EXIT_LOST_DB)
 
     async def _run(self) -> None:
         self._stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        self._watch_supervisor()
-        self.manager.on_fatal = self._fatal
+        self.orphan.watch()
+        self._exit_on_lost_database = True
         if await self.start_async():
             tune_gc()
             await self._stopping.wait()
@@ -360,6 +403,10 @@ class GPULeaseBroker(PeriodicJobs, HubSide, OrphanHandover, BrokerSettings, Poli
 
     def _on_signal(self, sig) -> None:
         self.log.info("Received %s, stopping", signal.Signals(sig).name)
+        self._request_stop()
+
+    def _request_stop(self) -> None:
+        """Stop standing by, or stop serving (a signal, or the orphan's hand-over)."""
         self._stop_waiting.set()
         self._stopping.set()
 
@@ -422,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
             checks.check_declared_devices(app)
             return Supervisor(argv, standbys=app.standbys, log=app.log).run()
-        checks.build(app, app.init_manager, what="the pool and the database")
+        checks.build(app, app.build_parts, what="the pool and the database")
     except ConfigError as e:
         print(f"jupyter gpulease broker: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -1,26 +1,35 @@
 """The lease manager's group commit: one scheduling pass and one transaction per batch.
 
-Decisions are staged on the event loop (``_stage``); the writer takes all that is pending, runs
-a scheduling pass over it, snapshots the leases it touched, and commits it all in one
-transaction on the writer thread. Only then do the callers get their answers, does the feed
-carry the events, and do the listeners hear of them (``_committed``). A failed commit stops the
-broker (``_fail``). A part of :class:`.manager.LeaseManager`; see that module for the contract.
+Decisions are staged on the event loop (:meth:`GroupCommit.stage`); the writer takes all that
+is pending, runs a scheduling pass over it, snapshots the leases it touched, and commits it all
+in one transaction on the writer thread. Only then does ``on_committed`` run (the manager's
+committed state, its feed and its listeners), and only then do the callers get their answers.
+A failed commit stops the broker (:meth:`GroupCommit.fail`). Held by
+:class:`.manager.LeaseManager`; see that module for the contract.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from typing import Any
 
 from ..core.events import ENDED, Event
 from ..core.model import LeaseError, LeaseState
-from ..store import Batch
+from ..store import Batch, LeaseStore
 
 LIVE = (LeaseState.QUEUED.value, LeaseState.ACTIVE.value)
 TERMINAL = tuple(s.value for s in LeaseState if s.terminal)
 
 STOPPING = "the broker is stopping; try again in a moment (its standby or the restarted broker answers)"
+LOST_DATABASE = "the broker lost its database and is stopping; try again in a few seconds"
+
+log = logging.getLogger(__name__)
+
+CountTotals = Callable[[list[Event]], dict[tuple[str, tuple[str, ...]], float]]
+Committed = Callable[[Batch, list[dict[str, Any]], list[Event]], None]
 
 
 class Unavailable(LeaseError):
@@ -30,12 +39,56 @@ class Unavailable(LeaseError):
 
 
 class GroupCommit:
-    """Staging decisions and writing them, one batch per transaction, in decision order."""
+    """Staging decisions and writing them, one batch per transaction, in decision order.
 
-    def _stage(self, events: list[Event], leases: Iterable[Any] = (), *, tick: bool = True, key: str | None = None) -> asyncio.Future:
-        """Queue decisions for the next group commit; the future resolves once they are on disk."""
+    ``scheduler`` and ``store``: what is decided and where it is written; ``writer``: the one
+    thread that writes (commits stay in decision order); ``now``: the broker's clock;
+    ``on_committed(batch, written, events)``: what happens once a batch is on disk, before the
+    callers are answered; ``on_fail(exc)``: what happens once a commit failed (after the
+    waiting callers were answered 503). ``count_totals``: the increments of the durable
+    counters a batch's events make (written with them), ``usage_recorder``: the usage records
+    fed from each batch and written with it; None: none."""
+
+    def __init__(self, scheduler, store: LeaseStore, *, writer: Executor, now: Callable[[], float], on_committed: Committed,
+                 on_fail: Callable[[BaseException], None] | None = None, count_totals: CountTotals | None = None,
+                 usage_recorder=None, logger: logging.Logger | None = None):
+        self.scheduler = scheduler
+        self.store = store
+        self.writer = writer
+        self.now = now
+        self.on_committed = on_committed
+        self.on_fail = on_fail
+        self.count_totals = count_totals
+        self.usage_recorder = usage_recorder
+        self.log = logger or log
+        self.failed: BaseException | None = None
+        self.closed = False
+        self.commits = 0  # transactions written (for the benchmark and metrics)
+        self.end_extra: dict[str, dict[str, Any]] = {}  # facts about an end the scheduler does not keep
+        self._pending: list[tuple[list[Event], str | None]] = []
+        self._pending_leases: dict[str, Any] = {}
+        self._pending_tick = False
+        self._pending_done: asyncio.Future | None = None
+        self._writing: asyncio.Future | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the writer was started (:meth:`start`)."""
+        return self._task is not None
+
+    def start(self) -> None:
+        """Start the writer (on the running loop)."""
+        self._wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self._write_loop())
+
+    def stage(self, events: list[Event], leases: Iterable[Any] = (), *, tick: bool = True, key: str | None = None) -> asyncio.Future:
+        """Queue decisions for the next group commit; the future resolves once they are on disk.
+        ``leases``: the leases they changed; ``tick``: run a scheduling pass with them; ``key``:
+        the caller's idempotency key, written with the first of ``events``."""
         if self.failed is not None:
-            raise Unavailable("the broker lost its database and is stopping; try again in a few seconds")
+            raise Unavailable(LOST_DATABASE)
         if self.closed:
             raise Unavailable(STOPPING)
         self._pending.append((events, key))
@@ -57,10 +110,32 @@ class GroupCommit:
         elif self._writing is not None:
             await asyncio.shield(self._writing)
 
-    _writing: asyncio.Future | None = None
+    def keep_server(self, lease_id: str) -> None:
+        """The end of ``lease_id`` about to be decided leaves its server running (its record says so)."""
+        self.end_extra.setdefault(lease_id, {})["keep_server"] = True
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Stop taking decisions (they are answered 503), write what was staged, end the writer."""
+        # closed first: a call that comes during the flush is answered 503 (the next broker
+        # answers it), and the writer ends once what was staged is written (were ``closed`` set
+        # after the flush, a batch staged meanwhile could leave the writer waiting for a wake-up
+        # that never comes, holding the database's lock until the timeout below)
+        self.closed = True
+        try:
+            if self.failed is None and self._task is not None:
+                await self.flush()
+        except LeaseError:
+            pass
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout)
+            except Exception:  # a writer stuck on a dead database: close anyway
+                pass
 
     def _note_end(self, e: Event) -> None:
-        extra = self._end_extra.setdefault(e.lease_id, {})
+        extra = self.end_extra.setdefault(e.lease_id, {})
         extra["actor"] = e.actor
         lease = getattr(e, "lease", None)
         if lease is not None and e.to_state == LeaseState.PREEMPTED.value and lease.preempted_for:
@@ -98,12 +173,16 @@ class GroupCommit:
                 events += more
             batch = self._snapshot(staged, events, touched.values())
             try:
-                written = await loop.run_in_executor(self._writer, self.store.write, batch) if batch else []
-            except BaseException as e:  # any failure to commit is fatal, see the module doc
-                self._fail(e, done)
+                written = await loop.run_in_executor(self.writer, self.store.write, batch) if batch else []
+            except BaseException as e:  # any failure to commit is fatal, see the manager's module doc
+                self.fail(e, done)
                 return
             self.commits += 1
-            self._committed(batch, written, events)
+            if self.end_extra:  # forget what was kept for ends now on disk
+                for lid, d in batch.leases.items():
+                    if d["state"] not in LIVE:
+                        self.end_extra.pop(lid, None)
+            self.on_committed(batch, written, events)
             self._writing = None
             if not done.done():
                 done.set_result(None)
@@ -128,7 +207,7 @@ class GroupCommit:
             batch.leases[lease.id] = lease
         for lid, lease in list(batch.leases.items()):
             d = lease.to_dict()
-            extra = self._end_extra.get(lid)
+            extra = self.end_extra.get(lid)
             if extra and d["state"] in TERMINAL:
                 d.update({"end_info": {k: v for k, v in extra.items() if k != "keep_server"}, "keep_server": bool(extra.get("keep_server"))})
             batch.leases[lid] = d
@@ -143,42 +222,17 @@ class GroupCommit:
                 batch.at = batch.at or self.now()
         return batch
 
-    def _committed(self, batch: Batch, written: list[dict[str, Any]], events: list[Event]) -> None:
-        for key, n in batch.totals.items():
-            total = self.totals.setdefault(key, [0.0, batch.at])
-            total[0] += n
-        for lid, d in batch.leases.items():
-            if d["state"] in LIVE:
-                self.committed[lid] = d
-            else:
-                self.committed.pop(lid, None)
-                self._end_extra.pop(lid, None)
-                self.recently_ended[lid] = d
-                self.recently_ended.move_to_end(lid)
-                if len(self.recently_ended) > self.recently_ended_max:
-                    self.recently_ended.popitem(last=False)
-        users = {}
-        for e in events:
-            lease = getattr(e, "lease", None)
-            if lease is not None:
-                users[e.lease_id] = lease.user
-        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "")) for w in written)
-        for listener in self.listeners:
-            try:
-                listener(written, events)
-            except Exception:
-                self.log.exception("event listener %r failed", listener)
-
-    def _fail(self, exc: BaseException, done: asyncio.Future) -> None:
+    def fail(self, exc: BaseException, done: asyncio.Future | None = None) -> None:
+        """The database failed (a commit, or the lock's check): answer every waiting caller 503,
+        take no more decisions, and tell ``on_fail``."""
         self.failed = exc
         self.log.critical("Cannot write to the lease database %s: %s. Nothing more is answered; the broker stops so that it (or its standby) "
                           "starts again from the database.", self.store.describe(), exc)
-        err = Unavailable("the broker lost its database and is stopping; try again in a few seconds")
+        err = Unavailable(LOST_DATABASE)
         for fut in (done, self._pending_done):
             if fut is not None and not fut.done():
                 fut.set_exception(err)
                 fut.exception()  # retrieved: waiters that gave up must not log it again
         self._pending_done = None
-        self.feed.close("the broker lost its database")
-        if self.on_fatal is not None:
-            self.on_fatal(exc)
+        if self.on_fail is not None:
+            self.on_fail(exc)

@@ -68,7 +68,9 @@ def write_atomically(path: str, content: str) -> None:
 
 
 class DcgmJobMap:
-    """Keeps the mapping folder in step with the committed leases (see the module doc)."""
+    """Keeps the mapping folder in step with the committed leases (see the module doc): reads
+    the ``manager``'s committed leases and pool, hears of grants and ends through
+    :meth:`on_events` (a listener of the manager's commits) once started."""
 
     def __init__(self, manager, folder: str, *, logger: logging.Logger | None = None):
         self.manager = manager
@@ -79,14 +81,16 @@ class DcgmJobMap:
         self._dirty = False
         self._task: asyncio.Task | None = None
         self.last_error = ""
+        self.started = False
 
     def start(self) -> None:
         """Write every file once (the leases a fail-over took over), then follow the events."""
-        self.manager.listeners.append(self._on_events)
+        self.started = True
         self.update()
 
-    def _on_events(self, written, events) -> None:
-        if any(e.kind in (GRANTED, ENDED) for e in events):
+    def on_events(self, written, events) -> None:
+        """A listener of the manager's commits: a grant or an end rewrites the files (once started)."""
+        if self.started and any(e.kind in (GRANTED, ENDED) for e in events):
             self.update()
 
     def update(self) -> None:

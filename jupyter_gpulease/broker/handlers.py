@@ -3,9 +3,10 @@
 Authentication is JupyterHub's: API handlers take ``Authorization: token …`` (HubAuth) and
 answer 401 instead of redirecting. Callers with the admin scope (``custom:gpulease:admin`` by
 default) or hub admins act on every lease; everyone else on their own. Handlers talk to the
-:class:`~jupyter_gpulease.broker.manager.LeaseManager` only, and every answer they give about a
-lease is its committed state (see the manager's contract). Input is bounded and parsed by
-:mod:`jupyter_gpulease.broker.inputs`.
+:class:`~jupyter_gpulease.broker.manager.LeaseManager` about leases, and every answer they give
+about a lease is its committed state (see the manager's contract); the other parts they read
+(the hub side, the health keeper, the unleased-use detector) are in the web app's settings.
+Input is bounded and parsed by :mod:`jupyter_gpulease.broker.inputs`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ class BrokerHandler:
     @property
     def broker(self):
         return self.settings["gpulease_broker"]
+
+    @property
+    def hub_side(self):
+        """What the broker asks of its hub (:class:`.hubside.HubSide`: a user's groups)."""
+        return self.settings["gpulease_hub_side"]
+
+    @property
+    def health(self):
+        """The GPU health keeper (:class:`.health.HealthKeeper`); None where this broker keeps none."""
+        return self.settings.get("gpulease_health")
+
+    @property
+    def unleased(self):
+        """The detector of unleased GPU use (:class:`.unleased.UnleasedDetector`); None where off."""
+        return self.settings.get("gpulease_unleased")
 
     @property
     def limits(self) -> inputs.Limits:
@@ -353,7 +369,7 @@ class PoolHandler(APIHandler):
                 raise Forbidden(f"only callers with the {self.admin_scope} scope may see another user's tiers and quota", field="user")
             groups = tuple(self.get_arguments("group"))
             if not groups:
-                groups = await self.broker.user_groups(user)
+                groups = await self.hub_side.user_groups(user)
             name = user
         else:
             name, groups = self.caller_name, self.caller_groups
@@ -362,7 +378,7 @@ class PoolHandler(APIHandler):
         out.update(
             {
                 "tiers": [t.to_dict() for t in m.tiers_for(name, groups, every=every)],
-                "min_duration_s": getattr(m.policy, "min_duration_s", None),
+                "min_duration_s": m.policy.min_duration_s,
                 "user": name,
                 "usage": m.usage(name, groups),
             }

@@ -50,7 +50,9 @@ def target_key(kind: str, name: str) -> str:
 
 
 class HealthKeeper:
-    """See the module doc. One per broker; ``manager.health`` points to it."""
+    """See the module doc. One per broker: ``manager`` (the :class:`LeaseManager`) is handed it
+    by the app (``LeaseManager.wire``), to mark cordoned GPUs, note them in the pool and warn
+    their holders."""
 
     def __init__(self, manager, *, settle_s: float = 300.0, drain_action: str = "suspend", drain_grace_s: float = 60.0,
                  logger: logging.Logger | None = None):
@@ -71,12 +73,11 @@ class HealthKeeper:
         self._busy = False
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
-        manager.health = self
 
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
         """Load the cordons and windows and apply them to the scheduler."""
-        cordons, windows = await self.manager._in_writer(health_store.load, self.manager.store)
+        cordons, windows = await self.manager.in_writer(health_store.load, self.manager.store)
         self.cordons = {r["target"]: r for r in cordons}
         self.windows = {r["id"]: r for r in windows}
         self._windows = None
@@ -90,7 +91,7 @@ class HealthKeeper:
         none since) still go first in their tier with their next request."""
         m = self.manager
         since = m.now() - self.MOVED_MEMORY_S
-        past = await m._in_writer(m.store.history, since)
+        past = await m.in_writer(m.store.history, since)
         latest: dict[tuple[str, str], Any] = {}
         for lease in sorted([*past, *m.scheduler.leases.values()], key=lambda x: x.created_at):
             latest[(lease.user, lease.server)] = lease
@@ -191,7 +192,7 @@ class HealthKeeper:
             new = {"target": key, "mode": mode, "source": "health", "reason": top.reason, "actor": "broker:health", "since": now,
                    "hold": False, "data": {"findings": [f.to_dict() for f in found], "resets": h.resets, "healthy_since": None,
                                            "device": g.uuid, "node": g.node, "index": g.index}}
-        await self.manager._in_writer(health_store.save_cordon, self.manager.store, new)
+        await self.manager.in_writer(health_store.save_cordon, self.manager.store, new)
         self.cordons[key] = new
         if row is None or new["mode"] != row["mode"]:
             self.log.warning("GPU %s (node %s, #%d) cordoned (%s): %s", g.uuid, g.node, g.index, mode.replace("_", " "), top.reason)
@@ -216,13 +217,13 @@ class HealthKeeper:
             return False
         if now - since < self.settle_s:
             return False
-        await self.manager._in_writer(health_store.delete_cordon, self.manager.store, row["target"])
+        await self.manager.in_writer(health_store.delete_cordon, self.manager.store, row["target"])
         self.cordons.pop(row["target"], None)
         self.log.warning("GPU %s (node %s, #%d) is back in the pool: healthy for %s after a reset", g.uuid, g.node, g.index, format_duration(now - since))
         return True
 
     async def _save(self, row: dict[str, Any]) -> None:
-        await self.manager._in_writer(health_store.save_cordon, self.manager.store, row)
+        await self.manager.in_writer(health_store.save_cordon, self.manager.store, row)
         self.cordons[row["target"]] = row
 
     async def _move_holders(self, g: GPU, reason: str, actor: str = "broker:health") -> None:
@@ -284,7 +285,7 @@ class HealthKeeper:
             row = self.cordons.get(key)
             if row is None:
                 raise NotFound(f"{kind} {name!r} is not cordoned", field="name")
-            await self.manager._in_writer(health_store.delete_cordon, self.manager.store, key)
+            await self.manager.in_writer(health_store.delete_cordon, self.manager.store, key)
             self.cordons.pop(key, None)
             self.log.warning("Uncordoned %s %s (%s) by %s", kind, name, row["reason"], actor)
             await self._apply()
@@ -311,7 +312,7 @@ class HealthKeeper:
         row = {"id": secrets.token_hex(6), "start": float(start), "end": float(end), "reason": reason.strip(), "devices": devices,
                "nodes": nodes, "actor": actor, "created_at": now}
         async with self._lock:
-            await self.manager._in_writer(health_store.save_window, self.manager.store, row)
+            await self.manager.in_writer(health_store.save_window, self.manager.store, row)
             self.windows[row["id"]] = row
             self._windows = None
             self.log.warning("Maintenance window %s set by %s: %s to %s on %s: %s", row["id"], actor, start, end,
@@ -324,7 +325,7 @@ class HealthKeeper:
             row = self.windows.get(window_id)
             if row is None:
                 raise NotFound(f"no maintenance window {window_id!r}", field="id")
-            await self.manager._in_writer(health_store.delete_window, self.manager.store, window_id)
+            await self.manager.in_writer(health_store.delete_window, self.manager.store, window_id)
             self.windows.pop(window_id, None)
             self._windows = None
             self.log.warning("Maintenance window %s removed by %s", window_id, actor)

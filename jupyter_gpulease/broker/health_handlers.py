@@ -19,7 +19,7 @@ from .handlers import APIHandler
 
 
 def _keeper(handler):
-    keeper = getattr(handler.manager, "health", None)
+    keeper = handler.health
     if keeper is None:
         raise NotFound("GPU health and maintenance are not kept by this broker", field="health")
     return keeper

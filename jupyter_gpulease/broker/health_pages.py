@@ -20,9 +20,8 @@ from .present import format_duration, local_time
 ACTIONS = ("cordon", "drain", "uncordon", "window", "unwindow")
 
 
-def health_view(m, now: float) -> dict[str, Any] | None:
-    """What the section shows; None when this broker keeps no health state."""
-    keeper = getattr(m, "health", None)
+def health_view(keeper, now: float) -> dict[str, Any] | None:
+    """What the section shows of the health ``keeper``; None when this broker keeps none."""
     if keeper is None:
         return None
     state = keeper.state_json()
@@ -72,7 +71,7 @@ class AdminHealthHandler(AdminPage):
     @web.authenticated
     async def post(self, action: str):
         self.check_admin()
-        keeper = getattr(self.manager, "health", None)
+        keeper = self.health
         if keeper is None:
             raise web.HTTPError(404, "This broker keeps no GPU health state.")
         arg = lambda name: self.get_body_argument(name, "").strip()  # noqa: E731

@@ -1,4 +1,5 @@
-"""The lease manager: the scheduler, the store, the clock and the feed, wired together.
+"""The lease manager: the scheduler, the store, the clock and the feed, wired together; it
+holds the group commit (:mod:`.commit`) and the view of committed state (:mod:`.reads`).
 
 The contract, which handlers and metrics rely on (they use nothing else of the broker):
 
@@ -11,7 +12,7 @@ The contract, which handlers and metrics rely on (they use nothing else of the b
   pending, runs one scheduling pass over it, and commits it in ONE transaction (one fsync).
   Throughput grows with concurrency, and commits stay in decision order (one writer thread).
 * **Reads see committed state.** The manager keeps the committed version of every live lease
-  (``committed``); a read of a lease whose first commit is still pending waits for it. Ended
+  (``reads.committed``); a read of a lease whose first commit is still pending waits for it. Ended
   leases are read from the store, after their end was committed, so a list and a get agree.
 * **A failed commit stops the broker** (``on_fatal``): the decisions in memory are no longer
   what the database holds, and the next broker (a restart, or the standby) starts from the
@@ -26,23 +27,22 @@ import os
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..core.events import Event
 from ..core.model import Conflict, LeaseError, LeaseState, NotFound
 from ..core.request import Ask
-from ..store import LeaseStore
-from .commit import LIVE, STOPPING, TERMINAL, GroupCommit, Unavailable
+from ..store import Batch, LeaseStore
+from .commit import LIVE, STOPPING, TERMINAL, CountTotals, GroupCommit, Unavailable
 from .ends import end_message, ended_by
 from .feed import Feed
-from .reads import LeaseReads
+from .reads import LeaseReads, WarningSource
 
 __all__ = ["LIVE", "STOPPING", "TERMINAL", "EventListener", "LeaseManager", "SystemClock", "Unavailable", "end_message", "ended_by"]
 
 log = logging.getLogger(__name__)
-
 
 
 class SystemClock:
@@ -55,12 +55,19 @@ class SystemClock:
 EventListener = Callable[[list[dict[str, Any]], list[Event]], None]
 
 
-class LeaseManager(LeaseReads, GroupCommit):
+class LeaseManager:
     """Owns the :class:`Scheduler` and the :class:`LeaseStore`; the only writer of lease state.
 
-    Its operations and its life (restore, close, pruning) are here; the group commit they go
-    through is :class:`.commit.GroupCommit`, the reads of committed state
-    :class:`.reads.LeaseReads`."""
+    Its operations and its life (restore, close, pruning) are here. It holds the group commit
+    every decision goes through (:attr:`commit`, a :class:`.commit.GroupCommit`) and the view of
+    committed state every read comes from (:attr:`reads`, a :class:`.reads.LeaseReads`); the
+    reads the API uses are methods here too (``get``, ``list``, ``lease_json``, ``warnings``…).
+
+    ``count_totals``: the increments of the durable counters a batch of events makes (the
+    metrics' :func:`.metrics.count_events`), committed with them; ``usage_recorder``: usage
+    records fed from each batch and committed with it; ``on_fatal(exc)``: called once a commit
+    failed (the broker process ends: see the module doc). The parts built after the manager,
+    which hold it, are handed to it by :meth:`wire`."""
 
     def __init__(
         self,
@@ -73,6 +80,9 @@ class LeaseManager(LeaseReads, GroupCommit):
         feed: Feed | None = None,
         request_key_window_s: float = 900.0,
         show_preemptor_names: bool = False,
+        count_totals: CountTotals | None = None,
+        usage_recorder=None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ):
         self.scheduler = scheduler
         self.store = store
@@ -80,46 +90,33 @@ class LeaseManager(LeaseReads, GroupCommit):
         self.log = logger or log
         self.usage_lookback_s = usage_lookback_s
         self.feed = feed if feed is not None else Feed()
+        self.usage_recorder = usage_recorder
+        self.on_fatal = on_fatal
         self.listeners: list[EventListener] = []
-        self.on_fatal: Callable[[BaseException], None] | None = None
-        self.show_preemptor_names = show_preemptor_names
+        self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on: see wire()
         # one writer thread keeps commits in order; reads use their own threads (an in-memory
         # SQLite database is one connection: everything goes through the writer then)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gpulease-store-write")
         self._readers = self._writer if store.in_memory else ThreadPoolExecutor(2, thread_name_prefix="gpulease-store-read")
-        self.committed: dict[str, dict[str, Any]] = {}  # live leases as last committed
-        # leases that ended lately, as committed: the answer to a release and the reads that
-        # follow an end come from here, not from the database (bounded, oldest end out first)
-        self.recently_ended: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self.recently_ended_max = 8192
-        self._pending: list[tuple[list[Event], str | None]] = []
-        self._pending_leases: dict[str, Any] = {}
-        self._pending_tick = False
-        self._pending_done: asyncio.Future | None = None
-        self._wake: asyncio.Event | None = None
-        self._writer_task: asyncio.Task | None = None
-        self._end_extra: dict[str, dict[str, Any]] = {}  # facts about an end the scheduler does not keep
+        self.commit = GroupCommit(scheduler, store, writer=self._writer, now=self.clock.now, on_committed=self._committed, on_fail=self._lost_database,
+                                  count_totals=count_totals, usage_recorder=usage_recorder, logger=self.log)
+        self.reads = LeaseReads(scheduler, store, readers=self._readers, feed=self.feed, flush=self.commit.flush, now=self.clock.now,
+                                show_preemptor_names=show_preemptor_names)
         self._keys: OrderedDict[str, str] = OrderedDict()  # idempotency key -> lease id (this process)
         self._keys_max = 200_000
         self.request_key_window_s = request_key_window_s
         self.started_at = 0.0
         self.draining = False
-        self.failed: BaseException | None = None
-        self.closed = False
-        self.commits = 0  # transactions written (for the benchmark and metrics)
-        # durable counters (the metrics'): events -> increments, committed with the events;
-        # ``totals`` holds (name, label values) -> [total, created] as committed
-        self.count_totals: Callable[[list[Event]], dict[tuple[str, tuple[str, ...]], float]] | None = None
-        self.totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
         self._ids = random.Random(os.urandom(32))
-        # unleased GPU use (broker/unleased.py): the standing findings as JSON, and the warnings
-        # of one user's findings for the heartbeat answers of that user's leases
-        self.unleased: list[dict[str, Any]] = []
-        self.unleased_action: str | None = None  # None: nothing checks
-        self.unleased_warnings: Callable[[str], list[dict[str, Any]]] | None = None
-        self.health = None  # GPU health, cordons and maintenance windows (broker/health.py), where on
-        # usage records (broker/usage.py): fed from each batch before its commit, written with it
-        self.usage_recorder = None
+
+    def wire(self, *, listeners: Iterable[EventListener] = (), health=None, warnings: Iterable[WarningSource] = ()) -> None:
+        """Hand the manager the parts built after it (they hold the manager): ``listeners`` of
+        committed events (``listener(written, events)``, in this order), the GPU ``health``
+        keeper (cordoned GPUs take no grants; the pool's notes) and the ``warnings`` sources of
+        the heartbeat answers (each: a lease's dict -> its holder's warnings). Before start()."""
+        self.listeners.extend(listeners)
+        self.health = health
+        self.reads.warn_from(*warnings)
 
     # ------------------------------------------------------------------ plumbing
     def now(self) -> float:
@@ -140,80 +137,110 @@ class LeaseManager(LeaseReads, GroupCommit):
         """Id of the newest committed event (the feed's cursor)."""
         return self.feed.last_id
 
-    async def _in_writer(self, fn, *args):
+    @property
+    def commits(self) -> int:
+        """Transactions this manager committed."""
+        return self.commit.commits
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the database failed under this manager (None: it did not)."""
+        return self.commit.failed
+
+    @property
+    def closed(self) -> bool:
+        return self.commit.closed
+
+    async def in_writer(self, fn, *args):
+        """``fn(*args)`` in the writer thread (in order with the commits)."""
         return await asyncio.get_running_loop().run_in_executor(self._writer, fn, *args)
 
-    async def _in_reader(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._readers, lambda: fn(*args, **kwargs))
+    def in_reader(self, fn, *args, **kwargs) -> Awaitable[Any]:
+        """``fn(*args, **kwargs)`` in a reader thread (a store read off the loop)."""
+        return self.reads.in_reader(fn, *args, **kwargs)
+
+    def flush(self) -> Awaitable[None]:
+        """Wait until everything decided so far is committed."""
+        return self.commit.flush()
+
+    def _committed(self, batch: Batch, written: list[dict[str, Any]], events: list[Event]) -> None:
+        """A batch is on disk (the group commit's ``on_committed``): the reads see it, then the
+        feed carries its events and the listeners hear of them."""
+        self.reads.apply(batch)
+        users = {}
+        for e in events:
+            lease = getattr(e, "lease", None)
+            if lease is not None:
+                users[e.lease_id] = lease.user
+        self.feed.publish((w, users.get(w["lease_id"]) or (batch.leases.get(w["lease_id"]) or {}).get("user", "")) for w in written)
+        for listener in self.listeners:
+            try:
+                listener(written, events)
+            except Exception:
+                self.log.exception("event listener %r failed", listener)
+
+    def _lost_database(self, exc: BaseException) -> None:
+        self.feed.close("the broker lost its database")
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> list[Event]:
         """Bring the schema up to date, load live leases and past usage, start the writer, tick
         once. The caller holds the store's leadership."""
-        self._wake = asyncio.Event()
-        before, head = await self._in_writer(self.store.upgrade)
+        before, head = await self.in_writer(self.store.upgrade)
         if before != head:
             self.log.info("Lease database %s at schema %s (was %s)", self.store.describe(), head, before or "empty")
         now = self.now()
         self.started_at = now
-        live = await self._in_writer(self.store.load_live)
+        live = await self.in_writer(self.store.load_live)
         self.scheduler.restore(live)
-        self.committed = {lease.id: lease.to_dict() for lease in live}
+        self.reads.restore((lease.to_dict() for lease in live), await self.in_writer(self.store.load_totals))
         lookback = self.usage_lookback_s if self.usage_lookback_s is not None else _usage_lookback(self.scheduler.policy)
-        past = await self._in_writer(self.store.history, now - lookback)
+        past = await self.in_writer(self.store.history, now - lookback)
         for lease in past:
             self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
-        self.feed.last_id = await self._in_writer(self.store.last_event_id)
-        self.totals = await self._in_writer(self.store.load_totals)
+        self.feed.last_id = await self.in_writer(self.store.last_event_id)
         if self.usage_recorder is not None:
-            stale = self.usage_recorder.restore(await self._in_writer(self.store.load_live_usage), live=self.committed)
+            stale = self.usage_recorder.restore(await self.in_writer(self.store.load_live_usage), live=self.reads.committed)
             for lid in stale:  # ended while nothing was recorded (recording off): closed at its end
-                self.usage_recorder.close_stale(lid, await self._in_writer(self.store.get_lease, lid))
+                self.usage_recorder.close_stale(lid, await self.in_writer(self.store.get_lease, lid))
         self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
-        self._writer_task = asyncio.ensure_future(self._write_loop())
-        done = self._stage([], tick=True)
-        await done
+        self.commit.start()
+        await self.commit.stage([], tick=True)
         return []
 
     async def tick(self) -> None:
         """A scheduling pass (expiries, warnings, grants), committed."""
-        if self.failed is None and not self.closed:
-            await self._stage([], tick=True)
+        if self.commit.failed is None and not self.commit.closed:
+            await self.commit.stage([], tick=True)
 
     async def close(self) -> None:
         """Finish pending writes, close the store."""
-        if self.closed:
+        if self.commit.closed:
             return
-        # closed first: a call that comes during the flush is answered 503 (the next broker
-        # answers it), and the writer ends once what was staged is written (were ``closed`` set
-        # after the flush, a batch staged meanwhile could leave the writer waiting for a wake-up
-        # that never comes, holding the database's lock until the timeout below)
-        self.closed = True
-        try:
-            if self.failed is None and self._writer_task is not None:
-                await self.flush()
-        except LeaseError:
-            pass
+        await self.commit.close()
         self.feed.close()
-        if self._wake is not None:
-            self._wake.set()
-        if self._writer_task is not None:
-            try:
-                await asyncio.wait_for(self._writer_task, 30)
-            except Exception:  # a writer stuck on a dead database: close anyway
-                pass
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._writer.shutdown, True)
         if self._readers is not self._writer:
             await loop.run_in_executor(None, self._readers.shutdown, True)
         self.store.close()
 
+    async def check_lock(self) -> None:
+        """Whether this broker still holds the database's lock (the connection that holds it is
+        alive); losing it is fatal, like a failed commit."""
+        try:
+            await self.in_writer(self.store.check_leadership)
+        except Exception as e:  # the connection holding the lock is gone
+            self.commit.fail(e)
+
     async def prune_events(self, retention_s: float) -> int:
         """Delete events older than ``retention_s`` of ended leases (in chunks, in the writer)."""
         before = self.now() - retention_s
         total = 0
         while not self.closed and self.failed is None:
-            n = await self._in_writer(self.store.prune_events, before)
+            n = await self.in_writer(self.store.prune_events, before)
             total += n
             if n == 0:
                 break
@@ -226,7 +253,7 @@ class LeaseManager(LeaseReads, GroupCommit):
         before = self.now() - retention_s
         total = 0
         while not self.closed and self.failed is None:
-            n = await self._in_writer(self.store.prune_usage_samples, before)
+            n = await self.in_writer(self.store.prune_usage_samples, before)
             total += n
             if n == 0:
                 break
@@ -246,11 +273,11 @@ class LeaseManager(LeaseReads, GroupCommit):
             return None
         lid = self._keys.get(key)
         if lid is None and self.now() - self.started_at < self.request_key_window_s:
-            lid = await self._in_reader(self.store.find_request_key, key)  # answered before a restart?
+            lid = await self.reads.in_reader(self.store.find_request_key, key)  # answered before a restart?
         if lid is None:
             return None
         if user is not None:
-            d = await self._lease_dict(lid)
+            d = await self.reads.lease_dict(lid)
             if d is None or d["user"] != user:
                 raise Conflict("this Idempotency-Key was already used for another user's lease; send a new key", field="Idempotency-Key")
         return lid
@@ -260,9 +287,9 @@ class LeaseManager(LeaseReads, GroupCommit):
         try:
             events = op()
         except LeaseError:
-            await self.flush()
+            await self.commit.flush()
             raise
-        await self._stage(events, leases, tick=tick, key=key)
+        await self.commit.stage(events, leases, tick=tick, key=key)
         return events
 
     # ------------------------------------------------------------------ operations
@@ -271,38 +298,38 @@ class LeaseManager(LeaseReads, GroupCommit):
         committed dict. ``key``: the caller's idempotency key (a retry gets the first lease)."""
         replay = await self._replayed(key, ask.user)
         if replay is not None:
-            return await self.get(replay)
+            return await self.reads.get(replay)
         now = self.now()
         try:
             lease = self.scheduler.new_lease(ask, now, lease_id=self._new_id())
         except LeaseError:
-            await self.flush()
+            await self.commit.flush()
             raise
         self._remember_key(key, lease.id)
         await self._run(lambda: self.scheduler.submit(lease, now, actor=actor or ask.user), leases=[lease], key=key)
-        return self.committed.get(lease.id) or await self.get(lease.id)
+        return self.reads.committed.get(lease.id) or await self.reads.get(lease.id)
 
     async def _change(self, lease_id: str, op, *, tick: bool = True, key: str | None = None) -> dict[str, Any]:
         if await self._replayed(key) == lease_id:
-            return await self.get(lease_id)
+            return await self.reads.get(lease_id)
         lease = await self._live(lease_id)
         self._remember_key(key, lease_id)
         await self._run(lambda: op(self.now()), leases=[lease], tick=tick, key=key)
-        return await self.get(lease_id)
+        return await self.reads.get(lease_id)
 
     async def _live(self, lease_id: str):
         try:
             return self.scheduler.get(lease_id)
         except NotFound:
-            await self.flush()  # its end may still be on its way to the disk
-            d = await self._lease_dict(lease_id)
+            await self.commit.flush()  # its end may still be on its way to the disk
+            d = await self.reads.lease_dict(lease_id)
             if d is None:
                 raise NotFound(f"no lease with id {lease_id!r}", field="id") from None
             raise Conflict(f"lease {lease_id} has already ended ({d['state']})", field="state") from None
 
     async def release(self, lease_id: str, *, state: LeaseState = LeaseState.RELEASED, reason: str = "", actor: str = "", keep_server: bool = False, key: str | None = None) -> dict[str, Any]:
         if keep_server:
-            self._end_extra.setdefault(lease_id, {})["keep_server"] = True
+            self.commit.keep_server(lease_id)
         return await self._change(lease_id, lambda now: self.scheduler.release(lease_id, now, state=state, reason=reason, actor=actor), key=key)
 
     async def revoke(self, lease_id: str, *, grace_s: float, reason: str, actor: str, key: str | None = None) -> dict[str, Any]:
@@ -324,31 +351,27 @@ class LeaseManager(LeaseReads, GroupCommit):
         try:
             lease = self.scheduler.get(lease_id)
         except NotFound:
-            return await self.get(lease_id)
+            return await self.reads.get(lease_id)
         await self._run(lambda: self.scheduler.heartbeat(lease_id, self.now(), usage), leases=[lease], tick=False)
-        return await self.get(lease_id)
+        return await self.reads.get(lease_id)
 
     async def record(self, events: list[Event]) -> None:
         """Commit events that belong to no lease (the unleased-use detector's): the audit log,
         the counters and the feed carry them like the others; in the feed only admins' streams
         see them (they name other users: whose GPU was used)."""
-        await self._stage(events, tick=False)
+        await self.commit.stage(events, tick=False)
 
     async def set_inventory(self, gpus) -> list[Event]:
         if self.health is not None:
             gpus = self.health.apply(gpus)  # cordoned GPUs take no new grants
         events = self.scheduler.set_inventory(gpus, self.now())
-        await self._stage(events)
+        await self.commit.stage(events)
         return events
 
     async def set_draining(self, draining: bool, *, actor: str = "") -> None:
         """Stop (or resume) granting: queued leases stay queued; expiries and ends go on."""
         self.draining = bool(draining)
-        setter = getattr(self.scheduler, "set_draining", None)
-        if setter is not None:
-            setter(self.draining)
-        else:
-            self.scheduler.draining = self.draining
+        self.scheduler.set_draining(self.draining)
         self.log.warning("%s granting leases%s", "Stopped" if draining else "Resumed", f" ({actor})" if actor else "")
         if not draining:
             await self.tick()
@@ -358,8 +381,71 @@ class LeaseManager(LeaseReads, GroupCommit):
         pass, run dry): ``start`` now / queued (position, ETA) / never (``refused``)."""
         return self.scheduler.estimate(ask, self.now()).to_dict()
 
+    # ------------------------------------------------------------------ reads (committed state: self.reads)
+    @property
+    def committed(self) -> dict[str, dict[str, Any]]:
+        """Live leases as last committed (id -> dict)."""
+        return self.reads.committed
 
+    @property
+    def totals(self) -> dict[tuple[str, tuple[str, ...]], list[float]]:
+        """The durable counters as committed: (name, label values) -> [total, created]."""
+        return self.reads.totals
 
+    def get(self, lease_id: str) -> Awaitable[dict[str, Any]]:
+        """The committed dict of any lease (awaitable); NotFound when unknown."""
+        return self.reads.get(lease_id)
+
+    def live(self, user: str | None = None) -> list[dict[str, Any]]:
+        """Live leases (of ``user``) as committed, oldest first."""
+        return self.reads.live(user)
+
+    def list(self, *, user: str | None = None, state: str = "live", limit: int | None = None) -> Awaitable[list[dict[str, Any]]]:
+        """Leases by ``state`` (awaitable): see :meth:`.reads.LeaseReads.list`."""
+        return self.reads.list(user=user, state=state, limit=limit)
+
+    def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> Awaitable[list[dict]]:
+        """Committed events after ``since`` (awaitable)."""
+        return self.reads.events_since(since, lease_id=lease_id, user=user, limit=limit)
+
+    def queue(self) -> list[dict[str, Any]]:
+        """Committed queued leases in scheduling order."""
+        return self.reads.queue()
+
+    def queue_info(self, d: dict[str, Any]) -> dict[str, Any] | None:
+        """Position, length, ETA and what it waits for, of a lease queued as committed."""
+        return self.reads.queue_info(d)
+
+    def lease_json(self, d: dict[str, Any], *, viewer: str | None = None, admin: bool = True) -> dict[str, Any]:
+        """A committed lease as the API shows it to ``viewer``."""
+        return self.reads.lease_json(d, viewer=viewer, admin=admin)
+
+    def warnings(self, d: dict[str, Any]) -> list[dict[str, Any]]:
+        """What the holder of committed lease ``d`` should be told now."""
+        return self.reads.warnings(d)
+
+    # ------------------------------------------------------------------ the pool and the policy (the scheduler's, now)
+    def inventory(self):
+        return list(self.scheduler.inventory.values())
+
+    def pool(self) -> dict[str, Any]:
+        sched = self.scheduler
+        health = self.health
+        return {
+            "devices": [g.to_dict() | ((health.device_note(g) or {}) if health else {}) for g in sched.inventory.values()],
+            **({"health": health.state_json()} if health else {}),
+            "capacity": sched.capacity(),
+            "queue_length": sched.queue_length(),
+            "default_tier": sched.policy.default_tier,
+            "draining": self.draining,
+        }
+
+    def tiers_for(self, user: str, groups: Iterable[str], *, every: bool = False):
+        groups = tuple(groups)
+        return [t for t in self.policy.tiers.values() if every or t.allows(user, groups)]
+
+    def usage(self, user: str, groups: Iterable[str]) -> dict[str, Any]:
+        return self.scheduler.user_usage(user, tuple(groups), self.now())
 
 
 def _usage_lookback(policy) -> float:

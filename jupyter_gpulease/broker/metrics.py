@@ -7,7 +7,8 @@ totals. Nothing is updated per call: a scrape walks the live leases once on
 the event loop (:meth:`BrokerMetrics.render`) and writes the text in a thread.
 
 Counters (requests, grants, ends by reason, the queue-wait histogram) are *durable*: the
-manager counts each committed batch of events with :func:`count_events` and writes the
+manager counts each committed batch of events with :func:`count_events` (the app hands it
+the function) and writes the
 increments in the same transaction as the events (the store's ``metric_totals`` table). A
 broker that takes over after a fail-over loads the totals and continues every series, with its
 first ``_created`` time, so Prometheus sees no reset.
@@ -153,22 +154,20 @@ def lease_idle_s(d: dict[str, Any], now: float) -> float | None:
     return max(0.0, now - since)
 
 
-def backend_healthy(manager) -> dict[str, bool]:
-    """Device uuid -> whether its device backend reports it healthy. The scheduler's pool marks a
-    cordoned GPU unhealthy too (no new grants); the health series keep the two apart."""
-    health = getattr(manager, "health", None)
-    raw = getattr(health, "raw", None)
-    return {g.uuid: g.healthy for g in raw} if raw is not None else {}
+def backend_healthy(health) -> dict[str, bool]:
+    """Device uuid -> whether its device backend reports it healthy, from the broker's health
+    keeper (broker/health.py; None: none runs). The scheduler's pool marks a cordoned GPU
+    unhealthy too (no new grants); the health series keep the two apart."""
+    return {g.uuid: g.healthy for g in health.raw} if health is not None else {}
 
 
-def cordons(manager) -> dict[str, str]:
+def cordons(health, gpus) -> dict[str, str]:
     """Device uuid -> why it takes no new grants: its cordon (its own or its node's), from the
-    broker's health keeper (broker/health.py) where it runs."""
-    health = getattr(manager, "health", None)
+    broker's health keeper (broker/health.py; None: none runs), for the pool's ``gpus``."""
     if health is None:
         return {}
     out = {}
-    for g in manager.inventory():
+    for g in gpus:
         row = health.cordon_of(g)
         if row is not None:
             out[g.uuid] = str(row.get("reason") or row.get("mode") or "cordoned")
@@ -189,9 +188,12 @@ def _number(v: Any) -> float | None:
 class _BrokerCollector:
     """Every series of the broker, read at scrape time (see the module doc)."""
 
-    def __init__(self, manager, *, per_user: bool = False):
+    def __init__(self, manager, *, per_user: bool = False, telemetry=None, health=None, unleased=None):
         self.manager = manager
         self.per_user = per_user
+        self.telemetry = telemetry
+        self.health = health
+        self.unleased = unleased
         self._sampled: tuple[tuple, list] | None = None  # (the sample it was built from, the families)
 
     def collect(self):
@@ -286,7 +288,7 @@ class _BrokerCollector:
     # ------------------------------------------------------------------ the pool's devices
     def _pool(self, live: list[dict[str, Any]]):
         gpus = self.manager.inventory()
-        sound = backend_healthy(self.manager)  # a cordon is not ill health: gpulease_device_cordoned says it
+        sound = backend_healthy(self.health)  # a cordon is not ill health: gpulease_device_cordoned says it
         models = _Tally(g.model for g in gpus)
         total = GaugeMetricFamily("gpulease_gpus_total", "GPUs in the pool by model", labels=["model"])
         unhealthy = GaugeMetricFamily("gpulease_gpus_unhealthy", "GPUs of the pool its device backend reports unhealthy, by model", labels=["model"])
@@ -358,7 +360,7 @@ class _BrokerCollector:
         These families change only with a new sample: they are built once per sample and the
         same objects are yielded by every scrape until the next (a scrape of a large pool stays
         cheap on the loop; see benchmarks/bench_metrics.py)."""
-        telemetry = getattr(self.manager, "telemetry", None)
+        telemetry = self.telemetry
         samples = telemetry.current() if telemetry is not None else {}
         key = (telemetry.sampled_at if telemetry is not None else None, bool(samples), len(self.manager.scheduler.inventory))
         if self._sampled is None or self._sampled[0] != key:
@@ -417,13 +419,14 @@ class _BrokerCollector:
         maintenance = GaugeMetricFamily("gpulease_device_in_maintenance", "1 while a maintenance window of the GPU is under way, else 0", labels=labels)
         upcoming = GaugeMetricFamily("gpulease_device_next_maintenance_start_seconds", "When the next maintenance window of the GPU begins (Unix time; no series: none)",
                                      labels=labels)
-        out = cordons(self.manager)
+        gpus = self.manager.inventory()
+        out = cordons(self.health, gpus)
         now = self.manager.now()
-        windows_on = getattr(self.manager.scheduler, "windows_on", None)
-        for g in self.manager.inventory():
+        windows_on = self.manager.scheduler.windows_on
+        for g in gpus:
             key = [g.uuid, g.node, g.model]
             cordoned.add_metric(key, 1 if g.uuid in out else 0)
-            ws = windows_on(g.uuid, now) if windows_on is not None else []
+            ws = windows_on(g.uuid, now)
             maintenance.add_metric(key, 1 if ws and ws[0].start <= now else 0)
             if ws:
                 upcoming.add_metric(key, ws[0].start)
@@ -450,7 +453,7 @@ class _BrokerCollector:
                                 labels=["model"])
         count: _Tally = _Tally()
         held: dict[str, float] = {}
-        for d in getattr(self.manager, "unleased", None) or ():
+        for d in self.unleased.findings if self.unleased is not None else ():
             count[d["model"]] += 1
             held[d["model"]] = held.get(d["model"], 0.0) + max(0.0, _number(d.get("used_memory_mib")) or 0.0) * MIB
         for model in sorted({g.model for g in self.manager.inventory()} | set(count)):
@@ -513,13 +516,15 @@ class _BrokerCollector:
 
 
 class BrokerMetrics:
-    """The broker's Prometheus registry; each broker has its own (several can live in one process)."""
+    """The broker's Prometheus registry; each broker has its own (several can live in one process).
 
-    def __init__(self, manager, *, per_user: bool = False):
+    Reads the ``manager`` (the leases, the pool, the counters), and where the broker runs them
+    (None: not) its device ``telemetry``, GPU ``health`` keeper and ``unleased``-use detector."""
+
+    def __init__(self, manager, *, per_user: bool = False, telemetry=None, health=None, unleased=None):
         self.manager = manager
-        manager.count_totals = count_events
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_BrokerCollector(manager, per_user=per_user))
+        self.registry.register(_BrokerCollector(manager, per_user=per_user, telemetry=telemetry, health=health, unleased=unleased))
 
     async def render(self) -> bytes:
         """The exposition text: the figures are gathered on the event loop (they read the

@@ -159,21 +159,22 @@ class LeaseFormHandler(MyLeasesPage):
         await self.show(message=message)
 
 
-def admin_context(m, viewer: str) -> dict[str, Any]:
-    """What the admin page shows: active leases, the queue, the pool (committed state)."""
+def admin_context(m, viewer: str, *, health=None, unleased=None) -> dict[str, Any]:
+    """What the admin page shows: active leases, the queue, the pool (committed state), and
+    what the GPU ``health`` keeper and the ``unleased`` detector keep (None: not kept)."""
     now = m.now()
     active = [_lease_view(m, d, now, viewer, True) for d in m.live() if d["state"] == LeaseState.ACTIVE.value]
     queue = [_lease_view(m, d, now, viewer, True) for d in m.queue()]
     from .health_pages import health_view
 
-    keeper = getattr(m, "health", None)
     pool = [
         {"node": g.node, "index": g.index, "model": g.model, "memory": f"{g.memory_mib} MiB", "mig": ", ".join(x.profile for x in g.mig), "healthy": g.healthy, "uuid": g.uuid,
-         **((keeper.device_note(g) or {}) if keeper is not None else {})}
+         **((health.device_note(g) or {}) if health is not None else {})}
         for g in sorted(m.inventory(), key=lambda g: (g.node, g.index))
     ]
-    return dict(active=active, queue=queue, pool=pool, health=health_view(m, now), now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)), draining=m.draining,
-                unleased=[_unleased_view(u, now) for u in getattr(m, "unleased", None) or ()], unleased_action=getattr(m, "unleased_action", None))
+    return dict(active=active, queue=queue, pool=pool, health=health_view(health, now), now=now, now_text=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)),
+                draining=m.draining, unleased=[_unleased_view(u, now) for u in unleased.findings] if unleased is not None else [],
+                unleased_action=unleased.action if unleased is not None else None)
 
 
 def _unleased_view(u: dict[str, Any], now: float) -> dict[str, Any]:
@@ -194,8 +195,8 @@ def _unleased_view(u: dict[str, Any], now: float) -> dict[str, Any]:
     return v
 
 
-def render_admin_page(m, viewer: str = "", base_url: str = "/services/gpulease/", hub_home: str = "/hub/home") -> str:
-    return render("admin.html", base_url=base_url, hub_home=hub_home, **admin_context(m, viewer))
+def render_admin_page(m, viewer: str = "", base_url: str = "/services/gpulease/", hub_home: str = "/hub/home", *, health=None, unleased=None) -> str:
+    return render("admin.html", base_url=base_url, hub_home=hub_home, **admin_context(m, viewer, health=health, unleased=unleased))
 
 
 class AdminPage(PageHandler):
@@ -223,7 +224,7 @@ class AdminPage(PageHandler):
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
         self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, usage=self.usage,
                   health_confirm=getattr(self, "confirmation", None),
-                  **admin_context(self.manager, self.caller_name))
+                  **admin_context(self.manager, self.caller_name, health=self.health, unleased=self.unleased))
 
 
 class UsageCSV(PageHandler):

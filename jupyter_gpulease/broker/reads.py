@@ -1,26 +1,90 @@
 """Reads of committed lease state, and a lease as the API shows it.
 
 A live lease is read as last committed (from memory); a lease whose first commit is pending
-waits for it; an ended one comes from the recently ended or the store. Nothing here changes
-state. A part of :class:`.manager.LeaseManager`.
+waits for it; an ended one comes from the recently ended or the store. Nothing here decides;
+the committed state changes only when a batch is on disk (:meth:`LeaseReads.apply`). Held by
+:class:`.manager.LeaseManager`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Executor
 from typing import Any
 
 from ..core.model import LeaseState, NotFound
 from ..core.scheduler import REVOKE_META
 from ..core.text import format_duration
+from ..store import Batch, LeaseStore
 from .commit import LIVE, TERMINAL
 from .ends import end_message, ended_by
+from .feed import Feed
+
+WarningSource = Callable[[dict[str, Any]], list[dict[str, Any]]]
 
 
 class LeaseReads:
-    """Leases, events, the queue and the pool as committed; a lease's JSON and its warnings."""
+    """Leases, events and the queue as committed; a lease's JSON and its warnings.
 
-    async def _lease_dict(self, lease_id: str) -> dict[str, Any] | None:
+    ``scheduler``: for what is pending and the queue's order; ``store`` and ``readers``: ended
+    leases and old events, read in those threads; ``feed``: recent events; ``flush``: waits
+    until everything decided so far is committed (the group commit's); ``now``: the clock;
+    ``show_preemptor_names``: holders read who preempted them. Besides what a lease says of
+    itself, its holder is warned by each of ``warning_sources`` (:meth:`warn_from`)."""
+
+    def __init__(self, scheduler, store: LeaseStore, *, readers: Executor, feed: Feed, flush: Callable[[], Awaitable[None]],
+                 now: Callable[[], float], show_preemptor_names: bool = False, recently_ended_max: int = 8192):
+        self.scheduler = scheduler
+        self.store = store
+        self.readers = readers
+        self.feed = feed
+        self.flush = flush
+        self.now = now
+        self.show_preemptor_names = show_preemptor_names
+        self.committed: dict[str, dict[str, Any]] = {}  # live leases as last committed
+        # leases that ended lately, as committed: the answer to a release and the reads that
+        # follow an end come from here, not from the database (bounded, oldest end out first)
+        self.recently_ended: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.recently_ended_max = recently_ended_max
+        # the durable counters (the metrics'): (name, label values) -> [total, created] as committed
+        self.totals: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+        self.warning_sources: tuple[WarningSource, ...] = ()
+
+    def warn_from(self, *sources: WarningSource) -> None:
+        """Add what other parts tell a lease's holder (each: a lease's dict -> its warnings)."""
+        self.warning_sources += sources
+
+    async def in_reader(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` in a reader thread (a store read off the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self.readers, lambda: fn(*args, **kwargs))
+
+    # ------------------------------------------------------------------ the committed state
+    def restore(self, live: Iterable[dict[str, Any]], totals: dict[tuple[str, tuple[str, ...]], list[float]]) -> None:
+        """The state a broker starts from: the live leases and the counter totals in the store."""
+        self.committed = {d["id"]: d for d in live}
+        self.totals = totals
+
+    def apply(self, batch: Batch) -> None:
+        """A batch is on disk: its leases and counter increments are committed state now."""
+        for key, n in batch.totals.items():
+            total = self.totals.setdefault(key, [0.0, batch.at])
+            total[0] += n
+        committed, ended = self.committed, self.recently_ended
+        for lid, d in batch.leases.items():
+            if d["state"] in LIVE:
+                committed[lid] = d
+            else:
+                committed.pop(lid, None)
+                ended[lid] = d
+                ended.move_to_end(lid)
+                if len(ended) > self.recently_ended_max:
+                    ended.popitem(last=False)
+
+    # ------------------------------------------------------------------ leases and events
+    async def lease_dict(self, lease_id: str) -> dict[str, Any] | None:
+        """The committed dict of any lease; None when unknown."""
         d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
         if d is not None:
             return d
@@ -29,11 +93,11 @@ class LeaseReads:
             d = self.committed.get(lease_id) or self.recently_ended.get(lease_id)
             if d is not None:
                 return d
-        return await self._in_reader(self.store.get_lease_dict, lease_id)
+        return await self.in_reader(self.store.get_lease_dict, lease_id)
 
     async def get(self, lease_id: str) -> dict[str, Any]:
         """The committed dict of any lease; NotFound when unknown."""
-        d = await self._lease_dict(lease_id)
+        d = await self.lease_dict(lease_id)
         if d is None:
             raise NotFound(f"no lease with id {lease_id!r}", field="id")
         return d
@@ -53,19 +117,20 @@ class LeaseReads:
             return leases if state == "live" else [d for d in leases if d["state"] == state]
         if state == "all":
             live = self.live(user)  # first: a lease that ends meanwhile is then in the store
-            ended = await self._in_reader(self.store.list_lease_dicts, user, TERMINAL, limit=limit)
+            ended = await self.in_reader(self.store.list_lease_dicts, user, TERMINAL, limit=limit)
             gone = {d["id"] for d in ended}
             return [d for d in live if d["id"] not in gone] + ended
         states = TERMINAL if state == "ended" else (state,)
-        return await self._in_reader(self.store.list_lease_dicts, user, states, limit=limit)
+        return await self.in_reader(self.store.list_lease_dicts, user, states, limit=limit)
 
     async def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> list[dict]:
         """Committed events after ``since``: from memory when recent, else from the store."""
         events = self.feed.since(since, user=user, lease_id=lease_id, limit=limit)
         if events is None:
-            events = await self._in_reader(self.store.events_since, since, lease_id, limit, user=user)
+            events = await self.in_reader(self.store.events_since, since, lease_id, limit, user=user)
         return events
 
+    # ------------------------------------------------------------------ the queue
     def queue_info(self, d: dict[str, Any]) -> dict[str, Any] | None:
         """Position, length, ETA and what it waits for, of a lease queued as committed."""
         if d["state"] != LeaseState.QUEUED.value:
@@ -103,50 +168,13 @@ class LeaseReads:
         return round(latest, 1)
 
     def queue(self) -> list[dict[str, Any]]:
-        """Committed queued leases in scheduling order, each with its queue info."""
+        """Committed queued leases in scheduling order."""
         out = []
         for lease in self.scheduler.queue():
             d = self.committed.get(lease.id)
             if d is not None and d["state"] == LeaseState.QUEUED.value:
                 out.append(d)
         return out
-
-    def pool(self) -> dict[str, Any]:
-        sched = self.scheduler
-        health = self.health
-        return {
-            "devices": [g.to_dict() | ((health.device_note(g) or {}) if health else {}) for g in sched.inventory.values()],
-            **({"health": health.state_json()} if health else {}),
-            "capacity": sched.capacity(),
-            "queue_length": sched.queue_length(),
-            "default_tier": sched.policy.default_tier,
-            "draining": self.draining,
-        }
-
-    def inventory(self):
-        return list(self.scheduler.inventory.values())
-
-    def tiers_for(self, user: str, groups: Iterable[str], *, every: bool = False):
-        groups = tuple(groups)
-        return [t for t in self.policy.tiers.values() if every or t.allows(user, groups)]
-
-    def usage(self, user: str, groups: Iterable[str]) -> dict[str, Any]:
-        return self.scheduler.user_usage(user, tuple(groups), self.now())
-
-    def lease_counts(self) -> dict[tuple[str, str], int]:
-        counts: dict[tuple[str, str], int] = {}
-        for d in self.committed.values():
-            k = (d["state"], d["tier"])
-            counts[k] = counts.get(k, 0) + 1
-        return counts
-
-    def held_by_model(self) -> dict[str, float]:
-        held: dict[str, float] = {}
-        for d in self.committed.values():
-            if d["state"] == LeaseState.ACTIVE.value and d.get("placement"):
-                for s in d["placement"]["slices"]:
-                    held[s["model"]] = held.get(s["model"], 0.0) + float(s.get("share", 1))
-        return held
 
     # ------------------------------------------------------------------ the lease as JSON
     def lease_json(self, d: dict[str, Any], *, viewer: str | None = None, admin: bool = True) -> dict[str, Any]:
@@ -163,7 +191,8 @@ class LeaseReads:
         return out
 
     def warnings(self, d: dict[str, Any]) -> list[dict[str, Any]]:
-        """What the holder should be told now: a coming preemption, a near expiry, the end."""
+        """What the holder should be told now: a coming preemption, a near expiry, the end; then
+        what the warning sources say (unleased GPU use, the GPU's health)."""
         now = self.now()
         out = []
         if d["state"] in TERMINAL:
@@ -180,11 +209,9 @@ class LeaseReads:
         elif d.get("preempt_at"):
             out.append({"kind": "preemption", "at": d["preempt_at"], "message": f"this lease will be preempted in {format_duration(d['preempt_at'] - now)} for a waiting higher-tier request"})
         exp = d.get("expires_at")
-        warn = self.policy.warn_before_s or 0
+        warn = self.scheduler.policy.warn_before_s or 0
         if exp is not None and exp - now <= warn:
             out.append({"kind": "expiring", "at": exp, "message": f"this lease expires in {format_duration(exp - now)}"})
-        if self.unleased_warnings is not None:
-            out += self.unleased_warnings(d["user"])
-        if self.health is not None:
-            out += self.health.warnings(d)
+        for source in self.warning_sources:
+            out += source(d)
         return out

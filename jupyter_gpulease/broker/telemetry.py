@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.health import Action, xid_action
@@ -32,10 +32,11 @@ def xid_kind(code: int | None) -> str:
 
 
 class DeviceTelemetry:
-    """See the module doc. ``manager``: the :class:`LeaseManager`; ``backend``: the device backend."""
+    """See the module doc. ``manager``: the :class:`LeaseManager` (the pool); ``backend``: the
+    device backend; ``listeners``: called with this object after each sample (the health keeper)."""
 
     def __init__(self, manager, backend, *, interval_s: float = 15.0, logger: logging.Logger | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, listeners: Iterable[Callable[[DeviceTelemetry], None]] = ()):
         self.manager = manager
         self.backend = backend
         self.interval_s = float(interval_s)
@@ -49,9 +50,8 @@ class DeviceTelemetry:
         self._resets: dict[str, int] = {}
         self.started_at = time.time()
         self.last_error = ""
-        self.listeners: list[Callable[[DeviceTelemetry], None]] = []
+        self.listeners: list[Callable[[DeviceTelemetry], None]] = list(listeners)
         self._busy = False
-        manager.telemetry = self
 
     def current(self) -> dict[str, Any]:
         """The newest samples, or {} when the newest is older than three intervals."""

@@ -11,10 +11,11 @@ seconds):
    (:func:`~jupyter_gpulease.core.unleased.find_unleased`) against the committed leases; the
    tracker says what began, what ended and what is due;
 3. the events (``unleased-use``, ``unleased-stop``, ``unleased-ended``) are committed like any
-   other (the feed, the audit log, the counters); the standing findings are on the manager
-   (``manager.unleased``) for the admin page, the API and the gauges; under ``warn`` and ``kill``
-   the owner's server is told (the heartbeat answers of the user's leases, and ``GET
-   api/unleased`` that a server without a lease polls);
+   other (the feed, the audit log, the counters); the standing findings are kept here
+   (:attr:`UnleasedDetector.findings`) for the admin page, the API, the gauges and the alerts,
+   which are given the detector; under ``warn`` and ``kill`` the owner's server is told (the
+   heartbeat answers of the user's leases: the manager is handed :meth:`~UnleasedDetector.lease_warnings`,
+   and ``GET api/unleased`` that a server without a lease polls);
 4. under ``kill``, a finding still standing after ``unleased_grace_s`` is stopped: SIGTERM, then
    SIGKILL after ``STOP_WAIT_S`` — that process only, and only while its PID still names the same
    process (start time) of the same owner. The broker must run as root on the node of the
@@ -82,9 +83,7 @@ class UnleasedDetector:
         self._hub_users: dict[str, tuple[bool, float]] = {}
         self._busy = False
         self._stopping: set[asyncio.Task] = set()
-        manager.unleased = []
-        manager.unleased_action = action
-        manager.unleased_warnings = self.warnings_for
+        self.findings: list[dict[str, Any]] = []  # the standing findings as JSON, oldest first
 
     # ------------------------------------------------------------------ sampling (a worker thread)
     def devices(self) -> dict[str, tuple[Any, str]]:
@@ -187,7 +186,7 @@ class UnleasedDetector:
         return bool(answer)
 
     def _publish(self, now: float) -> None:
-        self.manager.unleased = [st.to_dict(now) for st in sorted(self.tracker.standing.values(), key=lambda s: (s.since, s.finding.process.pid))]
+        self.findings = [st.to_dict(now) for st in sorted(self.tracker.standing.values(), key=lambda s: (s.since, s.finding.process.pid))]
 
     # ------------------------------------------------------------------ what users are told
     def warnings_for(self, user: str) -> list[dict[str, Any]]:
@@ -197,10 +196,14 @@ class UnleasedDetector:
         now = self.manager.now()
         return [warning(st, now, self.action, names=self.show_holders) for st in self.tracker.for_user(user) if st.stop.get("outcome") != "stopped"]
 
+    def lease_warnings(self, d: dict[str, Any]) -> list[dict[str, Any]]:
+        """The warnings of the findings of lease ``d``'s holder (for its heartbeat answers)."""
+        return self.warnings_for(d["user"])
+
     def findings_for(self, user: str | None, *, admin: bool = True) -> list[dict[str, Any]]:
         """The standing findings as JSON: every one (``user`` None) or ``user``'s own; a caller
         who is no admin reads the holders' names only with ``show_holders``."""
-        out = [d for d in self.manager.unleased if user is None or d["user"] == user]
+        out = [d for d in self.findings if user is None or d["user"] == user]
         if not admin and not self.show_holders:
             out = [{**d, "holders": ["…"] * len(d["holders"])} for d in out]
         return out
@@ -276,7 +279,7 @@ class UnleasedHandler(APIHandler):
     polls it: no heartbeat carries the warnings there."""
 
     async def get(self):
-        detector = getattr(self.broker, "unleased", None)
+        detector = self.unleased
         asked = self.get_argument("user", None)
         if asked is not None and asked != self.caller_name and not self.is_admin:
             raise Forbidden("only admins may read another user's unleased GPU use", field="user")

@@ -56,7 +56,7 @@ class _UsageHandler(APIHandler):
 
     async def query(self, fn, **kw):
         try:
-            return await self.manager._in_reader(fn, **kw)
+            return await self.manager.in_reader(fn, **kw)
         except PeriodError as e:
             raise BadRequest(str(e), field=e.field) from None
 
