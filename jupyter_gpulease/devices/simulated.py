@@ -35,12 +35,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from typing import Any
 
 from ..core.model import GPU
+from ..files import write_atomically
 from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample
 from .declared import parse_inventory
 
@@ -338,21 +338,8 @@ class SimulatedBackend(DeviceBackend):
         devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self._devices.items() if d}
         if devices:
             data["devices"] = devices
-        folder = os.path.dirname(os.path.abspath(self.state_file))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sim-gpus-", suffix=".json", dir=folder)
-        try:
-            # readable by all (mkstemp makes it 0600): servers of other users read the same GPUs
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.state_file)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # readable by all: servers of other users read the same GPUs
+        write_atomically(self.state_file, json.dumps(data, indent=1), mode=0o644)
         st = os.stat(self.state_file)
         self._file_sig = (st.st_mtime_ns, st.st_size)
 
