@@ -147,10 +147,16 @@ class Monitor:
             rows = [r for r in rows if r[0] >= cut]
         return {"t": [round(r[0], 3) for r in rows], "memory_mib": [r[1] for r in rows], "sm_util_pct": [r[2] for r in rows]}
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop sampling and close the backend. The backend's close may wait for a sample still
+        running (NVML's lock), so it runs in a thread of its own, never on the event loop."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.backend is not None:
-            try:
-                self.backend.close()
-            except Exception:  # closing must not fail a server's shutdown
-                log.debug("closing the device backend failed", exc_info=True)
+            await asyncio.to_thread(self._close_backend, self.backend)
+
+    @staticmethod
+    def _close_backend(backend: DeviceBackend) -> None:
+        try:
+            backend.close()
+        except Exception:  # closing must not fail a server's shutdown
+            log.debug("closing the device backend failed", exc_info=True)
