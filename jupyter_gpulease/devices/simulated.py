@@ -41,7 +41,7 @@ from typing import Any
 
 from ..core.model import GPU
 from ..files import write_atomically
-from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample
+from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample, check_config_keys
 from .declared import parse_inventory
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,7 @@ class SimulatedBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - _CONFIG_KEYS - {"include_graphics"})  # nvml's keys pass through 'auto'
-        if unknown:
-            raise ValueError(f"simulated device backend: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(sorted(_CONFIG_KEYS))}")
+        check_config_keys("simulated", config, sorted(_CONFIG_KEYS), passed_through=("include_graphics",))  # nvml's, through 'auto'
         self._gpus = parse_inventory(config.get("gpus", DEFAULT_POOL), default_node=config.get("node") or "sim-node-1")
         self._clock = clock or time.time
         self._lock = threading.RLock()
