@@ -325,6 +325,10 @@ class BrokerClient:
         """The caller's unleased GPU use: ``findings`` and the ``warnings`` its server shows."""
         return await self._call("GET", "api/unleased", retry_for=0)
 
+    async def usage_report(self, **query: str) -> dict:
+        """The usage report (``GET api/usage``; ``since``, ``from``, ``to``, ``by``, ``user`` as the API takes them)."""
+        return await self._call("GET", "api/usage", query=query)
+
     async def usage_suggestions(self, user: str | None = None) -> list[dict]:
         """Right-sizing suggestions (``GET api/usage/suggestions``): the caller's, or (admins) ``user``'s."""
         data = await self._call("GET", "api/usage/suggestions", query={"user": user}, retry_for=0)
