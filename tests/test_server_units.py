@@ -171,6 +171,35 @@ def test_where_the_engine_chose_the_devices_every_device_the_server_sees_is_watc
     asyncio.run(monitor.close())
 
 
+def test_closing_the_monitor_closes_its_backend_off_the_event_loop():
+    """A backend's close can wait for a sample that holds its lock (NVML): the loop runs on meanwhile."""
+    import asyncio
+    import threading
+
+    from jupyter_gpulease.server.monitor import Monitor
+
+    sample_done = threading.Event()
+
+    class Backend:
+        closed_in = None
+
+        def close(self):
+            self.closed_in = threading.current_thread()
+            assert sample_done.wait(30), "the close blocked the event loop"  # set by a task on the loop
+
+    backend = Backend()
+
+    async def main():
+        closing = asyncio.ensure_future(Monitor(backend).close())
+        await asyncio.sleep(0)
+        asyncio.get_running_loop().call_soon(sample_done.set)  # the loop still runs while the backend closes
+        await closing
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(main())
+    assert backend.closed_in is not None and backend.closed_in is not loop_thread
+
+
 def test_a_restore_refused_once_is_tried_again_and_one_refused_every_time_fails(tmp_path, monkeypatch):
     """Where the hub locks GPUs to leases, the GPU of a lease granted a moment ago opens only once
     the hub heard of the grant: a restore that came first is refused, and is tried again."""
