@@ -52,6 +52,13 @@ def test_on_the_command_line_too(argv, aging_s, capfd):
     assert "App.aging is renamed to aging_s" in capfd.readouterr().err
 
 
+def test_an_application_warns_once_however_often_its_command_line_arrives(capfd):
+    app = App()
+    app.parse_command_line(["--App.aging=900"])
+    app.update_config(app.cli_config)  # as loading a config file does: the command line merged in again, to win
+    assert app.aging_s == 900 and capfd.readouterr().err.count("App.aging is renamed to aging_s") == 1
+
+
 def test_the_command_line_wins_over_a_file_whichever_name_each_uses():
     app = App()
     file = Config()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from copy import deepcopy
 from dataclasses import dataclass
 
-from traitlets import validate
+from traitlets import Set, validate
 from traitlets.config import Config, LoggingConfigurable
 
 from .idle import IDLE_NAMES
@@ -102,15 +102,25 @@ def migrate_config(config: Config, sections: Iterable[str], *, warn: Callable[[s
 class RenamedOptions(LoggingConfigurable):
     """A ``Configurable`` whose config is migrated (:func:`migrate_config`) before it is loaded:
     the config it is built with or given later, and each config an application loads (its files
-    and command line both reach it through ``update_config``). It declares no option."""
+    and command line both reach it through ``update_config``). It declares no option.
+
+    An application sees its command line more than once (traitlets merges it into the config
+    files' so that it wins): each warning is given once."""
+
+    _renames_said = Set()  # the warnings given
 
     @validate("config")
     def _migrated_config(self, proposal):
-        return migrate_config(proposal.value, self.section_names(), warn=self.log.warning)
+        return migrate_config(proposal.value, self.section_names(), warn=self._say_renamed)
 
     def update_config(self, config: Config) -> None:
         """Load ``config`` (traitlets' public hook for every loaded config), its old names migrated first."""
-        super().update_config(migrate_config(config, self.section_names(), warn=self.log.warning))
+        super().update_config(migrate_config(config, self.section_names(), warn=self._say_renamed))
+
+    def _say_renamed(self, words: str) -> None:
+        if words not in self._renames_said:
+            self._renames_said.add(words)
+            self.log.warning(words)
 
 
 __all__ = ["EXTENSION_MOVED", "EXTENSION_SECTION", "POLICY_SECTION", "RENAMES", "Rename", "RenamedOptions", "migrate_config", "old_names"]
