@@ -5,7 +5,7 @@
 # activity (the culler's --timeout for servers without a lease). A culled server's lease ends
 # with a reason that says so. README, "The idle culler".
 
-from jupyter_gpulease.server.culler import GPUCullArbiter
+from jupyter_gpulease.culler import GPUCullArbiter
 
 c = get_config()  # noqa: F821 - provided by the culler
 

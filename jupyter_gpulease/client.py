@@ -73,7 +73,8 @@ class Backoff:
 NO_RETRY = Backoff(retry_for=0)
 
 
-def _join(base: str, path: str) -> str:
+def join_url(base: str, path: str) -> str:
+    """``path`` under ``base`` with one slash between them (``base`` is a URL or a URL path)."""
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
@@ -183,13 +184,13 @@ def default_broker_url(env: dict[str, str] | None = None) -> str:
     if env.get("GPULEASE_BROKER_URL"):
         return env["GPULEASE_BROKER_URL"]
     if env.get("JUPYTERHUB_SERVICE_NAME") == SERVICE_NAME and env.get("JUPYTERHUB_SERVICE_URL"):
-        return _join(env["JUPYTERHUB_SERVICE_URL"], env.get("JUPYTERHUB_SERVICE_PREFIX", "/"))
+        return join_url(env["JUPYTERHUB_SERVICE_URL"], env.get("JUPYTERHUB_SERVICE_PREFIX", "/"))
     for var in ("JUPYTERHUB_PUBLIC_HUB_URL", "JUPYTERHUB_API_URL"):
         url = env.get(var)
         if url:
             parts = urlsplit(url)
             base = env.get("JUPYTERHUB_BASE_URL", "/")
-            return urlunsplit((parts.scheme, parts.netloc, _join(base, f"services/{SERVICE_NAME}/"), "", ""))
+            return urlunsplit((parts.scheme, parts.netloc, join_url(base, f"services/{SERVICE_NAME}/"), "", ""))
     return ""
 
 
@@ -223,7 +224,7 @@ class BrokerClient:
 
     async def _call(self, method: str, path: str, body: Any = None, *, query: dict | None = None, timeout: float | None = None,
                     retry_for: float | None = None) -> Any:
-        url = _join(self.url, path)
+        url = join_url(self.url, path)
         if query:
             q = {k: v for k, v in query.items() if v is not None}
             if q:
@@ -248,7 +249,7 @@ class BrokerClient:
                 return BrokerError(401, "the broker sent the call to the hub's login page: the token was missing or refused")
             return BrokerError(
                 400, f"{self.url} is not the lease broker's API but a page that needs a browser login (it sent the call to {location}); "
-                f"the broker's URL ends in /services/{SERVICE_NAME}/, e.g. {_join(self.url, f'services/{SERVICE_NAME}/')}"
+                f"the broker's URL ends in /services/{SERVICE_NAME}/, e.g. {join_url(self.url, f'services/{SERVICE_NAME}/')}"
             )
         return BrokerError(400, f"{self.url} redirected the call to {location}: it is not the lease broker's API (the URL ends in /services/{SERVICE_NAME}/)")
 
@@ -324,6 +325,10 @@ class BrokerClient:
         """The caller's unleased GPU use: ``findings`` and the ``warnings`` its server shows."""
         return await self._call("GET", "api/unleased", retry_for=0)
 
+    async def usage_report(self, **query: str) -> dict:
+        """The usage report (``GET api/usage``; ``since``, ``from``, ``to``, ``by``, ``user`` as the API takes them)."""
+        return await self._call("GET", "api/usage", query=query)
+
     async def usage_suggestions(self, user: str | None = None) -> list[dict]:
         """Right-sizing suggestions (``GET api/usage/suggestions``): the caller's, or (admins) ``user``'s."""
         data = await self._call("GET", "api/usage/suggestions", query={"user": user}, retry_for=0)
@@ -369,7 +374,7 @@ class HubClient:
 
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """(status, JSON) of a Hub API call; BrokerError (status 0: no answer) on failure."""
-        status, data, _ = await fetch_json(method, _join(self.api_url, path), token=self.token, body=body, timeout=self.timeout, backoff=self.backoff, what="the hub")
+        status, data, _ = await fetch_json(method, join_url(self.api_url, path), token=self.token, body=body, timeout=self.timeout, backoff=self.backoff, what="the hub")
         return status, data
 
     async def user(self, name: str) -> dict | None:

@@ -145,3 +145,16 @@ def test_the_lab_extension_kinds_are_generated_from_the_python_tables():
     for enum, name in ((LeaseState, "LeaseState"), (KernelState, "KernelState"), (WarningKind, "WarningKind")):
         union = re.search(rf"export type {name} = ([^;]+);", committed).group(1)
         assert re.findall(r"'(\w+)'", union) == [m.value for m in enum]
+
+
+def test_the_idle_time_of_a_lease_comes_from_its_heartbeats_without_the_servers_clock_skew():
+    from jupyter_gpulease.core.lease import lease_idle_s
+
+    active = {"state": "active", "granted_at": 1000.0, "last_heartbeat": 1100.0}  # broker times
+    # the server's clock is hours off; at its heartbeat its GPU had been idle 30 s by that clock
+    for skew in (-7200.0, 0.0, 7200.0):
+        usage = {"t": 1100.0 + skew, "gpu_busy": False, "last_gpu_activity": 1070.0 + skew}
+        assert lease_idle_s(dict(active, usage=usage), 1200.0) == 130.0
+    assert lease_idle_s(dict(active, usage={"t": 5.0, "gpu_busy": True, "last_gpu_activity": 5.0}), 1200.0) == 0.0
+    assert lease_idle_s(dict(active, usage={"t": 5.0, "gpu_busy": False, "last_gpu_activity": None}), 1200.0) == 200.0  # idle since the grant
+    assert lease_idle_s(dict(active, usage={}), 1200.0) is None and lease_idle_s(dict(active, state="queued", usage={"t": 1.0}), 1200.0) is None

@@ -5,7 +5,8 @@ from traitlets import TraitError
 from traitlets.config import Application, Config
 
 from jupyter_gpulease.core.policy import SETTINGS, Policy
-from jupyter_gpulease.core.policy_config import RENAMED, PolicyConfig
+from jupyter_gpulease.core.policy_config import PolicyConfig
+from jupyter_gpulease.core.renames import POLICY_SECTION, old_names
 from jupyter_gpulease.sim.policies import policy_from_dict
 
 
@@ -18,6 +19,16 @@ def app(**options):
     for k, v in options.items():
         setattr(c.App, k, v)
     return App(config=c)
+
+
+def test_the_options_are_exactly_the_declared_settings_their_old_names_and_the_tiers_and_quotas():
+    traits = PolicyConfig.class_traits(config=True)
+    structured = {"tiers", "default_user_quota", "user_quotas", "group_quotas"}
+    assert set(traits) == {s.name for s in SETTINGS} | old_names(POLICY_SECTION) | structured
+    for s in SETTINGS:
+        assert (traits[s.name].default(), traits[s.name].help) == (s.config_default(), s.help), s.name
+        for old in s.renamed_from:
+            assert traits[old].default() is None and f"Renamed to {s.name} " in traits[old].help, old
 
 
 def test_every_setting_is_a_config_option_with_its_default_and_help():
@@ -47,7 +58,8 @@ def test_a_renamed_option_still_works_and_says_its_new_name(capfd):
     a = app(aging=900, confirm_timeout=0)
     assert a.aging_s == 900 and a.build_policy().confirm_timeout_s is None
     assert "App.aging is renamed to aging_s" in capfd.readouterr().err
-    assert set(RENAMED) == {"aging", "warn_before", "fair_share_half_life", "confirm_timeout", "heartbeat_timeout"}
+    assert old_names(POLICY_SECTION) == {"aging", "warn_before", "fair_share_half_life", "confirm_timeout", "heartbeat_timeout"}
+    assert a.aging is None  # the old name itself holds nothing: its value went to the new name before loading
 
 
 def test_a_config_error_in_tiers_or_quotas_names_the_option():

@@ -9,7 +9,7 @@ import time
 from brokerutil import broker_in_thread, broker_url, patch_auth
 from jupyter_gpulease.broker.manager import SystemClock
 from jupyter_gpulease.client import BrokerClient
-from jupyter_gpulease.server.culler import GPUCullArbiter
+from jupyter_gpulease.culler import GPUCullArbiter
 from serverutil import POOL, broker_call
 
 
@@ -32,9 +32,9 @@ def test_gpu_work_keeps_a_server_and_an_idle_lease_lets_it_go_sooner(tmp_path, m
         # what the users' server extensions report in their heartbeats
         now = time.time()
         broker_call(url, "POST", f"api/leases/{leases['alice']['id']}/heartbeat",
-                    {"usage": {"gpu_busy": True, "last_gpu_activity": now}}, token="alice")
+                    {"usage": {"t": now, "gpu_busy": True, "last_gpu_activity": now}}, token="alice")
         broker_call(url, "POST", f"api/leases/{leases['bob']['id']}/heartbeat",
-                    {"usage": {"gpu_busy": False, "last_gpu_activity": now - 3 * 3600}}, token="bob")
+                    {"usage": {"t": now, "gpu_busy": False, "last_gpu_activity": now - 3 * 3600}}, token="bob")
         calls = []
 
         class CountingClient(BrokerClient):
@@ -72,7 +72,8 @@ def test_decisions_are_logged_once_and_a_culled_servers_lease_says_so(tmp_path, 
     with broker_in_thread(tmp_path, pool=POOL, clock=SystemClock()) as app:
         url = broker_url(app)
         _, busy = broker_call(url, "POST", "api/leases", {"gpus": 1}, token="alice")
-        broker_call(url, "POST", f"api/leases/{busy['id']}/heartbeat", {"usage": {"gpu_busy": True, "last_gpu_activity": time.time()}}, token="alice")
+        broker_call(url, "POST", f"api/leases/{busy['id']}/heartbeat", {"usage": {"t": time.time(), "gpu_busy": True, "last_gpu_activity": time.time()}},
+                    token="alice")
         _, silent = broker_call(url, "POST", "api/leases", {"gpus": 1}, token="dave")  # its server sent no usage yet
         lines = []
 
@@ -94,11 +95,11 @@ def test_decisions_are_logged_once_and_a_culled_servers_lease_says_so(tmp_path, 
 
         assert asyncio.run(passes()) == ([False, False, False], False, True)
         assert lines[0] == f"GPU cull arbiter: deciding with the GPU leases of the broker at {url}"
-        assert lines[1].startswith("GPU cull arbiter: keeping alice/: its GPU is working now") and "the culler's limit: 60 min" in lines[1]
-        assert lines[2] == f"GPU cull arbiter: released lease {silent['id']} of dave/ (culled by the idle culler: no activity for 61 min)"
+        assert lines[1].startswith("GPU cull arbiter: keeping alice/: its GPU is working now") and "the culler's limit: 1 h" in lines[1]
+        assert lines[2] == f"GPU cull arbiter: released lease {silent['id']} of dave/ (culled by the idle culler: no activity for 1 h 1 min)"
         assert len(lines) == 3  # three passes over alice, one line
         _, ended = broker_call(url, "GET", f"api/leases/{silent['id']}", token="dave")
-        assert ended["state"] == "released" and ended["end_reason"] == "culled by the idle culler: no activity for 61 min"
+        assert ended["state"] == "released" and ended["end_reason"] == "culled by the idle culler: no activity for 1 h 1 min"
 
 
 def test_without_the_broker_the_culler_decides_by_activity_alone():
@@ -116,7 +117,7 @@ def test_the_guide_and_the_example_config_run_the_culler_alike():
     import re
     from pathlib import Path
 
-    from jupyter_gpulease.server.culler import CULLER_ROLE_SCOPES
+    from jupyter_gpulease.culler import CULLER_ROLE_SCOPES
 
     root = Path(__file__).resolve().parent.parent
     guide = (root / "docs" / "how-to" / "idle-culler.md").read_text()
@@ -133,3 +134,52 @@ def test_the_guide_and_the_example_config_run_the_culler_alike():
     assert '"jupyterhub_idle_culler", "--timeout=3600"' in hub and '"jupyterhub_idle_culler", "--timeout=3600"' in example
     (line,) = [x for x in hook.splitlines() if "cull_arbiter_hook" in x]
     assert line in (root / "config" / "idle_culler_config.py").read_text()
+
+
+class FakeBroker:
+    """What the hook asks of the broker's client: the active leases, and a release."""
+
+    url = "http://broker.invalid/services/gpulease/"
+
+    def __init__(self, leases):
+        self.leases, self.released = leases, []
+
+    async def list_leases(self, state=None, **kw):
+        return self.leases
+
+    async def release(self, lease_id, reason="", state=None, *, keep_server=False):
+        self.released.append((lease_id, reason))
+        return {}
+
+
+def test_the_idle_time_of_a_lease_is_taken_from_its_heartbeats_whatever_the_servers_clock():
+    import logging
+
+    broker_now = 1_000_000.0
+    skew = -5000.0  # the server's clock is 5000 s behind the broker's (and the culler's)
+    beat = broker_now - 60  # its last heartbeat, a minute ago (broker time)
+    usage = {"t": beat + skew, "gpu_busy": False, "last_gpu_activity": beat + skew - 39 * 60}  # idle for 39 min at that heartbeat
+    lease = {"id": "L1", "user": "erin", "server": "", "state": "active", "granted_at": broker_now - 7200, "last_heartbeat": beat, "usage": usage}
+    broker = FakeBroker([lease])
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("test-culler-skew")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Lines())
+    logger.propagate = False
+    arbiter = GPUCullArbiter(gpu_idle_limit=1800, busy_window_s=600, client=broker, logger=logger, clock=lambda: broker_now)
+    culled = asyncio.run(arbiter(inactive=minutes(45), inactive_limit=3600, server=server("erin")))
+    assert culled is True
+    # 40 min, not the 2 h 3 min the server's skewed clock would make of it
+    assert broker.released == [("L1", "culled by the idle culler: no activity for 45 min and its GPU idle (last GPU work 40 min ago)")]
+    assert any("culling erin/ early" in line and "the culler's limit: 1 h" in line for line in lines), lines
+
+    # work within the busy window, as measured the same way, keeps the server
+    usage["last_gpu_activity"] = usage["t"] - 120
+    arbiter = GPUCullArbiter(gpu_idle_limit=1800, busy_window_s=600, client=FakeBroker([lease]), logger=logger, clock=lambda: broker_now)
+    assert asyncio.run(arbiter(inactive=minutes(90), inactive_limit=3600, server=server("erin"))) is False
+    assert "its GPU is worked 3 min ago" in lines[-1]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from hubharness import HubHarness, free_port, wait_for
-from jupyter_gpulease.server.culler import GPUCullArbiter
+from jupyter_gpulease.culler import GPUCullArbiter
 from serverutil import SimGPUs
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,11 +8,14 @@ from traitlets import TraitError
 from traitlets.config import Config
 
 from jupyter_gpulease.core.idle import IDLE_SETTINGS, IdleSettings
+from jupyter_gpulease.core.renames import EXTENSION_SECTION, migrate_config
 from jupyter_gpulease.server.idletimeout import GPUIdleRule
 
 
 def test_one_option_per_declared_setting_with_its_default_and_help():
     traits = GPUIdleRule.class_traits(config=True)
+    # the class's options are exactly the declared settings, plus where the learnt gaps are kept
+    assert set(traits) == {s.name for s in IDLE_SETTINGS} | {"gaps_file"}
     for s in IDLE_SETTINGS:
         t = traits[s.name]
         default = t.default()
@@ -27,9 +30,10 @@ def test_new_names_and_the_older_extension_names_both_take_effect_the_new_one_wi
     c.GPULeaseExtension.gpu_idle_timeout_learn = False
     c.GPULeaseExtension.gpu_idle_threshold = 9.0
     c.GPUIdleRule.gpu_idle_threshold = 7.0
-    r = GPUIdleRule(config=c, gaps_file="")
+    # the extension migrates the config it loads (core.renames) before it builds its parts
+    r = GPUIdleRule(config=migrate_config(c, [EXTENSION_SECTION]), gaps_file="")
     assert r.timeout("suspend") == 600 and r.threshold_pct == 7.0
-    assert r.describe() == "fixed 10 min"
+    assert r.describe("suspend") == "fixed 10 min"
 
 
 def test_a_value_the_declaration_refuses_is_refused_with_the_option_name():
@@ -49,9 +53,9 @@ def test_the_timeout_follows_the_action_that_really_happens(tmp_path):
         r.learn(g)
     # a user back after ~4 minutes: a regretted suspend costs a restore, a regretted restart a reload
     assert r.timeout("suspend") < r.timeout("restart") == 300
-    assert r.rule.regret_cost_s == 1800  # the rule of the action last asked about
-    assert "30 GPU-min per regretted reclaim (restart)" in r.describe()
-    assert r.timeout("suspend") and r.rule.regret_cost_s == 120
+    assert r.rule("restart").regret_cost_s == 1800 and r.rule("suspend").regret_cost_s == 120
+    assert "30 GPU-min per regretted reclaim (restart)" in r.describe("restart")
+    assert "2 GPU-min per regretted reclaim (suspend)" in r.describe("suspend")
 
 
 def test_learnt_gaps_are_kept_for_the_next_server_and_a_bad_file_is_ignored(tmp_path, caplog):
@@ -62,7 +66,7 @@ def test_learnt_gaps_are_kept_for_the_next_server_and_a_bad_file_is_ignored(tmp_
     r.learn(0)  # not a gap
     assert json.loads(path.read_text()) == {"user": "alice", "gaps": [14400.0] * 5}
     again = GPUIdleRule(gaps_file=str(path))
-    assert again.gaps == [14400.0] * 5 and again.timeout() == 60
+    assert again.gaps == [14400.0] * 5 and again.timeout("suspend") == 60
     path.write_text("{not json")
     with caplog.at_level(logging.WARNING):
         assert GPUIdleRule(gaps_file=str(path)).gaps == []
@@ -73,5 +77,5 @@ def test_a_fixed_timeout_keeps_no_gaps_file(tmp_path):
     path = tmp_path / "gaps.json"
     r = GPUIdleRule(gaps_file=str(path), gpu_idle_timeout_learn=False)
     r.learn(300)
-    assert not path.exists() and r.timeout() == 120
-    assert GPUIdleRule(gaps_file="", gpu_idle_timeout=0).timeout() is None
+    assert not path.exists() and r.timeout("suspend") == 120
+    assert GPUIdleRule(gaps_file="", gpu_idle_timeout=0).timeout("suspend") is None

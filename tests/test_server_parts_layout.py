@@ -13,7 +13,7 @@ MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 80
 
 # each module may import the modules of lower layers only (and none of its own layer)
 LAYERS = [
-    {"attribution", "checkpoint", "feed", "lease", "reclaim", "idletimeout", "culler"},  # leaves
+    {"attribution", "checkpoint", "feed", "lease", "reclaim", "idletimeout"},  # leaves
     {"monitor"},
     {"kernels"},
     {"views", "announce", "kernelenv", "usage"},

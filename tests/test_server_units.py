@@ -8,14 +8,13 @@ import subprocess
 import sys
 import time
 
-from jupyter_gpulease.core.idle import IdleRule
 from jupyter_gpulease.devices import DeviceSample, ProcessSample
 from jupyter_gpulease.server.attribution import HOST_PID_MESSAGE, KernelProcess, ProcessTree, attribute
 from jupyter_gpulease.server.reclaim import KernelUse, ReclaimTracker
 
 
 def tracker(**kw) -> ReclaimTracker:
-    return ReclaimTracker(IdleRule(timeout_s=600), threshold_pct=5, warn_before_s=60, max_keep_s=kw.pop("max_keep_s", 0), **kw)
+    return ReclaimTracker(threshold_pct=5, warn_before_s=60, max_keep_s=kw.pop("max_keep_s", 0), **kw)
 
 
 def idle(kid="k1", holds=True, sm=0.0, executing=False):
@@ -40,7 +39,7 @@ def test_an_idle_kernel_is_warned_then_acted_on_then_the_lease_returns():
 
 
 def test_a_short_timeout_warns_at_half_of_it_not_as_soon_as_the_kernel_falls_idle():
-    t = ReclaimTracker(IdleRule(timeout_s=120), threshold_pct=5, warn_before_s=300)
+    t = ReclaimTracker(threshold_pct=5, warn_before_s=300)
     t.lease_granted(0)
     t.observe(0, [idle()])  # idle from 0: deadline 120, a 300 s warning would go out at once
     assert t.plan(1, 120, lease_active=True) == []
@@ -169,7 +168,36 @@ def test_where_the_engine_chose_the_devices_every_device_the_server_sees_is_watc
     snap = asyncio.run(monitor.sample([]))
     expected = {m.uuid for m in gpus[0].mig} | {g.uuid for g in gpus[1:]}
     assert set(snap.devices) == expected and not snap.error
-    monitor.close()
+    asyncio.run(monitor.close())
+
+
+def test_closing_the_monitor_closes_its_backend_off_the_event_loop():
+    """A backend's close can wait for a sample that holds its lock (NVML): the loop runs on meanwhile."""
+    import asyncio
+    import threading
+
+    from jupyter_gpulease.server.monitor import Monitor
+
+    sample_done = threading.Event()
+
+    class Backend:
+        closed_in = None
+
+        def close(self):
+            self.closed_in = threading.current_thread()
+            assert sample_done.wait(30), "the close blocked the event loop"  # set by a task on the loop
+
+    backend = Backend()
+
+    async def main():
+        closing = asyncio.ensure_future(Monitor(backend).close())
+        await asyncio.sleep(0)
+        asyncio.get_running_loop().call_soon(sample_done.set)  # the loop still runs while the backend closes
+        await closing
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(main())
+    assert backend.closed_in is not None and backend.closed_in is not loop_thread
 
 
 def test_a_restore_refused_once_is_tried_again_and_one_refused_every_time_fails(tmp_path, monkeypatch):

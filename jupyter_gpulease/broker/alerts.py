@@ -45,7 +45,8 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from ..core.events import GRANTED
 from ..core.model import LeaseState
 from ..core.text import format_duration
-from .metrics import backend_healthy, cordons, lease_idle_s
+from ..core.lease import lease_idle_s
+from .metrics import backend_healthy, cordons
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from .present import describe_placement, describe_request, local_time
 FIELD_OPTIONS = {"by_s": "--by", "until": "--until", "reason": "--reason", "state": "--state", "user": "--user", "id": "LEASE"}
 
 
-def _parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+def command_parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    """The parser of ``jupyter gpulease <prog>``, with the options every broker command has (--url, --token, --json)."""
     p = argparse.ArgumentParser(prog=f"jupyter gpulease {prog}", description=description, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="the broker's URL, ending in /services/gpulease/ (default: $GPULEASE_BROKER_URL, or found from the hub's variables inside a server)")
@@ -39,7 +40,8 @@ def _parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentP
     return p
 
 
-def _client(args) -> BrokerClient:
+def client_from_args(args) -> BrokerClient:
+    """The broker's client for a command's ``--url`` and ``--token`` (or their environment variables)."""
     url = args.url or default_broker_url()
     token = args.token or os.environ.get("GPULEASE_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN", "")
     if not token:
@@ -47,9 +49,11 @@ def _client(args) -> BrokerClient:
     return BrokerClient(url, token, retry_for=20)
 
 
-def _run(args, coro_fn) -> int:
+def run_command(args, coro_fn) -> int:
+    """Run ``coro_fn(client)`` for a command: its result printed as JSON with ``--json``, a broker
+    error as one line; the exit status (0, or 1 on an error)."""
     try:
-        client = _client(args)
+        client = client_from_args(args)
         result = asyncio.run(coro_fn(client))
     except BrokerError as e:
         print(f"error: {e.message}", file=sys.stderr)
@@ -158,7 +162,7 @@ async def resolve_id(client: BrokerClient, lease_id: str) -> str:
 
 # --------------------------------------------------------------------------- commands
 def pool_main(argv: list[str] | None = None) -> int:
-    p = _parser("pool", "Show the GPU pool: what is free by model, the devices, your quota, the tiers you may use and the queue.")
+    p = command_parser("pool", "Show the GPU pool: what is free by model, the devices, your quota, the tiers you may use and the queue.")
     p.add_argument("--all-tiers", action="store_true", help="admins: list every tier, not only those your own requests may use")
     args = p.parse_args(argv)
 
@@ -188,11 +192,11 @@ def pool_main(argv: list[str] | None = None) -> int:
             print(table(["TIER", "PRIORITY", "DEFAULT", "MAX", "PREEMPTIBLE", "FOR"], tiers))
         return pool
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 def leases_main(argv: list[str] | None = None) -> int:
-    p = _parser("leases", "List leases: yours, or everyone's with the admin scope.")
+    p = command_parser("leases", "List leases: yours, or everyone's with the admin scope.")
     p.add_argument("--state", default="live", help="live (default: queued and active), queued, active, ended, all, or a final state such as expired")
     p.add_argument("--user", default=None, help="only this user's leases (admins)")
     args = p.parse_args(argv)
@@ -203,11 +207,11 @@ def leases_main(argv: list[str] | None = None) -> int:
             print(lease_rows(leases, time.time()) if leases else "No leases.")
         return leases
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 def queue_main(argv: list[str] | None = None) -> int:
-    p = _parser("queue", "Show the queue in scheduling order, with when each request is expected to start.")
+    p = command_parser("queue", "Show the queue in scheduling order, with when each request is expected to start.")
     args = p.parse_args(argv)
 
     async def go(client):
@@ -222,11 +226,11 @@ def queue_main(argv: list[str] | None = None) -> int:
             print(table(["#", "ID", "USER", "TIER", "ASKS FOR", "EXPECTED START", "WAITING FOR"], rows) if rows else "The queue is empty.")
         return queue
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 def extend_main(argv: list[str] | None = None) -> int:
-    p = _parser("extend", "Give an active lease more time, within its tier's limits.",
+    p = command_parser("extend", "Give an active lease more time, within its tier's limits.",
                 epilog="examples:\n  jupyter gpulease extend 3f2a9c --by 1h\n  jupyter gpulease extend 3f2a9c --until 18:30\n  jupyter gpulease extend 3f2a9c --until 'tomorrow 9:00'")
     p.add_argument("lease", help="lease id (or a unique prefix of one of yours)")
     g = p.add_mutually_exclusive_group(required=True)
@@ -243,7 +247,7 @@ def extend_main(argv: list[str] | None = None) -> int:
             print(f"Lease {lease['id'][:12]} now runs until {fmt_when(lease.get('expires_at'))}.")
         return lease
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 RELEASE_EPILOG = """what happens to the server that uses the lease:
@@ -257,7 +261,7 @@ A queued request is simply withdrawn."""
 
 
 def release_main(argv: list[str] | None = None) -> int:
-    p = _parser("release", "Give an active lease back, or withdraw a queued request.", epilog=RELEASE_EPILOG)
+    p = command_parser("release", "Give an active lease back, or withdraw a queued request.", epilog=RELEASE_EPILOG)
     p.add_argument("lease", help="lease id (or a unique prefix of one of yours)")
     p.add_argument("--reason", default="", help="why (kept in the lease's history)")
     g = p.add_mutually_exclusive_group()
@@ -283,4 +287,4 @@ def release_main(argv: list[str] | None = None) -> int:
                 print(f"Lease {short} released; the server that used it will be stopped.")
         return lease
 
-    return _run(args, go)
+    return run_command(args, go)

@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 from typing import Any
 
 from ..core.events import ENDED, GRANTED
 from ..core.model import LeaseState
+from ..files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +48,6 @@ def job_files(leases: list[dict[str, Any]], gpus: list[Any], folder: str) -> dic
         ids = sorted(holders[g.uuid])
         out[os.path.join(where, str(g.index))] = "".join(f"{i}\n" for i in ids)
     return out
-
-
-def write_atomically(path: str, content: str) -> None:
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gpulease-", dir=folder)
-    try:
-        os.fchmod(fd, 0o644)  # the exporter runs as another user
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class DcgmJobMap:
@@ -124,5 +107,5 @@ class DcgmJobMap:
 
     def _write(self, files: dict[str, str]) -> None:
         for path, content in sorted(files.items()):
-            write_atomically(path, content)
+            write_atomically(path, content, mode=0o644)  # the exporter runs as another user
             self.writes += 1

@@ -13,7 +13,7 @@ spawn form, in the queue and in their notebooks).
 
 from __future__ import annotations
 
-from .cli import _parser, _run, fmt_when, parse_until, table
+from .cli import command_parser, fmt_when, parse_until, run_command, table
 
 
 def _target(p) -> None:
@@ -29,7 +29,7 @@ def _kind(args) -> tuple[str, str]:
 def _cordon(name: str, drain: bool, argv) -> int:
     what = ("Drain: no new grants on a GPU or a node, and move the leases on it to healthy GPUs (their kernels are suspended first)"
             if drain else "Cordon: no new grants on a GPU or a node; the leases on it run to their end")
-    p = _parser(name, what + ". Needs the admin scope.")
+    p = command_parser(name, what + ". Needs the admin scope.")
     _target(p)
     p.add_argument("--reason", required=True, help="what users read on the spawn form and in their notebooks")
     args = p.parse_args(argv)
@@ -41,7 +41,7 @@ def _cordon(name: str, drain: bool, argv) -> int:
             print(f"{'Drained' if drain else 'Cordoned'} {kind} {out['name']}: {out['reason']}")
         return out
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 def cordon_main(argv: list[str] | None = None) -> int:
@@ -53,7 +53,7 @@ def drain_main(argv: list[str] | None = None) -> int:
 
 
 def uncordon_main(argv: list[str] | None = None) -> int:
-    p = _parser("uncordon", "Put a cordoned GPU or node back into the pool (a cordon by its health too). Needs the admin scope.")
+    p = command_parser("uncordon", "Put a cordoned GPU or node back into the pool (a cordon by its health too). Needs the admin scope.")
     _target(p)
     args = p.parse_args(argv)
 
@@ -64,11 +64,11 @@ def uncordon_main(argv: list[str] | None = None) -> int:
             print(f"Uncordoned {kind} {out['name']} (it was: {out['reason']})")
         return out
 
-    return _run(args, go)
+    return run_command(args, go)
 
 
 def maintenance_main(argv: list[str] | None = None) -> int:
-    p = _parser("maintenance", "Show cordoned GPUs and nodes and the maintenance windows to come; add or remove a window (admins).")
+    p = command_parser("maintenance", "Show cordoned GPUs and nodes and the maintenance windows to come; add or remove a window (admins).")
     sub = p.add_subparsers(dest="action")
     add = sub.add_parser("add", help="a window: no lease is granted that would run into it")
     _target(add)
@@ -104,4 +104,4 @@ def maintenance_main(argv: list[str] | None = None) -> int:
         print(table(["WINDOW", "FROM", "TO", "ON", "REASON"], rows) if rows else "No maintenance window to come.")
         return state
 
-    return _run(args, go)
+    return run_command(args, go)

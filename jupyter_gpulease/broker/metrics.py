@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.samples import Sample
 
 from ..core.events import ENDED, GRANTED, REQUESTED, Event
+from ..core.lease import lease_idle_s  # the one measure of an idle lease, the idle culler's hook's too
 from ..core.model import LeaseState
 from ..core.unleased import UNLEASED_STOP, UNLEASED_USE
 
@@ -132,26 +133,6 @@ def count_events(events: Iterable[Event]) -> dict[tuple[str, tuple[str, ...]], f
             outcome = (e.data.get("stop") or {}).get("outcome")
             add("unleased_stops", (str(e.data.get("model", "")), outcome if outcome in STOP_OUTCOMES else "not_stopped"))
     return out
-
-
-def lease_idle_s(d: dict[str, Any], now: float) -> float | None:
-    """Seconds the GPUs of active lease ``d`` have sat idle at ``now`` (broker time), from its
-    server's last heartbeat; None before any. The server's times are taken relative to its own
-    clock (``usage.t``), so a skewed clock does not shift the answer."""
-    if d.get("state") != LeaseState.ACTIVE.value:
-        return None
-    usage = d.get("usage")
-    beat = _number(d.get("last_heartbeat"))
-    if not isinstance(usage, dict) or not usage or beat is None:
-        return None
-    if usage.get("gpu_busy") is True:
-        return 0.0
-    t, last = _number(usage.get("t")), _number(usage.get("last_gpu_activity"))
-    if t is not None and last is not None:
-        since = beat - max(0.0, t - last)
-    else:
-        since = _number(d.get("granted_at")) or beat
-    return max(0.0, now - since)
 
 
 def backend_healthy(health) -> dict[str, bool]:

@@ -118,12 +118,12 @@ def render_suggestions(sugs: list[dict]) -> str:
 
 
 async def _from_broker(args) -> tuple[dict | str, list | None]:
-    from .cli import _client
+    from .cli import client_from_args
 
-    client = _client(args)
+    client = client_from_args(args)
     query = {k: v for k, v in (("since", args.since), ("from", args.start), ("to", args.end), ("by", args.by), ("user", args.user)) if v}
-    rep = await client._call("GET", "api/usage", query=query)
-    sugs = await client._call("GET", "api/usage/suggestions", query={"user": args.user} if args.user else None) if args.suggestions else None
+    rep = await client.usage_report(**query)
+    sugs = await client.usage_suggestions(args.user or None) if args.suggestions else None
     return rep, sugs
 
 

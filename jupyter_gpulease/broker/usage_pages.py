@@ -264,7 +264,7 @@ def _cost_note(report: dict | None) -> str:
     r = report or {}
     cur = r.get("currency") or ""
     if not r.get("priced", cur != "" or any(x.get("cost") for x in r.get("rows") or [])):
-        return "No prices are set (GPULeaseBroker.usage_prices), so nothing is costed."
+        return "No prices are set (c.GPULeaseUsage.prices), so nothing is costed."
     idle = r.get("charge_idle")
     said = {True: "idle held time is charged", False: "only busy time is charged"}.get(idle, "")
     return f"Prices per GPU-hour of each model{f' in {cur}' if cur else ''}; a share or a MIG slice costs its fraction" + (f"; {said}." if said else ".")

@@ -275,4 +275,5 @@ def _minutes(cands: Sequence[float], lo: float, hi: float) -> str:
 
 IDLE_SETTINGS = settings_of(IdleSettings)
 IDLE_NAMES = tuple(s.name for s in IDLE_SETTINGS)
+IDLE_SETTING = {s.name: s for s in IDLE_SETTINGS}
 assert {f.name for f in fields(IdleSettings)} == set(IDLE_NAMES)

@@ -39,6 +39,7 @@ side formats only what changes every second (the countdown, an ETA as "~14 min")
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -48,7 +49,7 @@ from .model import TERMINAL_STATES, LeaseState
 
 __all__ = [
     "ACTIONS", "TERMINAL_STATES", "WARNING_ACTIONS", "Action", "KernelState", "LeaseState", "LeaseView", "NoticeKind",
-    "QueueView", "SliceView", "WarningKind", "cpu_only_environment", "current_warnings", "lease_devices", "lease_environment",
+    "QueueView", "SliceView", "WarningKind", "cpu_only_environment", "current_warnings", "lease_devices", "lease_environment", "lease_idle_s",
     "memory_fraction", "mps_environment", "offered_actions",
 ]  # fmt: skip
 
@@ -349,6 +350,34 @@ def current_warnings(warnings: Iterable[Mapping[str, Any]], now: float) -> list[
         latest.pop(key, None)
         latest[key] = dict(w)
     return list(latest.values())
+
+
+def lease_idle_s(d: Mapping[str, Any], now: float) -> float | None:
+    """Seconds the GPUs of active lease ``d`` (the broker's lease JSON) have sat idle at ``now``
+    (the broker's clock, or one in step with it), from its server's last heartbeat; None before
+    any. The server's times are taken relative to its own clock (``usage.t``), so a server whose
+    clock is skewed does not shift the answer. The broker's metrics and the idle culler's hook
+    both measure idle leases with it."""
+    if d.get("state") != LeaseState.ACTIVE.value:
+        return None
+    usage = d.get("usage")
+    beat = _finite(d.get("last_heartbeat"))
+    if not isinstance(usage, Mapping) or not usage or beat is None:
+        return None
+    if usage.get("gpu_busy") is True:
+        return 0.0
+    t, last = _finite(usage.get("t")), _finite(usage.get("last_gpu_activity"))
+    if t is not None and last is not None:
+        since = beat - max(0.0, t - last)
+    else:
+        since = _finite(d.get("granted_at")) or beat
+    return max(0.0, now - since)
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
 
 
 # --------------------------------------------------------------------------- actions

@@ -1,55 +1,64 @@
 """The scheduling policy as traitlets config options, derived from the declared settings.
 
 :class:`PolicyConfig` is a ``Configurable`` mixin with one option per :data:`~.policy.SETTINGS`
-entry (same name, help with its unit and example, the same default and range), plus the
-structured options (``tiers`` and the quotas). An application that inherits it (the broker)
-gets ``c.<App>.aging_s = 900`` and friends, refuses an invalid value at load with the option's
-name, reads a renamed option's old name with a deprecation warning, and builds its
-:class:`~.policy.Policy` with :meth:`PolicyConfig.build_policy`.
+entry (same name, help with its unit and example, the same default and range: each made by
+:meth:`~.settings.Setting.trait`), plus the structured options (``tiers`` and the quotas). An
+application that inherits it (the broker) gets ``c.<App>.aging_s = 900`` and friends, refuses an
+invalid value at load with the option's name, reads a renamed option's old name with a
+deprecation warning (:mod:`.renames`), and builds its :class:`~.policy.Policy` with
+:meth:`PolicyConfig.build_policy`.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-from traitlets import Bool, CaselessStrEnum, Dict, Float, Integer, TraitError, Unicode, observe, validate
-from traitlets.config import Configurable
+from traitlets import Dict, validate
 
 from .policy import DEFAULT_TIERS, SETTINGS, Policy, Quota, Tier
-from .settings import Setting
+from .renames import RenamedOptions
 
-log = logging.getLogger(__name__)
-
-RENAMED = {old: s.name for s in SETTINGS for old in s.renamed_from}  # old option name -> new
-
-
-def _trait(s: Setting):
-    kw: dict[str, Any] = {"help": s.help}
-    value = s.config_default()
-    if s.kind is bool:
-        t = Bool(value, **kw)
-    elif s.choices:
-        t = CaselessStrEnum(list(s.choices), value, **kw)
-    elif s.kind is str:
-        t = Unicode(value, **kw)
-    elif s.kind is int:
-        t = Integer(value, **kw)
-    else:
-        t = Float(value, **kw)
-    return t.tag(config=True)
-
-
-def _renamed_trait(old: str, new: Setting):
-    t = Float if new.kind is float else Integer if new.kind is int else Bool if new.kind is bool else Unicode
-    return t(None, allow_none=True, help=f"Renamed to {new.name} (same meaning and unit); the old name still works, with a warning.").tag(config=True)
+SETTING = {s.name: s for s in SETTINGS}
 
 
 def _default_tiers() -> dict:
     return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
 
 
-class _PolicyOptions(Configurable):
+class PolicyConfig(RenamedOptions):
+    """Scheduling policy options: tiers, quotas and the settings declared on Policy."""
+
+    # ------------------------------------------------------------------ the declared settings (core.policy.SETTINGS)
+    default_tier = SETTING["default_tier"].trait()
+    min_duration_s = SETTING["min_duration_s"].trait()
+    fair_share = SETTING["fair_share"].trait()
+    fair_share_half_life_s = SETTING["fair_share_half_life_s"].trait()
+    warn_before_s = SETTING["warn_before_s"].trait()
+    backfill = SETTING["backfill"].trait()
+    reservation_depth = SETTING["reservation_depth"].trait()
+    preemption = SETTING["preemption"].trait()
+    preemption_searches_per_pass = SETTING["preemption_searches_per_pass"].trait()
+    placement_by_preemptibility = SETTING["placement_by_preemptibility"].trait()
+    share_placement = SETTING["share_placement"].trait()
+    aging_s = SETTING["aging_s"].trait()
+    multi_gpu_aging = SETTING["multi_gpu_aging"].trait()
+    short_grants = SETTING["short_grants"].trait()
+    maintenance_shorten_min_s = SETTING["maintenance_shorten_min_s"].trait()
+    extend_when_contended = SETTING["extend_when_contended"].trait()
+    resume_priority = SETTING["resume_priority"].trait()
+    confirm_timeout_s = SETTING["confirm_timeout_s"].trait()
+    heartbeat_timeout_s = SETTING["heartbeat_timeout_s"].trait()
+
+    @validate(*SETTING)
+    def _check_setting(self, proposal):
+        return SETTING[proposal.trait.name].validated(self, proposal.value)
+
+    # ------------------------------------------------------------------ old names (core.renames): listed, read as the new ones
+    aging = SETTING["aging_s"].renamed_trait()
+    warn_before = SETTING["warn_before_s"].renamed_trait()
+    fair_share_half_life = SETTING["fair_share_half_life_s"].renamed_trait()
+    confirm_timeout = SETTING["confirm_timeout_s"].renamed_trait()
+    heartbeat_timeout = SETTING["heartbeat_timeout_s"].renamed_trait()
+
+    # ------------------------------------------------------------------ tiers and quotas
     tiers = Dict(
         _default_tiers(),
         help="""Priority tiers, name -> settings (all optional): ``priority`` (higher is served
@@ -104,31 +113,5 @@ class _PolicyOptions(Configurable):
             **{s.name: s.check(getattr(self, s.name)) for s in SETTINGS},
         )
 
-    def _check_setting(self, proposal):
-        s = _BY_NAME[proposal["trait"].name]
-        try:
-            s.check(proposal["value"])
-        except ValueError as e:
-            raise TraitError(f"{type(self).__name__}.{e}") from None
-        return proposal["value"]
 
-    def _renamed(self, change):
-        new = RENAMED[change["name"]]
-        if change["new"] is None:
-            return
-        logger = getattr(self, "log", log)
-        logger.warning("%s.%s is renamed to %s (same meaning and unit); please use the new name", type(self).__name__, change["name"], new)
-        setattr(self, new, change["new"])
-
-
-_BY_NAME = {s.name: s for s in SETTINGS}
-
-# one trait per setting, and one per old name; a validator for all, an observer for the old names
-_namespace: dict[str, Any] = {s.name: _trait(s) for s in SETTINGS}
-_namespace.update({old: _renamed_trait(old, _BY_NAME[new]) for old, new in RENAMED.items()})
-_namespace["_validate_settings"] = validate(*_BY_NAME)(_PolicyOptions._check_setting)
-_namespace["_observe_renamed"] = observe(*RENAMED)(_PolicyOptions._renamed)
-_namespace["__doc__"] = "Scheduling policy options: tiers, quotas and the settings declared on Policy."
-PolicyConfig = type("PolicyConfig", (_PolicyOptions,), _namespace)
-
-__all__ = ["RENAMED", "PolicyConfig"]
+__all__ = ["SETTING", "PolicyConfig"]

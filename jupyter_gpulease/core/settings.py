@@ -1,9 +1,11 @@
 """Each scheduling setting declared once: name, unit, default, help, range.
 
-A setting is declared on its :class:`~.policy.Policy` field with :func:`setting`; everything
-else is derived from that declaration: the broker's config options (:mod:`.policy_config`),
-the keys of the simulator's policy files, the checks a value goes through wherever it comes
-from, and the name that an error message gives. A new setting is one edit.
+A setting is declared on its dataclass field (:class:`~.policy.Policy`,
+:class:`~.idle.IdleSettings`) with :func:`setting`; everything else is derived from that
+declaration: the config options (:meth:`Setting.trait`, the one builder used by the broker's
+:class:`~.policy_config.PolicyConfig` and the server's ``GPUIdleRule``), the keys of the
+simulator's policy files, the checks a value goes through wherever it comes from, and the name
+that an error message gives. A new setting is one edit.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from traitlets import Bool, CaselessStrEnum, Float, Integer, List, TraitError, TraitType, Unicode
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,43 @@ class Setting:
     def config_default(self) -> Any:
         """The default as a config file writes it (0 for 'off')."""
         return 0 if self.default is None and self.zero_is_off else self.default
+
+    # ------------------------------------------------------------------ as a traitlets option
+    def trait(self) -> TraitType:
+        """The config option of this setting: its name is the attribute it is assigned to (which
+        must be :attr:`name`), with the help and the default of the declaration. A class that has
+        such options checks them with :meth:`validated` in one ``@validate`` method."""
+        value, help = self.config_default(), self.help
+        if self.kind is bool:
+            t: TraitType = Bool(value, help=help)
+        elif self.kind is tuple:
+            t = List(Float(), list(value), help=help)
+        elif self.choices:
+            t = CaselessStrEnum(list(self.choices), value, help=help)
+        elif self.kind is str:
+            t = Unicode(value, help=help)
+        elif self.kind is int:
+            t = Integer(value, help=help)
+        else:
+            t = Float(value, help=help)
+        return t.tag(config=True)
+
+    def renamed_trait(self) -> TraitType:
+        """The option of an older name of this setting (one of :attr:`renamed_from`): listed in the
+        help and generated config files; a config that sets it is migrated to :attr:`name` before
+        it is loaded (:func:`.renames.migrate_config`), so it never holds a value itself."""
+        kind = {float: Float, int: Integer, bool: Bool}.get(self.kind, Unicode)
+        help = f"Renamed to {self.name} (same meaning and unit); the old name still works, with a warning."
+        return kind(None, allow_none=True, help=help).tag(config=True)
+
+    def validated(self, owner: object, value: Any) -> Any:
+        """``value`` unchanged when the declaration allows it for ``owner``'s option, else
+        TraitError naming it as ``<owner's class>.<name> must be ...``."""
+        try:
+            self.check(value)
+        except ValueError as e:
+            raise TraitError(f"{type(owner).__name__}.{e}") from None
+        return value
 
 
 def setting(default: Any, help: str, **kw) -> Any:

@@ -233,6 +233,17 @@ class DeviceBackend(abc.ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
+def check_config_keys(backend: str, config: dict[str, Any], allowed: Iterable[str], *, passed_through: Iterable[str] = ()) -> None:
+    """ValueError naming the keys of a backend's ``config`` that it does not know, and the
+    ``allowed`` ones (in the order given). ``passed_through``: keys it accepts without listing
+    them, those another backend reads when ``auto`` hands the same config on."""
+    allowed = tuple(allowed)
+    unknown = sorted(set(config) - set(allowed) - set(passed_through))
+    if unknown:
+        raise ValueError(f"{backend} device backend: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: {', '.join(map(repr, allowed))}")
+
+
 BACKEND_NAMES = ("simulated", "static", "nvml", "auto", "kubernetes", "slurm")
 
 

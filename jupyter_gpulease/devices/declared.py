@@ -57,6 +57,43 @@ def simulated_mig_uuid(node: str, index: int, mig_index: int, prefix: str = "sim
     return f"MIG-{prefix}-{uuidlib.uuid5(_NAMESPACE, f'{node}/{index}/mig/{mig_index}')}"
 
 
+def max_mig_slices(model: str) -> int:
+    """Compute slices of one GPU of ``model`` in MIG mode (an A30 has 4, the others 7)."""
+    return 4 if model.upper().startswith("A30") else MAX_MIG_SLICES
+
+
+def distribute_mig(node: str, first_index: int, gpus: int, profiles: dict[str, tuple[int, int]], model: str, memory: int, *,
+                   prefix: str) -> list[GPU]:
+    """``profiles`` {profile: (instances on the node, MiB each)} spread over ``gpus`` MIG GPUs.
+
+    A node's labels (Kubernetes) or GRES (Slurm) give totals per profile, not which GPU holds
+    which instance; the device plugin or Slurm chooses the instance anyway, so any split that
+    fits every GPU's slices counts right. ``prefix``: the pool's names for the GPUs and instances.
+    """
+    budget = [max_mig_slices(model)] * gpus
+    held: list[list[tuple[str, int]]] = [[] for _ in range(gpus)]
+    # biggest profiles first, each on the GPU with the most room left
+    order = sorted(profiles.items(), key=lambda kv: -parse_mig_profile(kv[0])[0])
+    for profile, (count, mem) in order:
+        slices = parse_mig_profile(profile)[0]
+        for _ in range(count):
+            k = max(range(gpus), key=lambda i: (budget[i], -i)) if gpus else -1
+            if k < 0 or budget[k] < slices:
+                k = min(range(gpus), key=lambda i: len(held[i])) if gpus else -1
+                if k < 0:
+                    break
+            budget[k] -= slices
+            held[k].append((profile, mem))
+    out = []
+    for i in range(gpus):
+        index = first_index + i
+        mig = tuple(MigInstance(uuid=simulated_mig_uuid(node, index, j, prefix), profile=p, memory_mib=m, index=j)
+                    for j, (p, m) in enumerate(held[i]))
+        gpu_memory = memory or sum(m for _, m in held[i])
+        out.append(GPU(simulated_gpu_uuid(node, index, prefix), node, index, model, gpu_memory, mig))
+    return out
+
+
 def _whole(value: Any, *, minimum: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         return None

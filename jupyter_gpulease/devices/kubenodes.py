@@ -21,7 +21,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from ..core.model import GPU, MigInstance
-from .declared import MAX_MIG_SLICES, parse_mig_profile, simulated_gpu_uuid, simulated_mig_uuid
+from .declared import distribute_mig, max_mig_slices, parse_mig_profile, simulated_gpu_uuid, simulated_mig_uuid
 
 GPU_RESOURCE = "nvidia.com/gpu"
 SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"
@@ -137,10 +137,6 @@ def _timestamp(value: Any) -> float | None:
         return None
 
 
-def _max_slices(model: str) -> int:
-    return 4 if model.upper().startswith("A30") else MAX_MIG_SLICES
-
-
 @dataclass(frozen=True)
 class NodeState:
     """How a node stands: ``ready``, ``cordoned``, ``not-ready`` (GPUs unhealthy) or ``lost`` (GPUs gone)."""
@@ -191,37 +187,6 @@ def _gpu_memory(model: str, raw: str, labels: dict, memory_overrides: dict[str, 
         return mem
     m = _GB_RE.search(raw)  # "A100-SXM4-80GB": 80 GiB as the name says
     return int(m.group(1)) * 1024 if m else None
-
-
-def _distribute_mig(node: str, first_index: int, gpus: int, profiles: dict[str, tuple[int, int]], model: str, memory: int,
-                    prefix: str = UUID_PREFIX) -> list[GPU]:
-    """``profiles`` {profile: (instances on the node, MiB each)} spread over ``gpus`` MIG GPUs.
-
-    The node's labels give totals per profile, not which GPU holds which instance; the device
-    plugin chooses the instance anyway, so any split that fits every GPU's slices counts right.
-    """
-    budget = [_max_slices(model)] * gpus
-    held: list[list[tuple[str, int]]] = [[] for _ in range(gpus)]
-    # biggest profiles first, each on the GPU with the most room left
-    order = sorted(profiles.items(), key=lambda kv: -parse_mig_profile(kv[0])[0])
-    for profile, (count, mem) in order:
-        slices = parse_mig_profile(profile)[0]
-        for _ in range(count):
-            k = max(range(gpus), key=lambda i: (budget[i], -i)) if gpus else -1
-            if k < 0 or budget[k] < slices:
-                k = min(range(gpus), key=lambda i: len(held[i])) if gpus else -1
-                if k < 0:
-                    break
-            budget[k] -= slices
-            held[k].append((profile, mem))
-    out = []
-    for i in range(gpus):
-        index = first_index + i
-        mig = tuple(MigInstance(uuid=simulated_mig_uuid(node, index, j, prefix), profile=p, memory_mib=m, index=j)
-                    for j, (p, m) in enumerate(held[i]))
-        gpu_memory = memory or sum(m for _, m in held[i])
-        out.append(GPU(simulated_gpu_uuid(node, index, prefix), node, index, model, gpu_memory, mig))
-    return out
 
 
 def _mark_unhealthy_tail(gpus: list[GPU], n: int) -> list[GPU]:
@@ -312,7 +277,7 @@ def _single_strategy_gpus(name: str, model: str, raw: str, labels: dict, profile
     slices = _int(labels.get(LABEL_SLICES_GI), slices) or slices
     instance_mem = _int(labels.get(LABEL_MEMORY)) or profile_mem
     instances = _int(labels.get(LABEL_COUNT)) or cap_units
-    per_gpu = max(_max_slices(model) // max(slices, 1), 1)
+    per_gpu = max(max_mig_slices(model) // max(slices, 1), 1)
     physical = math.ceil(instances / per_gpu) if instances else 0
     gb = _GB_RE.search(raw)
     gpu_mem = memory_overrides.get(model) or (int(gb.group(1)) * 1024 if gb else instance_mem * per_gpu)
@@ -332,13 +297,13 @@ def _mixed_strategy_gpus(out: NodeGPUs, labels: dict, model: str, memory: int, m
     name = out.node
     physical = _int(labels.get(LABEL_COUNT))
     if physical is None:
-        physical = whole + max(1, math.ceil(sum(parse_mig_profile(p)[0] * n for p, n in mig_counts.items()) / _max_slices(model)))
+        physical = whole + max(1, math.ceil(sum(parse_mig_profile(p)[0] * n for p, n in mig_counts.items()) / max_mig_slices(model)))
     mig_gpus = max(physical - whole, 0)
     if mig_gpus == 0:
         out.problems.append(f"MIG instances {sorted(mig_counts)} but no GPU left for them (gpu.count {physical}, whole {whole})")
     profiles = {p: (n, _int(labels.get(f"nvidia.com/mig-{p}.memory")) or parse_mig_profile(p)[1]) for p, n in mig_counts.items()}
     plain = _mark_unhealthy_tail([_gpu(name, i, model, memory) for i in range(whole)], math.ceil(max(unhealthy_units, 0) / replicas))
-    out.gpus = plain + _distribute_mig(name, whole, mig_gpus, profiles, model, memory)
+    out.gpus = plain + distribute_mig(name, whole, mig_gpus, profiles, model, memory, prefix=UUID_PREFIX)
 
 
 def gpus_from_hami(node: dict) -> NodeGPUs | None:

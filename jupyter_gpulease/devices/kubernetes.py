@@ -58,7 +58,7 @@ from typing import Any
 
 from ..core.model import GPU
 from ..tasks import BackgroundTasks
-from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable
+from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable, check_config_keys
 from .kubenodes import DRA_DRIVER, apply_node_event, inventory_from_nodes, items_of
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,7 @@ class KubernetesBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - _CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"kubernetes device backend: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(sorted(_CONFIG_KEYS))}")
+        check_config_keys("kubernetes", config, sorted(_CONFIG_KEYS))
         self.label_selector = str(config.get("label_selector") or "")
         self.dra = bool(config.get("dra", False))
         self.dra_driver = str(config.get("dra_driver") or DRA_DRIVER)

@@ -39,7 +39,7 @@ from types import ModuleType
 from typing import Any
 
 from ..core.model import GPU, MigInstance
-from .base import Clock, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavailable, ProcessSample
+from .base import Clock, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavailable, ProcessSample, check_config_keys
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ MIB = 1024 * 1024
 # "gpu0/gi1/ci0/access 31"), and where their nodes are: CUDA opens a MIG slice through both
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 MIG_CAP_DIR = "/dev/nvidia-caps"
-_CONFIG_KEYS = {"node", "include_graphics", "gpus", "state_file"}
 _MIG_NAME_RE = re.compile(r"MIG\s+(\S+)\s*$")
 _NO_INSTANCE = 0xFFFFFFFF  # gpuInstanceId of a process on a GPU without MIG
 # NVML's clocks event (throttle) reasons that say something is wrong, by the names of core.health.THROTTLE_WORDS
@@ -66,9 +65,7 @@ class NvmlBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None, nvml: ModuleType | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - _CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"nvml device backend: unknown config key(s) {', '.join(map(repr, unknown))}; allowed: 'node', 'include_graphics'")
+        check_config_keys("nvml", config, ("node", "include_graphics"), passed_through=("gpus", "state_file"))  # simulated's, through 'auto'
         node = config.get("node")
         if node is not None and (not isinstance(node, str) or not node.strip()):
             raise ValueError(f"nvml device backend: 'node' must be a non-empty string, got {node!r}")

@@ -23,8 +23,9 @@ import fcntl
 import json
 import os
 import sys
-import tempfile
 from typing import Any
+
+from ..files import write_atomically
 
 NOTE = "simulated: the demo's simulated GPUs, no NVIDIA driver"
 _NEXT = {"lock": "locked", "checkpoint": "checkpointed", "restore": "locked", "unlock": "running"}
@@ -63,18 +64,7 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def _save(path: str, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".simcheckpoint-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomically(path, json.dumps(data), mode=0o644)
 
 
 def _parse(argv: list[str]) -> dict[str, str]:

@@ -35,13 +35,13 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from typing import Any
 
 from ..core.model import GPU
-from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample
+from ..files import write_atomically
+from .base import HEALTHY, Clock, DeviceBackend, DeviceHealth, DeviceSample, ProcessSample, check_config_keys
 from .declared import parse_inventory
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,7 @@ class SimulatedBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - _CONFIG_KEYS - {"include_graphics"})  # nvml's keys pass through 'auto'
-        if unknown:
-            raise ValueError(f"simulated device backend: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(sorted(_CONFIG_KEYS))}")
+        check_config_keys("simulated", config, sorted(_CONFIG_KEYS), passed_through=("include_graphics",))  # nvml's, through 'auto'
         self._gpus = parse_inventory(config.get("gpus", DEFAULT_POOL), default_node=config.get("node") or "sim-node-1")
         self._clock = clock or time.time
         self._lock = threading.RLock()
@@ -338,21 +335,8 @@ class SimulatedBackend(DeviceBackend):
         devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self._devices.items() if d}
         if devices:
             data["devices"] = devices
-        folder = os.path.dirname(os.path.abspath(self.state_file))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".sim-gpus-", suffix=".json", dir=folder)
-        try:
-            # readable by all (mkstemp makes it 0600): servers of other users read the same GPUs
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.state_file)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # readable by all: servers of other users read the same GPUs
+        write_atomically(self.state_file, json.dumps(data, indent=1), mode=0o644)
         st = os.stat(self.state_file)
         self._file_sig = (st.st_mtime_ns, st.st_size)
 

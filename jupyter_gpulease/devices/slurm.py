@@ -39,9 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.model import GPU
-from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable
-from .declared import MAX_MIG_SLICES, parse_mig_profile, simulated_gpu_uuid
-from .kubenodes import _distribute_mig
+from .base import Clock, DeviceBackend, DeviceSample, DeviceUnavailable, check_config_keys
+from .declared import MAX_MIG_SLICES, distribute_mig, parse_mig_profile, simulated_gpu_uuid
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ def node_gpus(fields: dict[str, str], memory_mib: dict[str, int] | None = None) 
         slices = sum(parse_mig_profile(p)[0] * n for p, (n, _) in profiles.items())
         gpus = max(1, -(-slices // MAX_MIG_SLICES))
         mem = _type_memory(model, memory_mib) or 0  # 0: the sum of each GPU's instances
-        out.gpus.extend(_distribute_mig(name, index, gpus, profiles, model, mem, prefix=UUID_PREFIX))
+        out.gpus.extend(distribute_mig(name, index, gpus, profiles, model, mem, prefix=UUID_PREFIX))
         index += gpus
     return out
 
@@ -205,10 +204,7 @@ class SlurmBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - _CONFIG_KEYS)
-        if unknown:
-            raise ValueError(f"slurm device backend: unknown config key(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(sorted(_CONFIG_KEYS))}")
+        check_config_keys("slurm", config, sorted(_CONFIG_KEYS))
         mem = config.get("memory_mib") or {}
         if not isinstance(mem, dict) or not all(isinstance(v, int) and v > 0 for v in mem.values()):
             raise ValueError("slurm device backend: 'memory_mib' maps GRES types to MiB, e.g. {'a100': 81920, 'l4': 23034}")

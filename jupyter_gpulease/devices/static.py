@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..core.model import GPU
-from .base import Clock, DeviceBackend, DeviceSample
+from .base import Clock, DeviceBackend, DeviceSample, check_config_keys
 from .declared import parse_inventory
 
 
@@ -26,9 +26,7 @@ class StaticBackend(DeviceBackend):
 
     def __init__(self, config: dict[str, Any] | None = None, *, clock: Clock | None = None):
         config = dict(config or {})
-        unknown = sorted(set(config) - {"gpus", "node"})
-        if unknown:
-            raise ValueError(f"static device backend: unknown config key(s) {', '.join(map(repr, unknown))}; allowed: 'gpus', 'node'")
+        check_config_keys("static", config, ("gpus", "node"))
         if "gpus" not in config:
             raise ValueError("static device backend: config needs 'gpus', the list of GPUs in the pool, e.g. "
                              "[{'node': 'gpu-01', 'model': 'A100-SXM4-80GB', 'count': 8, 'memory_mib': 81920}]")

@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ..files import write_atomically
 
 log = logging.getLogger("jupyter_gpulease.hub")
 
@@ -110,17 +111,6 @@ class ReleaseOutbox:
             if not self:
                 self.path.unlink(missing_ok=True)
                 return
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(data, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True), mode=0o600, fsync=True)
         except OSError as e:
             log.error("Cannot write the pending GPU lease ends to %s: %s (they are kept in memory only)", self.path, e)

@@ -24,6 +24,7 @@ from ..core.text import format_duration as fmt_duration
 from ..tasks import BackgroundTasks
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint, unavailable_reason
+from .idletimeout import GPUIdleRule
 from .kernels import ACTING, OK, RECLAIMED, SUSPENDED, KernelRecord, KernelTable, kernel_label
 from .lease import LeaseKeeper, lease_gpus
 from .monitor import Snapshot
@@ -73,7 +74,7 @@ class ReclaimActions(LoggingConfigurable):
         ``cull_busy``). Default False: a running cell protects its kernel's GPU.""",
     ).tag(config=True)
 
-    def __init__(self, *, idle: Any, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: BackgroundTasks,
+    def __init__(self, *, idle: GPUIdleRule, kernels: KernelTable, keeper: LeaseKeeper, announce: Announcer, tasks: BackgroundTasks,
                  set_kernel_env: Callable[[dict[str, Any] | None], None], checkpoint: CudaCheckpoint | None = None,
                  checkpoint_missing: str = "", stop_server: Callable[[], None] | None = None,
                  resume_on_execute: bool = True, clock: Callable[[], float] = time.time, **kwargs: Any):
@@ -90,7 +91,7 @@ class ReclaimActions(LoggingConfigurable):
         self.clock = clock
         self.resume_on_execute = resume_on_execute  # what the suspended kernel's message says of its resume
         self.returning = False  # the lease is being returned (new kernels already get no GPU)
-        self.tracker = ReclaimTracker(idle.rule, threshold_pct=idle.threshold_pct, reclaim_busy=self.reclaim_busy,
+        self.tracker = ReclaimTracker(threshold_pct=idle.threshold_pct, reclaim_busy=self.reclaim_busy,
                                       warn_before_s=self.warn_before, max_keep_s=self.max_keep)
 
     # ------------------------------------------------------------------ what will happen

@@ -3,21 +3,22 @@
 Enabled on install (``jupyter_server_config.d/jupyter_gpulease.json`` in the wheel). Configure
 it in ``jupyter_server_config.py`` (see config/jupyter_server_config.py): where things are, the
 monitor and the heartbeats as ``c.GPULeaseExtension.<option>``; the parts' own settings under
-their names (``c.GPUIdleRule``, ``c.ReclaimActions``, ``c.Resumer``, ``c.GPUUsage``), where the
-older ``c.GPULeaseExtension.<option>`` of a moved setting is still read. Without a lease, a
-broker or GPUs it logs one line, says so in its status and otherwise stays out of the way.
+their names (``c.GPUIdleRule``, ``c.ReclaimActions``, ``c.Resumer``, ``c.GPUUsage``). The older
+``c.GPULeaseExtension.<option>`` of a moved setting is still read: each config the extension
+loads is migrated first, with a warning (:mod:`jupyter_gpulease.core.renames`). Without a lease,
+a broker or GPUs it logs one line, says so in its status and otherwise stays out of the way.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from copy import deepcopy
 
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Dict, Enum, Float, Unicode, default, validate
 
 from ..client import BrokerClient, default_broker_url
+from ..core.renames import RenamedOptions
 from ..devices import DeviceUnavailable, get_backend
 from . import kernelenv
 from .checkpoint import CudaCheckpoint, find_cuda_checkpoint, simulated_checkpoint, unavailable_reason
@@ -28,7 +29,7 @@ from .lease import LeaseKeeper
 from .monitor import Monitor
 
 
-class GPULeaseExtension(ExtensionApp):
+class GPULeaseExtension(RenamedOptions, ExtensionApp):
     """GPU leases inside a Jupyter server: monitor, idle reclaim, resume, heartbeats, REST and feed."""
 
     name = "jupyter_gpulease"
@@ -144,7 +145,6 @@ class GPULeaseExtension(ExtensionApp):
         monitor = Monitor(backend, interval=self.sample_interval, history_s=self.history_seconds, unavailable=unavailable)
         checkpoint, missing = self._checkpoint(backend)
         keeper = LeaseKeeper(client, lease_id=self.lease_id, server_name=self.server_name, heartbeat_interval=self.heartbeat_interval)
-        self._forward_old_names()
         self.controller = GPUController(
             parent=self, kernel_manager=self.serverapp.kernel_manager, session_manager=getattr(self.serverapp, "session_manager", None),
             monitor=monitor, keeper=keeper, feed=Feed(), sample_interval=self.sample_interval, history_s=self.history_seconds,
@@ -193,37 +193,8 @@ class GPULeaseExtension(ExtensionApp):
 
     async def stop_extension(self):
         if self.controller is not None:
-            await self.controller.stop()
+            await self.controller.stop()  # closes the device backend too, off the event loop
 
     def current_activity(self):
         """GPU work counts as activity for the server's own idle shutdown."""
         return self.controller is not None and self.controller.gpu_busy()
-
-    # ------------------------------------------------------------------ settings that moved to the parts
-    def _forward_old_names(self) -> None:
-        """``c.GPULeaseExtension.<name>`` of a setting that moved to a part (``c.ReclaimActions.reclaim_action``
-        and so on) still works: it is read as the part's, unless the part's own name is set too."""
-        if OLD_SECTION not in self.config:
-            return
-        old = self.config[OLD_SECTION]
-        for cls in PARTS:
-            for name in cls.class_trait_names(config=True):
-                if name in old and name not in self.config[cls.__name__]:
-                    self.config[cls.__name__][name] = old[name]
-                    self.log.info("GPU leases: c.%s.%s is now c.%s.%s (the old name still works)", OLD_SECTION, name, cls.__name__, name)
-
-    def _load_config(self, cfg, section_names=None, traits=None):
-        # the names that moved to a part are that part's (see _forward_old_names): not unknown options here
-        if OLD_SECTION in cfg and any(n in cfg[OLD_SECTION] for n in _moved_names()):
-            cfg = deepcopy(cfg)
-            for n in _moved_names():
-                cfg[OLD_SECTION].pop(n, None)
-        super()._load_config(cfg, section_names=section_names, traits=traits)
-
-
-OLD_SECTION = "GPULeaseExtension"
-
-
-def _moved_names() -> set[str]:
-    return {name for cls in PARTS for name in cls.class_trait_names(config=True)}
-

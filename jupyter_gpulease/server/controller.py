@@ -114,7 +114,7 @@ class GPUController(LoggingConfigurable):
             self.kernels.mark_suspended(rec, False)
         await self.tasks.cancel()
         await self.keeper.stop(release=True)
-        self.monitor.close()
+        await self.monitor.close()
 
     async def _loop(self) -> None:
         while not self._stopping:

@@ -1,15 +1,16 @@
 """The idle rule of a Jupyter server: its options, and the user's learnt idle gaps.
 
 :class:`GPUIdleRule` has one config option per setting declared on
-:class:`~jupyter_gpulease.core.idle.IdleSettings` (same name, help, default and range; the
-simulator's policy files use the same names), plus ``gaps_file``. It gives the effective
-timeout for the reclaim action that will really happen (:meth:`GPUIdleRule.timeout`: a
-regretted suspend weighs less than a regretted restart) and learns from each idle gap
-(:meth:`GPUIdleRule.learn`), keeping the gaps in the user's Jupyter data directory.
+:class:`~jupyter_gpulease.core.idle.IdleSettings` (same name, help, default and range, each made
+by :meth:`~jupyter_gpulease.core.settings.Setting.trait`; the simulator's policy files use the
+same names), plus ``gaps_file``. It gives the effective timeout for the reclaim action that will
+really happen (:meth:`GPUIdleRule.timeout`: a regretted suspend weighs less than a regretted
+restart) and learns from each idle gap (:meth:`GPUIdleRule.learn`), keeping the gaps in the
+user's Jupyter data directory.
 
-Set it as ``c.GPUIdleRule.gpu_idle_timeout = 600``; the names under ``GPULeaseExtension``
-(``c.GPULeaseExtension.gpu_idle_timeout = 600``) still work: the rule reads them from the
-config it is given when the same name is not set under ``GPUIdleRule``.
+Set it as ``c.GPUIdleRule.gpu_idle_timeout = 600``; the older names under ``GPULeaseExtension``
+(``c.GPULeaseExtension.gpu_idle_timeout = 600``) are moved here by the extension when it loads
+its config (:mod:`jupyter_gpulease.core.renames`).
 """
 
 from __future__ import annotations
@@ -19,41 +20,35 @@ import os
 from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Bool, Float, List, TraitError, Unicode, default, validate
+from traitlets import Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
-from ..core.idle import IDLE_NAMES, IDLE_SETTINGS, IdleRule, IdleSettings
-from ..core.settings import Setting
+from ..core.idle import IDLE_NAMES, IDLE_SETTING, IdleRule, IdleSettings
+from ..files import write_atomically
 
 MAX_GAPS = 200  # the most recent gaps kept (and learnt from)
-OLD_SECTION = "GPULeaseExtension"  # where these options lived before; still read
 
 
-def _trait(s: Setting):
-    value = s.config_default()
-    help = s.help
-    if s.kind is bool:
-        t = Bool(value, help=help)
-    elif s.kind is tuple:
-        t = List(Float(), list(value), help=help)
-    else:
-        t = Float(value, help=help)
-    return t.tag(config=True)
+class GPUIdleRule(LoggingConfigurable):
+    """The idle rule of this server: when a kernel's GPU is idle, how long it may stay idle (fixed or
+    learnt per user), and what a regretted reclaim weighs for the action that really happens. One option per
+    :class:`~jupyter_gpulease.core.idle.IdleSettings` field; the simulator replays the same settings."""
 
+    # ------------------------------------------------------------------ the declared settings (core.idle.IdleSettings)
+    gpu_idle_threshold = IDLE_SETTING["gpu_idle_threshold"].trait()
+    gpu_idle_timeout = IDLE_SETTING["gpu_idle_timeout"].trait()
+    gpu_idle_timeout_learn = IDLE_SETTING["gpu_idle_timeout_learn"].trait()
+    gpu_idle_regret_suspend = IDLE_SETTING["gpu_idle_regret_suspend"].trait()
+    gpu_idle_regret_restart = IDLE_SETTING["gpu_idle_regret_restart"].trait()
+    gpu_idle_timeout_candidates = IDLE_SETTING["gpu_idle_timeout_candidates"].trait()
+    gpu_idle_timeout_min = IDLE_SETTING["gpu_idle_timeout_min"].trait()
+    gpu_idle_timeout_max = IDLE_SETTING["gpu_idle_timeout_max"].trait()
 
-def _check(self, proposal):
-    s = _BY_NAME[proposal["trait"].name]
-    try:
-        s.check(proposal["value"])
-    except ValueError as e:
-        raise TraitError(f"{type(self).__name__}.{e}") from None
-    return proposal["value"]
+    @validate(*IDLE_NAMES)
+    def _check_setting(self, proposal):
+        return IDLE_SETTING[proposal.trait.name].validated(self, proposal.value)
 
-
-_BY_NAME = {s.name: s for s in IDLE_SETTINGS}
-
-
-class _GPUIdleRule(LoggingConfigurable):
+    # ------------------------------------------------------------------ the learnt gaps' file
     gaps_file = Unicode(help="""Where the learnt timeout keeps the user's idle gaps. Default: ``<jupyter data dir>/gpulease/idle-gaps.json``.""").tag(config=True)
     user = Unicode("", help="""The user whose gaps these are (written into the gaps file). Default: ``JUPYTERHUB_USER``.""")
 
@@ -67,14 +62,8 @@ class _GPUIdleRule(LoggingConfigurable):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        old = self.config.get(OLD_SECTION, {}) if OLD_SECTION in self.config else {}
-        mine = self.config.get(type(self).__name__, {}) if type(self).__name__ in self.config else {}
-        for name in (*IDLE_NAMES, "gaps_file"):
-            if name in old and name not in mine:
-                setattr(self, name, old[name])
         self.settings  # noqa: B018 -- refuse an inconsistent configuration (min above max) now, with the names
         self.gaps: list[float] = self._load_gaps()
-        self._action = "suspend"
 
     # ------------------------------------------------------------------ the rule
     @property
@@ -86,22 +75,17 @@ class _GPUIdleRule(LoggingConfigurable):
     def threshold_pct(self) -> float:
         return self.gpu_idle_threshold
 
-    def rule_for(self, action: str) -> IdleRule:
+    def rule(self, action: str) -> IdleRule:
         """The core idle rule when a reclaim really does ``action`` (after any fallback)."""
         return self.settings.rule(action)
 
-    @property
-    def rule(self) -> IdleRule:
-        """The core idle rule for the action last asked about in :meth:`timeout` (first: suspend)."""
-        return self.rule_for(self._action)
-
-    def timeout(self, action: str = "suspend") -> float | None:
+    def timeout(self, action: str) -> float | None:
         """Seconds an idle kernel keeps its GPU when a reclaim really does ``action`` (None: never)."""
-        self._action = action
-        return self.rule_for(action).timeout(self.gaps)
+        return self.rule(action).timeout(self.gaps)
 
-    def describe(self, action: str | None = None) -> str:
-        return self.settings.describe(action or self._action)
+    def describe(self, action: str) -> str:
+        """The rule in words, for a reclaim that really does ``action``."""
+        return self.settings.describe(action)
 
     # ------------------------------------------------------------------ learnt gaps
     def learn(self, gap_s: float) -> None:
@@ -113,11 +97,7 @@ class _GPUIdleRule(LoggingConfigurable):
         if not path or not self.gpu_idle_timeout_learn:
             return
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"user": self.user, "gaps": self.gaps}, f)
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps({"user": self.user, "gaps": self.gaps}))
         except OSError as e:
             self.log.debug("Could not save idle gaps to %s: %s", path, e)
 
@@ -134,14 +114,5 @@ class _GPUIdleRule(LoggingConfigurable):
             self.log.warning("GPU idle rule: ignoring %s (%s)", path, e)
             return []
 
-
-# one option per declared idle setting, each checked like the declaration says
-_namespace: dict[str, Any] = {s.name: _trait(s) for s in IDLE_SETTINGS}
-_namespace["_validate_settings"] = validate(*IDLE_NAMES)(_check)
-_namespace["__doc__"] = """The idle rule of this server: when a kernel's GPU is idle, how long it may stay idle (fixed or
-learnt per user), and what a regretted reclaim weighs for the action that really happens. One option per
-:class:`~jupyter_gpulease.core.idle.IdleSettings` field; the simulator replays the same settings."""
-_namespace["__module__"] = __name__
-GPUIdleRule = type("GPUIdleRule", (_GPUIdleRule,), _namespace)
 
 __all__ = ["GPUIdleRule"]

@@ -32,7 +32,6 @@ class Snapshot:
     devices: dict[str, DeviceSample] = field(default_factory=dict)
     attribution: Attribution | None = None
     error: str = ""  # the backend could not sample (the figures are those of no device)
-    cpu_s: float = 0.0  # thread CPU time the sample cost (for the benchmark and the status)
 
     def device_util(self, uuid: str) -> float | None:
         s = self.devices.get(uuid)
@@ -45,8 +44,6 @@ class Monitor:
     def __init__(self, backend: DeviceBackend | None, *, interval: float = 1.0, history_s: float = 600.0,
                  clock: Callable[[], float] = time.time, unavailable: str = ""):
         self.backend = backend
-        self.interval = interval
-        self.history_s = history_s
         self.devices: set[str] = set()
         # the engine chose the devices inside the node (Kubernetes without DRA, Slurm): the lease
         # names the broker's devices, not these; every device this server sees is the leased one
@@ -61,7 +58,6 @@ class Monitor:
         self.kernel_history: dict[str, deque[tuple[float, int | None, float | None]]] = {}
         self.last: Snapshot | None = None
         self.samples = 0
-        self.cpu_s = 0.0
 
     @property
     def available(self) -> bool:
@@ -83,7 +79,6 @@ class Monitor:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _sample_blocking(self, kernels: list[KernelProcess]) -> Snapshot:
-        cpu0 = time.thread_time()
         now = self._clock()
         snap = Snapshot(now)
         if self.backend is not None and (self.devices or self.watch_all):
@@ -104,14 +99,12 @@ class Monitor:
                 if missing and not snap.devices:
                     snap.error = f"the leased device(s) {', '.join(sorted(missing))} are not visible to this server"
         snap.attribution = attribute(snap.devices, kernels, self._tree)
-        snap.cpu_s = time.thread_time() - cpu0
         return snap
 
     def record(self, snap: Snapshot) -> None:
         """Keep ``snap`` as the latest sample and in the history (call on the event loop)."""
         self.last = snap
         self.samples += 1
-        self.cpu_s += snap.cpu_s
         for u, s in snap.devices.items():
             h = self.history.get(u)
             if h is None:
@@ -147,10 +140,16 @@ class Monitor:
             rows = [r for r in rows if r[0] >= cut]
         return {"t": [round(r[0], 3) for r in rows], "memory_mib": [r[1] for r in rows], "sm_util_pct": [r[2] for r in rows]}
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop sampling and close the backend. The backend's close may wait for a sample still
+        running (NVML's lock), so it runs in a thread of its own, never on the event loop."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.backend is not None:
-            try:
-                self.backend.close()
-            except Exception:  # closing must not fail a server's shutdown
-                log.debug("closing the device backend failed", exc_info=True)
+            await asyncio.to_thread(self._close_backend, self.backend)
+
+    @staticmethod
+    def _close_backend(backend: DeviceBackend) -> None:
+        try:
+            backend.close()
+        except Exception:  # closing must not fail a server's shutdown
+            log.debug("closing the device backend failed", exc_info=True)

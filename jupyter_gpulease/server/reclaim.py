@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..core.idle import IdleRule, gpu_idle
+from ..core.idle import gpu_idle
 
 MIN_GAP_S = 10.0  # shorter idle periods are noise between samples, not gaps a user takes
 
@@ -52,7 +52,8 @@ class Decision:
 
 @dataclass
 class ReclaimTracker:
-    rule: IdleRule
+    """The idle state of each kernel and of the lease, and the decisions it leads to (timeouts passed in)."""
+
     threshold_pct: float = 5.0
     reclaim_busy: bool = False
     warn_before_s: float = 300.0

@@ -23,14 +23,20 @@ More come from a config file (TOML or JSON), see :func:`load_policy_file`, and f
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from traitlets import TraitError
+from traitlets.config import Config
+from traitlets.config.loader import DeferredConfig
+
 from ..core.idle import IDLE_NAMES, IdleRule, IdleSettings
 from ..core.policy import DEFAULT_TIERS, HOUR, SETTINGS, Policy, Tier
+from ..core.renames import EXTENSION_SECTION, POLICY_SECTION, migrate_config
 
-RENAMED = {old: s.name for s in SETTINGS for old in s.renamed_from}
+log = logging.getLogger(__name__)
 
 NEVER = 100 * 365 * 24 * HOUR  # "no time limit"
 
@@ -362,6 +368,9 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
     name = d.pop("name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{source}: each policy needs a 'name'")
+    # a scheduling setting's old name is read as the new one, as the broker reads it (core.renames)
+    d = dict(migrate_config(Config({POLICY_SECTION: d}), [POLICY_SECTION],
+                            warn=lambda words: log.warning("%s: policy %r: %s", source, name, words))[POLICY_SECTION])
     base_name = d.pop("base", "gpulease")
     if base_name not in BUILTIN:
         raise ValueError(f"{source}: policy {name!r}: unknown base {base_name!r}; built-ins: {', '.join(BUILTIN)}")
@@ -378,8 +387,6 @@ def policy_from_dict(d: dict[str, Any], *, source: str = "config") -> SimPolicy:
     for k in list(d):
         if k in _POLICY_KEYS:
             kw[k] = d.pop(k)
-        elif k in RENAMED:
-            raise ValueError(f"{source}: policy {name!r}: {k!r} is now called {RENAMED[k]!r}")
     try:
         pol = replace(pol, **kw)
     except (TypeError, ValueError) as e:
@@ -480,13 +487,14 @@ _SERVER_ACTIONS = {"suspend": "suspend", "restart": "restart", "shutdown": "rest
 
 def from_server_config(path: str, *, name: str = "server-config") -> SimPolicy:
     """The gpulease policy with the idle reclaim of a ``jupyter_server_config.py``: the file is
-    loaded with traitlets' config loader and the server extension's own classes
-    (:class:`~jupyter_gpulease.server.idletimeout.GPUIdleRule`, ``ReclaimActions``) are
-    configured from it, so its values are checked as the server checks them; the names under
-    ``c.GPULeaseExtension`` that moved to those classes are read too."""
+    loaded with traitlets' config loader, its old names migrated as the server extension migrates
+    them (:mod:`~jupyter_gpulease.core.renames`), and its values read through the server's own
+    option classes (:class:`~jupyter_gpulease.server.idletimeout.GPUIdleRule`, built from it;
+    ``ReclaimActions``' options, checked by their traits), so they are checked as the server
+    checks them."""
     from traitlets.config.loader import ConfigFileNotFound, PyFileConfigLoader
 
-    from ..server.idletimeout import OLD_SECTION, GPUIdleRule
+    from ..server.idletimeout import GPUIdleRule
 
     try:
         cfg = PyFileConfigLoader(os.path.basename(path), path=os.path.dirname(os.path.abspath(path))).load_config()
@@ -494,14 +502,12 @@ def from_server_config(path: str, *, name: str = "server-config") -> SimPolicy:
         raise ValueError(f"--server-config: {path}: no such file") from None
     except Exception as e:  # the file is Python: any error in it is the admin's to see
         raise ValueError(f"--server-config: {path}: could not be loaded: {type(e).__name__}: {e}") from None
+    cfg = migrate_config(cfg, [EXTENSION_SECTION], warn=lambda words: log.warning("--server-config: %s: %s", path, words))
     try:
-        rule = GPUIdleRule(config=cfg, gaps_file="")
-        settings = rule.settings
-        reclaim = _reclaim_settings(cfg, OLD_SECTION)
+        settings = GPUIdleRule(config=cfg, gaps_file="").settings
+        action, fallback = (_reclaim_option(cfg, n) for n in ("reclaim_action", "fallback_action"))
     except Exception as e:  # TraitError, ValueError: a value the server would refuse
         raise ValueError(f"--server-config: {path}: {e}") from None
-    action = reclaim.reclaim_action
-    fallback = reclaim.fallback_action
     sim_action = _SERVER_ACTIONS.get(action)
     base = gpulease(settings, reclaim_action=sim_action or "release")
     if sim_action is None:  # interrupt or notify: the GPU stays with the kernel, nothing is reclaimed
@@ -512,19 +518,17 @@ def from_server_config(path: str, *, name: str = "server-config") -> SimPolicy:
     return replace(base, name=name, description=base.description + note)
 
 
-def _reclaim_settings(cfg, old_section: str):
-    """The server extension's ReclaimActions options from ``cfg`` (old names under ``old_section`` too)."""
-    from traitlets.config import Config, LoggingConfigurable
-
+def _reclaim_option(cfg: Config, name: str) -> Any:
+    """The value ``cfg`` gives the server's ``c.ReclaimActions.<name>`` (its default when unset),
+    checked by the option's own trait; the part itself needs a running server, so it is not built."""
     from ..server.actions import ReclaimActions
 
-    class _Options(ReclaimActions):  # its options, without the parts a running server gives it
-        def __init__(self, **kw):
-            LoggingConfigurable.__init__(self, **kw)
-
-    cfg = Config(cfg)
-    if old_section in cfg:
-        for n in ReclaimActions.class_trait_names(config=True):
-            if n in cfg[old_section] and n not in cfg["ReclaimActions"]:
-                cfg["ReclaimActions"][n] = cfg[old_section][n]
-    return _Options(config=cfg)
+    trait = ReclaimActions.class_traits(config=True)[name]
+    section = cfg.get("ReclaimActions")
+    if not isinstance(section, Config) or name not in section:
+        return trait.default_value
+    value = section[name]
+    try:
+        return trait.validate(None, value.get_value(trait) if isinstance(value, DeferredConfig) else value)
+    except TraitError as e:
+        raise ValueError(f"ReclaimActions.{name}: {e}") from None

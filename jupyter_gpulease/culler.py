@@ -24,11 +24,15 @@ overrides. The culler's role needs, besides the culler's own scopes, ``read:serv
 it cannot reach, is logged once with what to fix, and the culler decides by activity alone
 meanwhile. In the idle culler's config file (README, "The idle culler")::
 
-    from jupyter_gpulease.server.culler import GPUCullArbiter
+    from jupyter_gpulease.culler import GPUCullArbiter
     c.IdleCuller.cull_arbiter_hook = GPUCullArbiter(gpu_idle_limit=1800)
 
-It imports nothing of jupyterhub nor of the culler, and talks to the broker through the
-project's one client.
+It runs in the culler's process, not in a Jupyter server: it imports nothing of jupyterhub, of
+the culler or of the server extension, and talks to the broker through the project's one
+client. How long a lease's GPU has been idle is the broker metrics' own measure
+(:func:`~jupyter_gpulease.core.lease.lease_idle_s`: from the server's heartbeats, clock skew
+between the server and the broker taken out); durations read as everywhere else
+(:func:`~jupyter_gpulease.core.text.format_duration`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from ..client import NO_RETRY, SERVICE_NAME, BrokerClient, BrokerError, _join, fetch_json
+from .client import NO_RETRY, SERVICE_NAME, BrokerClient, BrokerError, fetch_json, join_url
+from .core.lease import lease_idle_s
+from .core.text import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +61,6 @@ CULLER_ROLE_SCOPES = CULLER_SCOPES + HOOK_SCOPES
 def _held(scope: str, scopes: set[str]) -> bool:
     """Whether ``scopes`` (a token's expanded scopes) grant ``scope`` (maybe filtered to our service)."""
     return scope in scopes or scope.split("!", 1)[0] in scopes
-
-
-def human(seconds: float) -> str:
-    """31 min, 45 s, 2 h 5 min."""
-    s = round(max(0.0, seconds))
-    if s < 120:
-        return f"{s} s"
-    m = s // 60
-    if m < 120:
-        return f"{m} min"
-    h, m = divmod(m, 60)
-    return f"{h} h {m} min" if m else f"{h} h"
 
 
 class GPUCullArbiter:
@@ -152,7 +146,7 @@ class GPUCullArbiter:
     async def _hub(self, path: str) -> tuple[int, Any]:
         """GET ``path`` of the Hub API with the culler's token: (status, JSON); status 0 when unreachable."""
         try:
-            status, data, _ = await fetch_json("GET", _join(self.hub_api_url, path), token=self.token, timeout=20,
+            status, data, _ = await fetch_json("GET", join_url(self.hub_api_url, path), token=self.token, timeout=20,
                                                backoff=NO_RETRY, what="the hub")
         except BrokerError as e:
             return e.status, e.message
@@ -188,7 +182,7 @@ class GPUCullArbiter:
             if not model.get("url"):
                 self._say_problem(f"the hub's service {SERVICE_NAME!r} has no url: set GPULEASE_BROKER_URL to the broker's URL")
                 return None
-            url = _join(model["url"], model.get("prefix") or f"/services/{SERVICE_NAME}/")
+            url = join_url(model["url"], model.get("prefix") or f"/services/{SERVICE_NAME}/")
         if api:
             # what the token may do: without the admin scope the broker lists no one's leases
             status, me = await self._hub("user")
@@ -274,13 +268,14 @@ class GPUCullArbiter:
             return default
         usage = lease.get("usage") or {}
         last = usage.get("last_gpu_activity")
-        now = self.clock()
+        worked = isinstance(last, (int, float)) and not isinstance(last, bool)  # some GPU work since the grant
+        gpu_idle_s = lease_idle_s(lease, self.clock())  # None before the first heartbeat
         idle_s = inactive.total_seconds() if inactive is not None else 0.0
-        if usage.get("gpu_busy") or (isinstance(last, (int, float)) and now - last < self.busy_window_s):
+        if usage.get("gpu_busy") or (worked and gpu_idle_s is not None and gpu_idle_s < self.busy_window_s):
             if default:
-                work = "working now" if usage.get("gpu_busy") else f"worked {human(now - last)} ago"
+                work = "working now" if usage.get("gpu_busy") else f"worked {format_duration(gpu_idle_s)} ago"
                 self._say(who, "keep", "keeping %s: its GPU is %s (lease %s), though the hub has seen no activity for %s (the culler's limit: %s)",
-                          who, work, lease.get("id"), human(idle_s), human(inactive_limit))
+                          who, work, lease.get("id"), format_duration(idle_s), format_duration(inactive_limit))
             else:
                 self._said.pop(who, None)
             return False
@@ -288,18 +283,18 @@ class GPUCullArbiter:
         if usage:
             limit = inactive_limit if self.gpu_idle_limit is None else min(self.gpu_idle_limit, inactive_limit)
             cull = inactive is not None and idle_s >= limit
-            gpu = (f"its GPU idle (last GPU work {human(now - last)} ago)" if isinstance(last, (int, float))
+            gpu = (f"its GPU idle (last GPU work {format_duration(gpu_idle_s)} ago)" if worked and gpu_idle_s is not None
                    else "its GPU idle (no GPU work since the lease began)")
         else:  # no heartbeat yet: nothing says that its GPU is idle
             cull, gpu = default, ""
         if not cull or not self._will_act(name):
             return cull
-        reason = f"culled by the idle culler: no activity for {human(idle_s)}" + (f" and {gpu}" if gpu else "")
+        reason = f"culled by the idle culler: no activity for {format_duration(idle_s)}" + (f" and {gpu}" if gpu else "")
         released = await self._release(who, (user, name), lease, reason) if self.release_on_cull else False
         done = f"; released its lease {lease.get('id')}" if released else ""
         if not default:
             self.log.info("GPU cull arbiter: culling %s early: no activity for %s (the culler's limit: %s) and %s%s",
-                          who, human(idle_s), human(inactive_limit), gpu, done)
+                          who, format_duration(idle_s), format_duration(inactive_limit), gpu, done)
         elif released:
             self.log.info("GPU cull arbiter: released lease %s of %s (%s)", lease.get("id"), who, reason)
         return True
