@@ -43,9 +43,9 @@ from typing import Any
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from ..core.events import GRANTED
+from ..core.lease import lease_idle_s
 from ..core.model import LeaseState
 from ..core.text import format_duration
-from ..core.lease import lease_idle_s
 from .metrics import backend_healthy, cordons
 
 log = logging.getLogger(__name__)
