@@ -59,10 +59,10 @@ _hub_utils.exponential_backoff = _fine_backoff
 class BenchSpawner(GPULeaseSimpleLocalProcessSpawner):
     """User 'plain': the same lease spawner, without a device cgroup."""
 
-    def _device_guard(self, *, check=True):
+    def _server_devices(self):
         if self.user.name == "plain":
             return None
-        return super()._device_guard(check=check)
+        return super()._server_devices()
 '''
 
 PROBE = r"""

@@ -3,9 +3,10 @@
 A real JupyterHub with the lease spawner for local processes, the broker as its managed service
 on a three-GPU pool whose GPUs are real character devices with NVIDIA's major number (made with
 ``mknod`` in the test's folder and named in the pool's declaration), real single-user servers
-with the extension, and a real kernel in alice's server that tries to open the nodes. Without a
-driver an allowed open reaches the (absent) driver and fails with ENXIO; a denied one fails
-with EPERM. Needs root and a writable v1 devices controller; skipped elsewhere.
+with the extension, a real kernel in alice's server that tries to open the nodes, and a process
+of her server that outlives it. Without a driver an allowed open reaches the (absent) driver and
+fails with ENXIO; a denied one fails with EPERM. Needs root and a writable v1 devices
+controller; skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -124,6 +125,38 @@ _j.dump({p: _probe(p) for p in PATHS}, open(OUT + ".tmp", "w")); _o.replace(OUT 
 """
 
 
+LEFTOVER = """
+import errno, json, os, sys, time
+out, stop, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+def probe(p):
+    try:
+        os.close(os.open(p, os.O_RDONLY))
+    except OSError as x:
+        return errno.errorcode.get(x.errno, str(x.errno))
+    return "opened"
+while not os.path.exists(stop):
+    json.dump({p: probe(p) for p in paths}, open(out + ".tmp", "w")); os.replace(out + ".tmp", out)
+    time.sleep(0.2)
+"""
+
+
+def start_leftover(hub, user, token, kernel_id, paths, out: Path, stop: Path) -> None:
+    """A process of the user's server that outlives it: started from a kernel in a session of its
+    own (so neither the kernel's nor the server's end takes it along); it opens ``paths`` over and
+    over, writing what it sees to ``out``, until ``stop`` exists."""
+    code = ("import subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', {LEFTOVER!r}, {str(out)!r}, {str(stop)!r}, *{list(paths)!r}], "
+            "start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
+    asyncio.run(_run_cell(hub, user, token, kernel_id, code))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 async def _run_cell(hub, user, token, kernel_id, code):
     ws = await websocket_connect(HTTPRequest(f"ws://127.0.0.1:{hub.port}/user/{user}/api/kernels/{kernel_id}/channels",
                                              headers={"Authorization": f"token {token}"}))
@@ -161,6 +194,7 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
     root = os.path.join(_v1_root(), parent)
     hub, broker_url, sim = make_hub(tmp_path, pool, parent)
     node_of = dict(zip(sim.uuids, nodes, strict=True))
+    left_out, left_stop = tmp_path / "leftover.json", tmp_path / "leftover.stop"
     try:
         assert "GPU device access follows the lease (required): cgroup v1 devices controller" in hub.log_tail(400)
         alice, bob = hub.create_token("alice"), hub.create_token("bob")
@@ -203,13 +237,24 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
         seen = wait_for(lambda: (s := probe())[node_of[free]] == "ENXIO" and s, 60, "the GPU she took was not allowed")
         assert seen == {node_of[mine]: "EPERM", node_of[bobs]: "EPERM", node_of[free]: "ENXIO"}, seen
 
-        # stopped servers leave no cgroup behind
+        # a process of her server that outlives it keeps her cgroup: from the stop on it opens no GPU,
+        # not even the one her server took itself
+        start_leftover(hub, "alice", alice, kernel["id"], nodes, left_out, left_stop)
+        wait_for(lambda: read_json(left_out).get(node_of[free]) == "ENXIO", 60, "the leftover process did not start")
+
+        # stopped servers: every GPU denied in their cgroups, which go once nothing of them is left
         for user in ("alice", "bob"):
             assert hub.api("DELETE", f"users/{user}/server")[0] in (202, 204)
         wait_for(lambda: not server_ready(hub, "alice") and not server_ready(hub, "bob"), 60, "the servers did not stop")
+        seen = wait_for(lambda: (s := read_json(left_out)).get(node_of[free]) == "EPERM" and s, 30,
+                        "the stopped server's cgroup still allows the GPU it took")
+        assert seen == dict.fromkeys(nodes, "EPERM"), seen
+        assert os.path.isdir(os.path.join(root, "alice")), "the cgroup went while a process of the server lived on"
+        left_stop.touch()  # the leftover ends: the cgroup can go
         wait_for(lambda: not os.path.exists(os.path.join(root, "alice")) and not os.path.exists(os.path.join(root, "bob")),
                  30, "the servers' cgroups were not removed")
     finally:
+        left_stop.touch()
         for user in ("alice", "bob"):
             if server_ready(hub, user):
                 hub.api("DELETE", f"users/{user}/server")

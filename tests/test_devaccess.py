@@ -249,7 +249,7 @@ def test_the_guard_follows_a_servers_own_lease_and_those_it_takes_itself(tmp_pat
         link = FakeLink(client)
         backend = RecordingV1(str(tmp_path))
         guard = cgroups.DeviceGuard(link, "required", cgroups.Mechanism("v1", "test", backend), proc_devices=str(tmp_path / "none"))
-        assert await guard.server_starting("alice", "", own) == []
+        assert await guard.server_starting("alice", "", own) == cgroups.DeviceStart()  # nothing in front of the command
         assert backend.written["alice"] == ["deny c 195:1 rwm", "allow c 195:0 rwm", "allow c 195:255 rwm", "allow c 195:254 rwm"]
         await guard.server_started("alice", "", os.getpid())
         assert (tmp_path / "gp" / "alice" / "cgroup.procs").read_text() == str(os.getpid())
@@ -342,7 +342,7 @@ def _spawner(tmp_path, mode, mechanism):
     s = make_spawner(broker)
     s.__class__ = type("LocalFake", (Local,), {})  # the fake engine, as a local-process engine
     s.enforce_devices = mode
-    cgroups.DeviceGuard._guards[s.link] = cgroups.DeviceGuard(s.link, mode, mechanism, proc_devices=str(tmp_path / "none"))
+    cgroups.DeviceGuard.for_link(s.link, mode=mode, mechanism=mechanism, proc_devices=str(tmp_path / "none"))
     return s, broker
 
 

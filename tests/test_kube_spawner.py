@@ -402,3 +402,25 @@ def test_spawner_state_keeps_the_lease_and_the_pod_across_a_hub_restart(leases):
     state, lease_id, pod_name = asyncio.run(go())
     assert state["gpulease"]["lease_id"] == lease_id == leases["whole"]["id"]
     assert state["pod_name"] == pod_name
+
+
+def test_the_claim_is_made_between_the_grant_and_kubespawners_start_through_public_hooks(leases, monkeypatch):
+    made = []
+
+    async def create_claim(self, claim):
+        made.append(claim["metadata"]["name"])
+
+    monkeypatch.setattr(GPULeaseKubeSpawner, "_create_claim", create_claim)
+
+    async def go():
+        sp = make_spawner(use_dra=True)
+        try:
+            sp.apply_placement(leases["whole-dra"])
+            await sp.before_engine_start()  # the lease spawner calls it right before KubeSpawner's start()
+            return sp.claim_name
+        finally:
+            await sp.api.api_client.close()
+
+    assert made == [asyncio.run(go())]
+    # KubeSpawner's own start and its progress handshake are left to it
+    assert "_start" not in vars(GPULeaseKubeSpawner) and "_start_future" not in vars(GPULeaseKubeSpawner)

@@ -12,14 +12,22 @@ Two mechanisms, behind one interface (:class:`V1Devices`, :class:`SystemdScopes`
 * **cgroup v1** ``devices`` controller (found in ``/proc/self/mountinfo``): a cgroup
   ``<mount>/<device_cgroup_name>/<user>[:<server>]`` made at spawn, the server's process moved
   into it (``cgroup.procs``) right after the engine started it, ``devices.deny`` for the GPUs it
-  may not use and ``devices.allow`` for those it leases; removed when the server stops (left in
-  place, still denying, while a process of it lives on).
+  may not use and ``devices.allow`` for those it leases; when the server stops, every GPU of the
+  pool and the control nodes are denied in it, then it is removed (left in place, denying every
+  GPU, while a process of the server lives on).
 * **cgroup v2 through systemd** (systemd is PID 1, ``systemd-run`` and ``systemctl`` exist):
   the server's command runs under ``systemd-run --scope -p DevicePolicy=closed -p
   DeviceAllow=...`` and a change is ``systemctl set-property --runtime <scope>
   DeviceAllow= DeviceAllow=...`` (the empty value resets the list). ``closed`` keeps the
   standard pseudo devices (``/dev/null``, ``/dev/tty``, ``/dev/ptmx``, ...); pseudo terminals
   (``char-pts``) are allowed explicitly for terminals.
+
+One door moves the rules: the hub's :class:`DeviceGuard`. It hears of lease changes from one
+source, the hub's event feed (grants and ends; after a gap in the feed, a resync of every
+server's leases from the broker), and reads a lease itself only when one is granted that it does
+not know (a lease a server may have taken itself). A spawner tells it only that its server
+starts (with the spawner's own lease, or none), runs (its pid), stops, or runs already after a
+hub restart (adopt), through the server's :class:`ServerDevices`.
 
 A device cgroup checks ``open()``: a process that already holds a GPU keeps its file
 descriptors after a deny. Every write happens off the hub's event loop.
@@ -35,8 +43,8 @@ import shutil
 import subprocess
 import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.request import SPAWNER_META
@@ -154,6 +162,14 @@ def detect(parent: str = "jupyter-gpulease", *, mountinfo: str = MOUNTINFO, syst
 
 
 # --------------------------------------------------------------------------- the two backends
+@dataclass(frozen=True)
+class DeviceStart:
+    """What the engine's start needs for the device lock of the server it starts."""
+
+    command_prefix: tuple[str, ...] = ()  # the server's command runs under this (a systemd scope)
+    device_allow: tuple[str, ...] | None = None  # the DeviceAllow= values its systemd unit starts with (None: no unit)
+
+
 class V1Devices:
     """cgroup v1 ``devices`` controller: one cgroup per server under ``<mount>/<parent>``."""
 
@@ -165,8 +181,11 @@ class V1Devices:
     def path(self, name: str) -> str:
         return os.path.join(self.root, name)
 
-    def command_prefix(self, name: str, allowed: list[DeviceNode]) -> list[str]:
-        return []
+    def start(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: Any = None) -> DeviceStart:
+        """The server's cgroup, made with its rules before the engine starts the server (its
+        process is moved in right after: nothing goes in front of its command)."""
+        self.prepare(name, allowed, denied)
+        return DeviceStart()
 
     def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
         os.makedirs(self.path(name), exist_ok=True)
@@ -181,9 +200,15 @@ class V1Devices:
                 with open(os.path.join(path, file), "w") as f:
                     f.write(rule)
 
-    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: Any = None) -> None:
         """A running server's cgroup, again (the hub restarted): made if gone, the rules now."""
         self.prepare(name, allowed, denied)
+
+    def retire(self, name: str, denied: list[DeviceNode]) -> None:
+        """The server stopped: ``denied`` (every GPU and the control nodes) in its cgroup, for
+        whatever of it lives on until the cgroup can be removed."""
+        if os.path.isdir(self.path(name)):
+            self.apply(name, [], denied)
 
     def attach(self, name: str, pid: int) -> None:
         with open(os.path.join(self.path(name), "cgroup.procs"), "w") as f:
@@ -257,8 +282,10 @@ class SystemdScopes:
         self._started.add(name)
         return self.scope_command(name, allowed)
 
-    def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
-        pass  # the scope is made by systemd-run with the server's command
+    def start(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: Any = None) -> DeviceStart:
+        """The server's command runs under ``systemd-run --scope`` with its rules (systemd makes
+        the scope with the server's process)."""
+        return DeviceStart(command_prefix=tuple(self.command_prefix(name, allowed)))
 
     def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
         if name not in self._started:
@@ -267,10 +294,19 @@ class SystemdScopes:
         if getattr(r, "returncode", 0) != 0:
             raise OSError(f"systemctl set-property failed: {(getattr(r, 'stderr', '') or '').strip()}")
 
-    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: Any = None) -> None:
         """A running server's scope, again (the hub restarted): its properties now."""
         self._started.add(name)
         self.apply(name, allowed, denied)
+
+    def retire(self, name: str, denied: list[DeviceNode]) -> None:
+        """The server stopped: a scope that lives on (a process of the server still in it) opens
+        no GPU; one that went with the server's last process (``--collect``) needs nothing."""
+        try:
+            self.apply(name, [], denied)
+        except OSError as e:
+            if "not loaded" not in str(e):
+                raise
 
     def attach(self, name: str, pid: int) -> None:
         pass  # systemd-run put the process in the scope before it exec'd the server
@@ -284,6 +320,10 @@ class SystemdScopes:
 
 
 # --------------------------------------------------------------------------- the hub's guard
+REMOVE_DELAYS = (0, 0.2, 0.5, 1, 2, 5, 10, 10)  # seconds between tries to remove a stopped server's cgroup
+LIVE = ("queued", "active")
+
+
 def bound_to(lease: dict, user: str, server: str) -> bool:
     """A lease a server took itself (``%gpu request``, a resume): it follows that server."""
     meta = lease.get("meta") or {}
@@ -291,26 +331,52 @@ def bound_to(lease: dict, user: str, server: str) -> bool:
             and meta.get("spawner") == SPAWNER_META and meta.get("taken_by") == "server")
 
 
+class _Recent:
+    """The last ``size`` ids added (the oldest forgotten first), for membership tests."""
+
+    def __init__(self, size: int = 10000):
+        self.size = size
+        self._ids: dict[str, None] = {}
+
+    def add(self, key: str) -> None:
+        self._ids.pop(key, None)
+        self._ids[key] = None
+        if len(self._ids) > self.size:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._ids
+
+
 class _Server:
-    def __init__(self, user: str, server: str):
+    def __init__(self, user: str, server: str, lock: asyncio.Lock):
         self.user = user
         self.server = server
         self.name = cgroup_name(user, server)
         self.leases: dict[str, dict] = {}  # lease id -> its JSON as last heard
         self.own = ""  # the spawner's lease
-        self.lock = asyncio.Lock()
+        self.lock = lock  # shared by every server of this name: a stop's clean-up and the next start take turns
         self.applied: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self.applied_at = 0.0  # time.monotonic() of the last rules written
         self.attached = False
 
 
 class DeviceGuard:
-    """One per hub process and broker link: the device cgroups of the servers of this hub."""
+    """One per hub process and broker link: the device cgroups of the servers of this hub.
+
+    The only thing that moves device rules. It learns of lease changes from the hub's event feed
+    alone (``link.add_event_listener``): a grant or an end of a lease of one of its servers
+    changes that server's rules; ``{"kind": "resync"}`` (the feed is back after a gap) makes it
+    read what holds now; a lease granted that it does not know is read once (a server may have
+    taken it itself, ``meta.taken_by == "server"``). Spawners reach it through
+    :class:`ServerDevices`; :meth:`for_link` gives the hub's guard of a link.
+    """
 
     _guards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # link -> guard
 
     def __init__(self, link: Any, mode: str, mechanism: Mechanism, *, logger: logging.Logger | None = None,
-                 proc_devices: str = devaccess.PROC_DEVICES, stat: Callable[[str], Any] = os.stat):
+                 proc_devices: str = devaccess.PROC_DEVICES, stat: Callable[[str], Any] = os.stat,
+                 remove_delays: Sequence[float] = REMOVE_DELAYS):
         self.link = link
         self.mode = mode
         self.mechanism = mechanism
@@ -318,35 +384,40 @@ class DeviceGuard:
         self.log = logger or log
         self.proc_devices = proc_devices
         self.stat = stat
+        self.remove_delays = tuple(remove_delays)
         self.servers: dict[tuple[str, str], _Server] = {}
         self.by_lease: dict[str, _Server] = {}
         self.pool_nodes: dict[str, DeviceNode] = {}
         self.uvm: int | None = None
         self._pool_read = False
-        self._foreign: deque[str] = deque(maxlen=10000)
-        self._foreign_set: set[str] = set()
-        self._ended: deque[str] = deque(maxlen=10000)
+        self._locks: dict[str, asyncio.Lock] = {}  # cgroup name -> its lock
+        self._foreign = _Recent()  # leases read once and found to be no server's of ours
+        self._ended = _Recent()  # leases the feed said ended
         self._learning: set[str] = set()
         self._tasks = BackgroundTasks(log)
-        if self.backend is not None and hasattr(link, "add_event_listener"):
+        if self.backend is not None:
             link.add_event_listener(self._on_event)
 
     @classmethod
-    def for_spawner(cls, spawner: Any) -> DeviceGuard:
-        link = spawner.link
+    def for_link(cls, link: Any, *, mode: str, mechanism: Mechanism | Callable[[], Mechanism],
+                 logger: logging.Logger | None = None, **kw: Any) -> DeviceGuard:
+        """The hub's guard of ``link``, made on first use with ``mode`` (``enforce_devices``) and
+        ``mechanism`` (or a function that finds it, called only then); ``kw`` as for the class."""
         guard = cls._guards.get(link)
         if guard is None:
-            mode = spawner.enforce_devices
-            mech = Mechanism("none", "off (c.GPULeaseSpawner.enforce_devices = 'off')") if mode == "off" else \
-                detect(spawner.device_cgroup_parent)
-            guard = cls._guards[link] = cls(link, mode, mech, logger=spawner.log)
+            if mode == "off":
+                mech = Mechanism("none", "off (c.GPULeaseSpawner.enforce_devices = 'off')")
+            else:
+                mech = mechanism() if callable(mechanism) else mechanism
+            guard = cls._guards[link] = cls(link, mode, mech, logger=logger, **kw)
         return guard
 
     @property
     def active(self) -> bool:
         return self.backend is not None
 
-    def _background(self, coro) -> asyncio.Task:
+    def background(self, coro) -> asyncio.Task:
+        """Run ``coro`` on the hub's loop, referenced until done (its failure is logged)."""
         return self._tasks.start(coro, what="GPU device access")
 
     async def _off_loop(self, fn: Callable, *args: Any) -> Any:
@@ -383,19 +454,30 @@ class DeviceGuard:
         return False
 
     # ------------------------------------------------------------------ a server's life
+    def _new_server(self, user: str, server: str) -> _Server:
+        lock = self._locks.setdefault(cgroup_name(user, server), asyncio.Lock())
+        srv = self.servers[(user, server)] = _Server(user, server, lock)
+        return srv
+
     def _track(self, srv: _Server, lease: dict | None) -> None:
         if lease and lease.get("id"):
-            srv.leases[lease["id"]] = lease
-            self.by_lease[lease["id"]] = srv
+            lid = lease["id"]
+            if lid in self._ended and lease.get("state") in LIVE:
+                lease = {**lease, "state": "ended"}  # the feed told its end before this server's start did
+            srv.leases[lid] = lease
+            self.by_lease[lid] = srv
 
-    async def server_starting(self, user: str, server: str, lease: dict | None) -> list[str]:
-        """Make the server's cgroup with the rules of ``lease`` (None: no GPU); the command prefix
-        the engine's command gets (systemd), or []."""
+    def _note_applied(self, srv: _Server, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+        srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
+        srv.applied_at = time.monotonic()
+
+    async def server_starting(self, user: str, server: str, lease: dict | None, *, unit: Any = None) -> DeviceStart:
+        """Make the server's cgroup with the rules of ``lease`` (None: no GPU); returns what the
+        engine's start needs (a command prefix for a systemd scope, a unit's device list).
+        ``unit``: where the server runs, for a backend that does not name it itself."""
         if self.backend is None:
-            return []
-        srv = self.servers.get((user, server))
-        if srv is None:
-            srv = self.servers[(user, server)] = _Server(user, server)
+            return DeviceStart()
+        srv = self.servers.get((user, server)) or self._new_server(user, server)
         for lid in list(srv.leases):
             self.by_lease.pop(lid, None)
         srv.leases.clear()
@@ -405,10 +487,9 @@ class DeviceGuard:
         async with srv.lock:
             await self._read_pool(force=self._unknown_gpus(srv))
             allowed, denied = self.rules(srv)
-            await self._off_loop(self.backend.prepare, srv.name, allowed, denied)
-            srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
-            srv.applied_at = time.monotonic()
-            return self.backend.command_prefix(srv.name, allowed)
+            start = await self._off_loop(self.backend.start, srv.name, allowed, denied, unit)
+            self._note_applied(srv, allowed, denied)
+            return start
 
     async def server_started(self, user: str, server: str, pid: int) -> None:
         """Move the server's process into its cgroup (right after the engine started it)."""
@@ -417,13 +498,14 @@ class DeviceGuard:
             return
         await self._off_loop(self.backend.attach, srv.name, pid)
         srv.attached = True
+        await self._apply(srv)  # a change heard while it started (a scope takes changes once it runs)
 
-    async def adopt(self, user: str, server: str, pid: int, own_lease_id: str) -> None:
+    async def adopt(self, user: str, server: str, pid: int, own_lease_id: str, *, unit: Any = None) -> None:
         """A server this hub process did not start (the hub restarted): its cgroup again, its
         bound leases read from the broker, its process (still) in the cgroup."""
         if self.backend is None or (user, server) in self.servers:
             return
-        srv = self.servers[(user, server)] = _Server(user, server)
+        srv = self._new_server(user, server)
         try:
             leases = await self.link.client.list_leases(state="live", user=user)
         except Exception as e:
@@ -437,9 +519,8 @@ class DeviceGuard:
         async with srv.lock:
             await self._read_pool()
             allowed, denied = self.rules(srv)
-            await self._off_loop(self.backend.adopt, srv.name, allowed, denied)
-            srv.applied = (tuple(map(str, allowed)), tuple(map(str, denied)))
-            srv.applied_at = time.monotonic()
+            await self._off_loop(self.backend.adopt, srv.name, allowed, denied, unit)
+            self._note_applied(srv, allowed, denied)
         if pid and not await self._off_loop(self.backend.holds, srv.name, pid):
             await self.server_started(user, server, pid)
 
@@ -447,32 +528,40 @@ class DeviceGuard:
         return (user, server) in self.servers
 
     def server_stopped(self, user: str, server: str) -> asyncio.Task | None:
+        """The server stopped: its cgroup denies every GPU at once, and goes once nothing of the
+        server is left in it (returns the task that does it)."""
         srv = self.servers.pop((user, server), None)
         if srv is None or self.backend is None:
             return None
         for lid in list(srv.leases):
-            self.by_lease.pop(lid, None)
-        return self._background(self._remove(srv))
+            if self.by_lease.get(lid) is srv:
+                del self.by_lease[lid]
+        return self.background(self._retire(srv))
 
-    async def _remove(self, srv: _Server) -> None:
-        for delay in (0, 0.2, 0.5, 1, 2, 5, 10, 10):  # its kernels may outlive the server a moment
+    def _started_again(self, srv: _Server) -> bool:
+        return (srv.user, srv.server) in self.servers
+
+    async def _retire(self, srv: _Server) -> None:
+        async with srv.lock:
+            if self._started_again(srv):
+                return  # the new server has its rules already
+            try:
+                await self._read_pool()
+            except Exception as e:
+                self.log.debug("Device access: could not read the pool for the stopped server %s: %s", srv.name, e)
+            denied = devaccess.denied_nodes([], self.pool_nodes, uvm=self.uvm)
+            try:
+                await self._off_loop(self.backend.retire, srv.name, denied)
+            except Exception as e:
+                self.log.error("Could not deny the GPUs in the device cgroup of the stopped server %s: %s", srv.name, e)
+        for delay in self.remove_delays:  # its kernels may outlive the server a moment
             await asyncio.sleep(delay)
-            if (srv.user, srv.server) in self.servers:
-                return  # started again meanwhile: the new server uses it
-            if await self._off_loop(self.backend.remove, srv.name):
-                return
+            async with srv.lock:
+                if self._started_again(srv):
+                    return  # started again meanwhile: the new server uses it
+                if await self._off_loop(self.backend.remove, srv.name):
+                    return
         self.log.info("Device cgroup of %s still holds processes of the stopped server; it stays, denying the GPUs", srv.name)
-
-    def lease_changed(self, user: str, server: str, lease: dict) -> None:
-        """The spawner heard of its own lease (the feed, a poll): follow it."""
-        srv = self.servers.get((user, server))
-        if srv is None or not lease.get("id") or lease["id"] not in srv.leases:
-            return
-        old = srv.leases[lease["id"]]
-        if old.get("state") == lease.get("state") and old.get("placement") == lease.get("placement"):
-            return
-        srv.leases[lease["id"]] = {**old, **lease}
-        self._background(self._apply(srv))
 
     async def _apply(self, srv: _Server) -> None:
         async with srv.lock:
@@ -486,25 +575,24 @@ class DeviceGuard:
                 if key == srv.applied:
                     return
                 await self._off_loop(self.backend.apply, srv.name, allowed, denied)
-                srv.applied = key
-                srv.applied_at = time.monotonic()
+                self._note_applied(srv, allowed, denied)
                 gpus = set(self.pool_nodes.values())
                 self.log.info("Device access of server %s now: %s", srv.name,
                               ", ".join(n.path for n in allowed if n in gpus) or "no GPU")
             except Exception as e:
                 self.log.error("Could not change the device access of %s: %s", srv.name, e)
 
-    # ------------------------------------------------------------------ the feed
+    # ------------------------------------------------------------------ the feed: the one source of changes
     def _on_event(self, ev: dict) -> None:
         kind, lid = ev.get("kind"), ev.get("lease_id")
         if kind == "resync" and self.servers:
-            self._background(self._resync())
+            self.background(self._resync())
             return
         if kind not in ("granted", "ended") or not lid:
             return
         srv = self.by_lease.get(lid)
         if kind == "ended":
-            self._ended.append(lid)
+            self._ended.add(lid)
         if srv is not None:
             old = srv.leases.get(lid) or {"id": lid}
             if kind == "granted":
@@ -513,13 +601,12 @@ class DeviceGuard:
             else:
                 new = {**old, "state": ev.get("to_state") or "ended"}
             srv.leases[lid] = new
-            self._background(self._apply(srv))
-        elif (kind == "granted" and self.servers and lid not in self._foreign_set and lid not in self._learning
-              and lid not in (getattr(self.link, "watches", None) or {})):
-            # a lease no spawner follows: maybe one a server of ours took itself (a spawner's own
-            # lease is followed by it, and counted at server_starting)
+            self.background(self._apply(srv))
+        elif kind == "granted" and self.servers and lid not in self._foreign and lid not in self._learning:
+            # a lease none of our servers is known to hold: one a server took itself, or a lease
+            # of a server about to start (counted at server_starting), or someone else's
             self._learning.add(lid)
-            self._background(self._learn(lid))
+            self.background(self._learn(lid))
 
     async def _resync(self) -> None:
         """The feed was away: what holds now, for every server of ours, from the broker's list."""
@@ -531,12 +618,12 @@ class DeviceGuard:
         live_by_id = {x.get("id"): x for x in live}
         for (user, server), srv in list(self.servers.items()):
             for lid, old in list(srv.leases.items()):
-                if lid not in live_by_id and devaccess.lease_holds(old):
+                if lid not in live_by_id and old.get("state") in LIVE:
                     srv.leases[lid] = {**old, "state": "ended"}
             for lease in live:
                 if lease.get("id") == srv.own or bound_to(lease, user, server):
                     self._track(srv, lease)
-            self._background(self._apply(srv))
+            self.background(self._apply(srv))
 
     async def _learn(self, lid: str) -> None:
         """A lease granted that no server of ours is known to hold: read whose it is."""
@@ -547,17 +634,86 @@ class DeviceGuard:
             return
         finally:
             self._learning.discard(lid)
+        if lid in self.by_lease:
+            return  # its server started meanwhile and counts it
         srv = next((s for (u, sv), s in self.servers.items() if bound_to(lease, u, sv)), None)
         if srv is None:
-            if len(self._foreign) == self._foreign.maxlen:
-                self._foreign_set.discard(self._foreign[0])
-            self._foreign.append(lid)
-            self._foreign_set.add(lid)
+            self._foreign.add(lid)
             return
-        if lid in self._ended and lease.get("state") == "active":
-            lease = {**lease, "state": "ended"}  # its end came while we read it
         self._track(srv, lease)
         await self._apply(srv)
+
+
+# --------------------------------------------------------------------------- a server's door to the guard
+class DeviceAccessError(Exception):
+    """Device access this hub requires could not be set up for a server (the message is for the
+    spawn page and the REST API)."""
+
+
+class ServerDevices:
+    """One server's door to the hub's :class:`DeviceGuard`, held by its spawner.
+
+    The spawner says only that the server starts (:meth:`starting`, with the spawner's own lease
+    or none; returns what the engine's start needs), runs (:meth:`running`, its pid), stopped
+    (:meth:`stopped`), or runs already after a hub restart (:meth:`adopt`); which leases it holds
+    later, and every change of its rules, is the guard's. ``unit``: where the server runs, for a
+    backend that does not name it itself (SystemdSpawner's unit). Where ``enforce_devices`` is
+    ``"required"`` a failure raises :class:`DeviceAccessError`; where ``"best-effort"`` it is
+    logged and the server runs without enforcement.
+    """
+
+    def __init__(self, guard: DeviceGuard, user: str, server: str = "", *, unit: Any = None, who: str = "",
+                 logger: logging.Logger | None = None):
+        self.guard = guard
+        self.user = user
+        self.server = server
+        self.unit = unit
+        self.who = who or cgroup_name(user, server)
+        self.log = logger or log
+
+    @property
+    def refusal(self) -> str:
+        """Why no server may start here ("" when it may): enforcement required, and impossible."""
+        return self.guard.required_failure()
+
+    def _problem(self, e: BaseException, doing: str) -> None:
+        message = f"Could not {doing} the device cgroup of this server: {e}"
+        if self.guard.mode == "required":
+            raise DeviceAccessError(message + " (GPU device enforcement is required on this hub)") from None
+        self.log.warning("%s (%s); it runs without device enforcement (best-effort)", message, self.who)
+
+    async def starting(self, lease: dict | None) -> DeviceStart:
+        """The server is about to start, holding ``lease`` (None: no GPU): its cgroup with those
+        rules; returns what the engine's start needs."""
+        if self.refusal:
+            raise DeviceAccessError(self.refusal)
+        if not self.guard.active:
+            return DeviceStart()
+        try:
+            return await self.guard.server_starting(self.user, self.server, lease, unit=self.unit)
+        except Exception as e:
+            self._problem(e, "make")
+        return DeviceStart()
+
+    async def running(self, pid: int) -> None:
+        """The engine started the server as process ``pid`` (0: the engine placed it itself)."""
+        if not self.guard.active:
+            return
+        try:
+            await self.guard.server_started(self.user, self.server, pid)
+        except Exception as e:
+            self._problem(e, "move the server into")
+
+    def stopped(self) -> None:
+        """The server stopped: every GPU denied in its cgroup, which goes once it is empty."""
+        if self.guard.active:
+            self.guard.server_stopped(self.user, self.server)
+
+    def adopt(self, pid: int, lease_id: str) -> None:
+        """The server runs already and this hub process did not start it (the hub restarted):
+        its cgroup and rules again, in the background (nothing when the guard knows it)."""
+        if self.guard.active and not self.guard.known(self.user, self.server):
+            self.guard.background(self.guard.adopt(self.user, self.server, pid, lease_id, unit=self.unit))
 
 
 def hub_start_line(mode: str, mechanism: Mechanism) -> str:

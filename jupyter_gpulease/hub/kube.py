@@ -40,10 +40,11 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio.client import models as k8s
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
-from traitlets import Bool, Enum, List, TraitError, Unicode, validate
+from traitlets import Bool, Enum, List, Unicode
 
 from ..devices.kubenodes import UUID_PREFIX, product_label_values
 from .spawner import GPULeaseSpawner, spawn_error
+from .spawner_settings import stop_at_lease_end
 
 SHARE_MODES = ("replicas", "hami", "none")
 MIG_STRATEGIES = ("mixed", "single")
@@ -342,12 +343,7 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
         ``NVIDIA_VISIBLE_DEVICES=all`` (CUDA base images) see no GPU when they land on a GPU node.""",
     ).tag(config=True)
 
-    @validate("on_lease_end")
-    def _check_on_lease_end(self, proposal):
-        if proposal.value != "stop":
-            raise TraitError("on_lease_end must be 'stop' on Kubernetes: a pod keeps its GPUs until it stops, so a "
-                             "server that outlived its lease would hold GPUs the broker gave to someone else")
-        return proposal.value
+    _check_on_lease_end = stop_at_lease_end("Kubernetes", "a pod keeps its GPUs until it stops")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -386,23 +382,22 @@ class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
 
     async def start(self):
         self._gpu_spec = PodGPUSpec()  # a CPU-only spawn after a GPU one asks for nothing
-        # KubeSpawner's progress() follows _start_future; the lease's wait comes first, so the
-        # last spawn's finished future must not end this spawn's pod events before they begin
-        self._start_future = None
-        return await super().start()
+        url = await super().start()
+        if self._gpu_spec.claim is not None:
+            await self._own_claim()  # the pod exists now (KubeSpawner waited for it to run)
+        return url
+
+    async def before_engine_start(self) -> None:
+        # the lease spawner's hook between the grant and KubeSpawner's start(): the pod's claim
+        # must exist before KubeSpawner creates the pod that names it
+        await super().before_engine_start()
+        claim = self._gpu_spec.claim
+        if claim is not None:
+            await self._create_claim(claim)
 
     async def get_pod_manifest(self):
         pod = await super().get_pod_manifest()
         return apply_gpu_spec(pod, self._gpu_spec, pinning=self.node_pinning, hide_gpus=self.hide_gpus_without_lease)
-
-    async def _start(self):
-        claim = self._gpu_spec.claim
-        if claim is not None:
-            await self._create_claim(claim)
-        url = await super()._start()
-        if claim is not None:
-            await self._own_claim()
-        return url
 
     async def stop(self, now=False):
         try:

@@ -1,18 +1,17 @@
 """The spawn page's progress feed while a lease waits: queue position and ETA, then the engine's own.
 
-Every progress stream open for a spawn replays all of its events; one opened before ``start()``
-runs waits for that spawn's events instead of ending early.
+Every progress stream open for a spawn replays all of its events; one opened before the spawn
+begins waits for that spawn's events instead of ending early.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from traitlets.config import LoggingConfigurable
 
-
-class _ProgressLog:
+class _SpawnLog:
     """The progress events of one spawn; every open progress stream replays all of them."""
 
     def __init__(self):
@@ -21,24 +20,44 @@ class _ProgressLog:
         self.engine_started = False  # the lease part succeeded: the engine's own events follow
 
 
-class LeaseProgress(LoggingConfigurable):
-    """The lease spawner's progress events (a part of :class:`.spawner.GPULeaseSpawner`)."""
+class SpawnProgress:
+    """The progress events of a server's spawns, as the spawn page streams them.
 
-    _progress: _ProgressLog | None = None
+    One per spawner: :meth:`begin` starts the log of a new spawn (open streams switch to it),
+    :meth:`emit` adds an event, :meth:`finish` ends the lease part of the spawn (saying whether
+    the engine's own events follow), :meth:`close` drops the log when the server stops.
+    :meth:`stream` is one stream's events. ``announce`` is called with each message added (the
+    spawner logs it).
+    """
 
-    def _new_progress(self) -> None:
+    def __init__(self, announce: Callable[[str], Any] | None = None):
+        self._announce = announce
+        self._log: _SpawnLog | None = None
+        self._signal = asyncio.Event()  # set (and replaced) at every change: wakes the open streams
+
+    @property
+    def events(self) -> list[dict]:
+        """The events of the spawn under way (or the last one), oldest first."""
+        return list(self._log.events) if self._log is not None else []
+
+    def _wake(self) -> None:
+        signal, self._signal = self._signal, asyncio.Event()
+        signal.set()
+
+    def begin(self) -> None:
         """A fresh event log for the spawn that starts now; open streams switch to it."""
-        self._progress = _ProgressLog()
-        self._wake_progress()
+        self._log = _SpawnLog()
+        self._wake()
 
-    def _close_progress(self) -> None:
+    def close(self) -> None:
         """The server stopped: its spawn's events are history (a stream still open ends)."""
-        self._progress = None
-        self._wake_progress()
+        self._log = None
+        self._wake()
 
-    def emit_progress(self, message: str, progress: int | None = None, **data: Any) -> None:
-        """Add one event to the spawn page's progress feed (every open page sees all of them)."""
-        log = self._progress
+    def emit(self, message: str, progress: int | None = None, **data: Any) -> None:
+        """Add one event (every open stream sees all of them); nothing once the lease part is done
+        or when no spawn is under way. ``data`` goes into the event's ``gpulease`` field."""
+        log = self._log
         if log is None or log.done:
             return
         event: dict[str, Any] = {"message": message}
@@ -49,36 +68,35 @@ class LeaseProgress(LoggingConfigurable):
         if log.events and log.events[-1] == event:
             return
         log.events.append(event)
-        self.log.info("%s: %s", self._log_name, message)
-        self._wake_progress()
+        if self._announce is not None:
+            self._announce(message)
+        self._wake()
 
-    def _wake_progress(self) -> None:
-        signal, self._progress_signal = self._progress_signal, asyncio.Event()
-        signal.set()
+    def finish(self, engine_starts: bool = False) -> None:
+        """The lease part of the spawn is over; ``engine_starts``: the engine's own events follow."""
+        if self._log is not None and not self._log.done:
+            self._log.done = True
+            self._log.engine_started = engine_starts
+        self._wake()
 
-    def _finish_lease_progress(self, engine_starts: bool = False) -> None:
-        if self._progress is not None and not self._progress.done:
-            self._progress.done = True
-            self._progress.engine_started = engine_starts
-        self._wake_progress()
+    async def stream(self, then: Callable[[], AsyncIterator[dict]] | None = None) -> AsyncIterator[dict]:
+        """One progress stream: every event of the spawn under way, as they come; then, when
+        its engine started, the events of ``then()`` (the engine's own progress).
 
-    async def progress(self):
-        """Queue position and ETA while the lease waits, then the engine's own progress events.
-
-        A stream opened before ``start()`` runs (the hub opens it as soon as the spawn is
-        requested) waits for this spawn's events instead of ending early; a stream of a spawn
-        that was cancelled or failed ends with it."""
-        log: _ProgressLog | None = None
+        A stream opened before the spawn begins (the hub opens it as soon as the spawn is
+        requested) waits for that spawn's events instead of ending early; a stream of a spawn
+        that was cancelled, failed or stopped ends with it."""
+        log: _SpawnLog | None = None
         i = 0
         while True:
-            signal = self._progress_signal
-            current = self._progress
+            signal = self._signal
+            current = self._log
             if current is not log:
                 if log is not None:
                     return  # the spawn we followed was closed (stopped, failed, cancelled)
                 log, i = current, 0
             if log is None:
-                await signal.wait()  # start() has not begun yet
+                await signal.wait()  # the spawn has not begun yet
                 continue
             while i < len(log.events):
                 yield log.events[i]
@@ -86,6 +104,6 @@ class LeaseProgress(LoggingConfigurable):
             if log.done:
                 break
             await signal.wait()
-        if log.engine_started:
-            async for event in super().progress():
+        if log.engine_started and then is not None:
+            async for event in then():
                 yield event

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from batchspawner import SlurmSpawner
-from traitlets import Float, Int, TraitError, Unicode, validate
+from traitlets import Float, Int, Unicode
 
 from .spawner import GPULeaseSpawner, spawn_error
+from .spawner_settings import stop_at_lease_end
 
 _IDX_RE = re.compile(r"GRES=(?P<gres>\S+)")
 _IDX_LIST_RE = re.compile(r"IDX:(?P<idx>[0-9,\-]+)")
@@ -139,12 +140,7 @@ class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
         ``"/opt/slurm/bin/scontrol"``.""",
     ).tag(config=True)
 
-    @validate("on_lease_end")
-    def _check_on_lease_end(self, proposal):
-        if proposal.value != "stop":
-            raise TraitError("on_lease_end must be 'stop' on Slurm: a job keeps its GPUs until it ends, so a server "
-                             "that outlived its lease would hold GPUs the broker gave to someone else")
-        return proposal.value
+    _check_on_lease_end = stop_at_lease_end("Slurm", "a job keeps its GPUs until it ends")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -1,41 +1,39 @@
-"""The lease spawner's settings (``c.GPULeaseSpawner.*``) and its state traits.
+"""The lease spawner's settings (``c.GPULeaseSpawner.*``).
 
-Declared on a class of their own so :class:`.spawner.GPULeaseSpawner` reads as what it does; an
-admin still sets them as ``c.GPULeaseSpawner.<name>`` (traitlets applies every config section of
-a spawner's classes), or on the engine's class (``c.GPULeaseKubeSpawner.<name>``).
+Declared on a class of their own, config traits only, so :class:`.spawner.GPULeaseSpawner`
+reads as what it does; an admin still sets them as ``c.GPULeaseSpawner.<name>`` (traitlets
+applies every config section of a spawner's classes), or on the engine's class
+(``c.GPULeaseKubeSpawner.<name>``). :func:`stop_at_lease_end` is the check of ``on_lease_end``
+for the engines whose servers keep their GPUs until they stop.
 """
 
 from __future__ import annotations
 
 import os
 
-from tornado import web
-from traitlets import Any as AnyTrait
 from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, default, validate
 from traitlets.config import LoggingConfigurable
 
 from .options import parse_presets
 
-try:  # JupyterHub >= 6
-    from jupyterhub.spawner import SpawnException
-except ImportError:  # pragma: no cover - JupyterHub 5
-    SpawnException = None
 
+def stop_at_lease_end(engine: str, why: str):
+    """The ``on_lease_end`` check of an engine whose servers keep their GPUs until they stop
+    (a pod, a batch job): only ``"stop"``, else a config error naming ``engine`` and ``why``
+    (what keeps the GPUs). Assign it in the engine's class body."""
 
-def spawn_error(message: str, *, reason: str, status_code: int = 400) -> web.HTTPError:
-    """A spawn failure whose message the user reads on the spawn page and in the REST API."""
-    if SpawnException is not None:
-        e = SpawnException(message, reason=reason, status_code=status_code)
-        # the spawn page shows str(e) ("400 SpawnException(reason=…): …") unless this is set
-        e.jupyterhub_message = message
-        return e
-    e = web.HTTPError(status_code, "%s", message)  # pragma: no cover - JupyterHub 5
-    e.jupyterhub_message = message
-    return e
+    @validate("on_lease_end")
+    def _check_on_lease_end(self, proposal):
+        if proposal.value != "stop":
+            raise TraitError(f"on_lease_end must be 'stop' on {engine}: {why}, so a server that outlived its lease "
+                             "would hold GPUs the broker gave to someone else")
+        return proposal.value
+
+    return _check_on_lease_end
 
 
 class GPULeaseSettings(LoggingConfigurable):
-    """What an admin configures for GPU leases, and the lease a server holds (spawner state)."""
+    """What an admin configures for GPU leases (config traits only)."""
 
     broker_url = Unicode(
         help="""The lease broker's base URL, service prefix included, as the hub reaches it.
@@ -218,14 +216,3 @@ class GPULeaseSettings(LoggingConfigurable):
         per-server device cgroups: ``<devices mount>/<this>/<user>`` (``<user>:<server>`` for named
         servers). Two hubs on one host need different names. Example: ``jupyter-gpulease``.""",
     ).tag(config=True)
-
-    enforces_devices = False  # the engines whose servers are local processes set it
-
-    # ------------------------------------------------------------------ state
-    lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
-    lease = AnyTrait(None, allow_none=True, help="The lease JSON last seen (not persisted).")
-    last_lease_end = Dict(
-        help="""How this server's last lease ended (spawner state, kept across restarts, for
-        the hub's pages): ``{"lease_id", "state", "end_reason", "ended_at", "ended_by"}``.
-        Empty until a lease ended.""",
-    )

@@ -37,13 +37,14 @@ import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from systemdspawner import SystemdSpawner
 from systemdspawner import systemd as systemd_units
 
 from . import cgroups, devaccess
-from .cgroups import DeviceGuard, Mechanism, SystemdScopes, cgroup_name
+from .cgroups import DeviceStart, Mechanism, SystemdScopes
 from .devaccess import DeviceNode
 from .spawner import GPULeaseSpawner, spawn_error
 
@@ -100,45 +101,45 @@ def detect_units(*, systemd_dir: str | None = None, which: Callable[[str], str |
     return True, "systemd units with DevicePolicy=closed and DeviceAllow= (SystemdSpawner)"
 
 
+@dataclass(frozen=True)
+class UnitDevices:
+    """A server's systemd unit as the device guard needs it: its name, the admin's own
+    ``DeviceAllow=`` entries (part of every list) and the ``DevicePolicy``."""
+
+    unit: str
+    extra: tuple[str, ...] = ()
+    policy: str = DEVICE_POLICY
+
+
 class ServiceUnits:
     """The device guard's backend for SystemdSpawner's units (one transient service per server).
 
     The unit is made by ``systemd-run`` with the server's command, its device properties given
-    at that moment (:meth:`start_allow`); a change is :func:`set_property_argv`. ``run``
-    runs a command (``subprocess.run``'s signature; the guard calls :meth:`apply` off the
-    event loop)."""
+    at that moment (what :meth:`start` returns); a change is :func:`set_property_argv`. ``run``
+    runs a command (``subprocess.run``'s signature; the guard calls the methods off the event
+    loop). Each server's unit comes with its start or adopt (:class:`UnitDevices`)."""
 
     kind = "systemd-unit"
 
     def __init__(self, run: Callable[..., Any] = subprocess.run):
         self.run = run
-        self.units: dict[str, tuple[str, tuple[str, ...], str]] = {}  # server name -> unit, admin entries, policy
-        self._starting: dict[str, list[DeviceNode]] = {}
-
-    def register(self, name: str, unit: str, *, extra: Sequence[str] = (), policy: str = DEVICE_POLICY) -> None:
-        """The unit of server ``name`` (:func:`~.cgroups.cgroup_name`), with the admin's own entries."""
-        self.units[name] = (unit, tuple(extra), policy)
+        self.units: dict[str, UnitDevices] = {}  # server name (cgroups.cgroup_name) -> its unit
 
     def allow_values(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
-        _, extra, _ = self.units.get(name, ("", (), DEVICE_POLICY))
-        return device_allow_values(allowed, extra=extra)
-
-    def start_allow(self, name: str) -> list[str] | None:
-        """The ``DeviceAllow=`` values of the unit about to start (None: the guard made none)."""
-        allowed = self._starting.pop(name, None)
-        return None if allowed is None else self.allow_values(name, allowed)
+        unit = self.units.get(name)
+        return device_allow_values(allowed, extra=unit.extra if unit is not None else ())
 
     def set_property_command(self, name: str, allowed: Iterable[DeviceNode]) -> list[str]:
-        unit, _, policy = self.units[name]
-        return set_property_argv(unit, self.allow_values(name, allowed), policy=policy)
+        unit = self.units[name]
+        return set_property_argv(unit.unit, self.allow_values(name, allowed), policy=unit.policy)
 
     # the guard's backend interface (see cgroups.V1Devices, cgroups.SystemdScopes)
-    def command_prefix(self, name: str, allowed: list[DeviceNode]) -> list[str]:
-        self._starting[name] = list(allowed)
-        return []  # the properties go into the unit itself, not in front of the command
-
-    def prepare(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
-        pass
+    def start(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: UnitDevices | None = None) -> DeviceStart:
+        """The unit about to start: its ``DeviceAllow=`` values (they go into the unit itself,
+        not in front of the command)."""
+        if unit is not None:
+            self.units[name] = unit
+        return DeviceStart(device_allow=tuple(self.allow_values(name, allowed)))
 
     def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
         if name not in self.units:
@@ -147,9 +148,14 @@ class ServiceUnits:
         if getattr(r, "returncode", 0) != 0:
             raise OSError(f"systemctl set-property failed: {(getattr(r, 'stderr', '') or '').strip()}")
 
-    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+    def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: UnitDevices | None = None) -> None:
         """A running server's unit, again (the hub restarted): its device list now."""
+        if unit is not None:
+            self.units[name] = unit
         self.apply(name, allowed, denied)
+
+    def retire(self, name: str, denied: list[DeviceNode]) -> None:
+        pass  # SystemdSpawner stopped the unit, and systemd every process in it
 
     def attach(self, name: str, pid: int) -> None:
         pass  # systemd-run started the server inside its unit
@@ -158,7 +164,6 @@ class ServiceUnits:
         return True
 
     def remove(self, name: str) -> bool:
-        self._starting.pop(name, None)
         self.units.pop(name, None)
         return True  # SystemdSpawner stops the unit; systemd drops its cgroup with it
 
@@ -167,13 +172,15 @@ class DeviceAllowSystemdSpawner(SystemdSpawner):
     """SystemdSpawner whose unit starts with the device properties :meth:`unit_device_allow` gives.
 
     The engine half of :class:`GPULeaseSystemdSpawner`: its ``start()`` is what the lease
-    mixin calls once the lease is granted (or at once for a CPU-only server)."""
+    spawner calls once the lease is granted (or at once for a CPU-only server)."""
 
     _admin_unit_properties: dict[str, Any] | None = None
 
     def _expand_user_vars(self, string):
         # SystemdSpawner documents list values in unit_extra_properties (one --property per
-        # entry) but expands them with str.format: expand each entry instead
+        # entry) but expands them with str.format, which a list does not have; it offers no
+        # public hook for the expansion, so this override expands each entry instead
+        # (tests/test_systemd_spawner.py runs it through SystemdSpawner's own start())
         if isinstance(string, list | tuple):
             return [self._expand_user_vars(s) for s in string]
         return super()._expand_user_vars(string)
@@ -198,6 +205,10 @@ class DeviceAllowSystemdSpawner(SystemdSpawner):
             if self.isolate_devices and any(v.startswith("/dev/nvidia") for v in allow):
                 self.log.warning("%s: isolate_devices (PrivateDevices=yes) gives the unit a /dev without the GPUs' nodes: "
                                  "its lease's GPUs cannot be opened", self.unit_name)
+        # SystemdSpawner has no hook for a unit's properties at one start: its start() builds
+        # systemd-run's --property list from its traits and unit_extra_properties (into which it
+        # writes the expanded values). So this start's list (the admin's entries and the device
+        # lock) is that trait's value for the call, and the admin's value is back after it.
         self.unit_extra_properties = props
         try:
             url = await super().start()
@@ -221,60 +232,30 @@ class GPULeaseSystemdSpawner(GPULeaseSpawner, DeviceAllowSystemdSpawner):
     ``CUDA_VISIBLE_DEVICES`` only names the lease); otherwise the unit allows exactly the nodes
     of its leases, and ``"required"`` refuses GPU spawns on a host where systemd cannot do it."""
 
-    # The local engines' device hooks, with this engine's mechanism: the hub's guard is built
-    # with ServiceUnits instead of a device cgroup or scope of its own. ``enforces_devices``
-    # stays False on the class: it also selects the local engines' line at hub start, which
-    # would name their mechanism; this engine logs its own (log_at_hub_start below).
+    # the hub's device guard, with this engine's mechanism (ServiceUnits) instead of a device
+    # cgroup or scope of its own; the line at hub start names it (log_at_hub_start below)
+    enforces_devices = True
 
     @classmethod
     def log_device_access_at_hub_start(cls, hub) -> None:
         log_at_hub_start(hub)
 
-    def _unit_guard(self, *, create: bool) -> DeviceGuard | None:
-        if self.enforce_devices == "off" or not self.broker_url:
-            return None
-        link = self.link
-        guard = DeviceGuard._guards.get(link)
-        if guard is None and create:
-            ok, why = detect_units()
-            mechanism = Mechanism(ServiceUnits.kind, why, ServiceUnits() if ok else None)
-            guard = DeviceGuard._guards[link] = DeviceGuard(link, self.enforce_devices, mechanism, logger=self.log)
-        return guard
+    def find_device_mechanism(self) -> Mechanism:
+        ok, why = detect_units()
+        return Mechanism(ServiceUnits.kind, why, ServiceUnits() if ok else None)
 
-    def _device_guard(self, *, check: bool = True):
-        guard = self._unit_guard(create=True)
-        if guard is None:
-            return None
-        message = guard.required_failure()
-        if message and check:
-            raise spawn_error(message, reason="gpulease_devices", status_code=500)
-        if not guard.active or not isinstance(guard.backend, ServiceUnits):
-            return None
+    def device_unit(self) -> UnitDevices:
         admin = self.admin_unit_properties
-        extra = [self._expand_user_vars(v) for v in as_list(admin.get("DeviceAllow"))]  # as SystemdSpawner's start does
-        guard.backend.register(cgroup_name(self.user.name, self.name or ""), self.unit_name, extra=extra, policy=device_policy(admin))
-        return guard
-
-    def _existing_guard(self):
-        guard = self._unit_guard(create=False) if self._link is not None else None
-        return guard if guard is not None and guard.active else None
-
-    def _devices_adopt(self) -> None:
-        if self._lease_pending or self._stopping or self.user is None:
-            return
-        guard = self._device_guard(check=False)
-        if guard is not None and not guard.known(self.user.name, self.name or ""):
-            self._background(guard.adopt(self.user.name, self.name or "", 0, self.lease_id))
+        extra = self._expand_user_vars(as_list(admin.get("DeviceAllow")))  # as SystemdSpawner's start expands them
+        return UnitDevices(self.unit_name, tuple(extra), device_policy(admin))
 
     def unit_device_allow(self) -> list[str] | None:
-        guard = self._existing_guard()
-        if guard is None or not isinstance(guard.backend, ServiceUnits):
+        allow = self.device_start.device_allow
+        if allow is None:
             return None
-        allow = guard.backend.start_allow(cgroup_name(self.user.name, self.name or ""))
-        if allow is not None:
-            self.log.info("%s: unit %s starts with DevicePolicy=%s and DeviceAllow=%s", self._log_name, self.unit_name,
-                          device_policy(self.admin_unit_properties), ", ".join(allow))
-        return allow
+        self.log.info("%s: unit %s starts with DevicePolicy=%s and DeviceAllow=%s", self._log_name, self.unit_name,
+                      device_policy(self.admin_unit_properties), ", ".join(allow))
+        return list(allow)
 
 
 def log_at_hub_start(hub: Any) -> str | None:
