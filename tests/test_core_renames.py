@@ -4,8 +4,9 @@ used by the broker's policy options, the server extension and the simulator."""
 import logging
 
 import pytest
-from traitlets.config import Application, Config
+from traitlets.config import Config
 
+from jupyter_gpulease.broker.app import GPULeaseBroker
 from jupyter_gpulease.core.policy_config import PolicyConfig
 from jupyter_gpulease.core.renames import EXTENSION_MOVED, EXTENSION_SECTION, POLICY_SECTION, RENAMES, migrate_config
 
@@ -39,8 +40,8 @@ def test_a_class_that_reads_no_old_names_is_left_alone():
     assert migrate_config(c, ["GPUIdleRule"], warn=said.append) == c and not said
 
 
-class App(PolicyConfig, Application):
-    pass
+class App(GPULeaseBroker):
+    """The broker's application, its options under a short name."""
 
 
 @pytest.mark.parametrize("argv,aging_s", [(["--App.aging=900"], 900), (["--App.aging=900", "--App.aging_s=600"], 600),

@@ -2,16 +2,17 @@
 
 import pytest
 from traitlets import TraitError
-from traitlets.config import Application, Config
+from traitlets.config import Config
 
+from jupyter_gpulease.broker.app import GPULeaseBroker
 from jupyter_gpulease.core.policy import SETTINGS, Policy
-from jupyter_gpulease.core.policy_config import PolicyConfig
+from jupyter_gpulease.core.policy_config import PolicyConfig, policy_from_config
 from jupyter_gpulease.core.renames import POLICY_SECTION, old_names
 from jupyter_gpulease.sim.policies import policy_from_dict
 
 
-class App(PolicyConfig, Application):
-    pass
+class App(GPULeaseBroker):
+    """The broker's application (it inherits the policy options), under a short name."""
 
 
 def app(**options):
@@ -38,11 +39,11 @@ def test_every_setting_is_a_config_option_with_its_default_and_help():
         assert a.traits()[s.name].help == s.help and s.help, s.name
         if s.unit == "seconds":
             assert s.name.endswith("_s"), s.name  # one unit, said in the name
-    assert a.build_policy() == Policy()
+    assert policy_from_config(a) == Policy()
 
 
 def test_options_build_the_policy_zero_turning_a_timeout_off():
-    p = app(aging_s=0, min_duration_s=60, confirm_timeout_s=0, heartbeat_timeout_s=300, share_placement="Fragmentation").build_policy()
+    p = policy_from_config(app(aging_s=0, min_duration_s=60, confirm_timeout_s=0, heartbeat_timeout_s=300, share_placement="Fragmentation"))
     assert (p.aging_s, p.min_duration_s, p.confirm_timeout_s, p.heartbeat_timeout_s, p.share_placement) == (None, 60, None, 300, "fragmentation")
 
 
@@ -56,7 +57,7 @@ def test_an_invalid_option_fails_at_load_naming_it(option, value, words):
 
 def test_a_renamed_option_still_works_and_says_its_new_name(capfd):
     a = app(aging=900, confirm_timeout=0)
-    assert a.aging_s == 900 and a.build_policy().confirm_timeout_s is None
+    assert a.aging_s == 900 and policy_from_config(a).confirm_timeout_s is None
     assert "App.aging is renamed to aging_s" in capfd.readouterr().err
     assert old_names(POLICY_SECTION) == {"aging", "warn_before", "fair_share_half_life", "confirm_timeout", "heartbeat_timeout"}
     assert a.aging is None  # the old name itself holds nothing: its value went to the new name before loading
@@ -64,9 +65,9 @@ def test_a_renamed_option_still_works_and_says_its_new_name(capfd):
 
 def test_a_config_error_in_tiers_or_quotas_names_the_option():
     with pytest.raises(ValueError, match="tiers: tier 'x': unknown setting"):
-        app(tiers={"x": {"prioriti": 1}}, default_tier="x").build_policy()
+        policy_from_config(app(tiers={"x": {"prioriti": 1}}, default_tier="x"))
     with pytest.raises(ValueError, match=r"group_quotas\['students'\]: quota: unknown"):
-        app(group_quotas={"students": {"max_gpu": 2}}).build_policy()
+        policy_from_config(app(group_quotas={"students": {"max_gpu": 2}}))
 
 
 def test_the_simulators_policy_files_take_every_setting_by_the_same_name():

@@ -20,6 +20,7 @@ import yaml
 from traitlets.config import Config, PyFileConfigLoader
 
 from jupyter_gpulease.broker.app import GPULeaseBroker
+from jupyter_gpulease.core.policy_config import policy_from_config
 from jupyter_gpulease.devices import get_backend
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -140,7 +141,7 @@ def test_the_broker_command_and_its_config_file_load(tmp_path):
     assert app.bind_url == "http://0.0.0.0:10101"
     assert app.device_backend == "kubernetes" and app.stop_servers_on_end is True
     assert app.db_url.startswith("sqlite:////srv/jupyterhub/")
-    policy = app.build_policy()  # the tiers as the broker reads them
+    policy = policy_from_config(app)  # the tiers as the broker reads them
     assert set(policy.tiers) == {"production", "experiment", "learning"}
     backend = get_backend(app.device_backend, app.devices)  # builds without touching the API
     assert backend.label_selector == "nvidia.com/gpu.present=true" and backend.lost_after_s == 300

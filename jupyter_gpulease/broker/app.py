@@ -39,12 +39,13 @@ from urllib.parse import urlsplit
 
 from tornado.httpserver import HTTPServer
 from tornado.web import Application as WebApplication
-from traitlets import Bool, TraitError, Unicode, default
+from traitlets import Bool, Set, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from .. import __version__
 from ..core.model import LeaseState
-from ..core.policy_config import PolicyConfig
+from ..core.policy_config import PolicyConfig, policy_from_config
+from ..core.renames import migrated
 from ..tasks import BackgroundTasks
 from . import checks
 from .checks import ConfigError
@@ -98,12 +99,24 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
 
     # the policy options and the settings are the broker's: one section in the generated config
     # and in --help-all, each with its whole help, not a "See also" of the mixin that declares it
+    # (traitlets has no public hook for which classes those list: Application.classes only adds)
     _CONFIG_MIXINS = tuple(c for c in (*BrokerSettings.__mro__, *PolicyConfig.__mro__) if c not in Application.__mro__)
 
     def _classes_with_config_traits(self, classes=None):
         for cls in super()._classes_with_config_traits(classes):
             if cls not in self._CONFIG_MIXINS:
                 yield cls
+
+    # old option names (core/renames.py) move to their new names before any option is set from a
+    # config: traitlets' two public hooks, the config given at construction and every loaded one
+    _renames_said = Set()  # each old-name warning once
+
+    @validate("config")
+    def _config_with_new_names(self, proposal):
+        return migrated(self, proposal.value, self._renames_said)
+
+    def update_config(self, config):
+        super().update_config(migrated(self, config, self._renames_said))
 
     @default("log_level")
     def _default_log_level(self):
@@ -146,7 +159,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
                 raise ConfigError(checks.trait_error("(command line)", e)) from None
         elif self.config_file and "config_file" in self.cli_config.get("GPULeaseBroker", {}):
             raise ConfigError(f"config file not found: {self.config_file} (fix: pass --config with the path of an existing file)")
-        self.policy = checks.build(self, self.build_policy, what="the tiers and quotas")
+        self.policy = checks.build(self, lambda: policy_from_config(self), what="the tiers and quotas")
         for line in checks.policy_warnings(self.policy):
             self.log.warning("Config %s: %s", self.config_file or "(command line)", line)
         if build_manager and not self.check_config:

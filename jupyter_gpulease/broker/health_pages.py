@@ -1,5 +1,6 @@
 """The admin page's health and maintenance section: cordoned GPUs and nodes with their reasons,
-maintenance windows, and the forms to cordon, drain, uncordon and set or remove a window.
+maintenance windows, and the forms to cordon, drain, uncordon and set or remove a window (read,
+confirmed and applied here; the page's handler is :class:`.pages.AdminHealthHandler`).
 
 Every action asks for a confirmation first (a second page with the action spelled out and a
 Confirm button), so a stray click changes nothing.
@@ -10,11 +11,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from tornado import web
-
-from ..core.model import BadRequest, LeaseError
+from ..core.model import BadRequest
 from .inputs import short_text
-from .pages import AdminPage
 from .present import format_duration, local_time
 
 ACTIONS = ("cordon", "drain", "uncordon", "window", "unwindow")
@@ -64,66 +62,48 @@ def _local_input(text: str, name: str) -> float:
         raise BadRequest(f"'{name}' must be a date and time, e.g. 2026-12-01T12:00", field=name) from None
 
 
-class AdminHealthHandler(AdminPage):
-    """``POST admin/health/<action>``: cordon / drain / uncordon a GPU or a node, set or remove a
-    maintenance window; the first POST shows what will happen with a Confirm button."""
-
-    @web.authenticated
-    async def post(self, action: str):
-        self.check_admin()
-        keeper = self.health
-        if keeper is None:
-            raise web.HTTPError(404, "This broker keeps no GPU health state.")
-        arg = lambda name: self.get_body_argument(name, "").strip()  # noqa: E731
-        fields = {k: arg(k) for k in ("target", "reason", "start", "end", "window")}
-        try:
-            kind, _, name = fields["target"].partition(":")
-            if action in ("cordon", "drain", "uncordon", "window") and (kind not in ("node", "device") or not name):
-                raise BadRequest("choose a node or a GPU", field="target")
-            if action in ("cordon", "drain", "window"):
-                if not fields["reason"]:
-                    raise BadRequest("say why: users read the reason on the spawn form and in their notebooks", field="reason")
-                fields["reason"] = short_text({"reason": fields["reason"]}, "reason", self.limits.reason_chars)
-            start = end = None
-            if action == "window":
-                start, end = _local_input(fields["start"], "start"), _local_input(fields["end"], "end")
-            if arg("confirm") != "1":
-                self.confirm(action, fields, kind, name, start, end)
-                return
-            actor = f"admin:{self.caller_name}"
-            if action in ("cordon", "drain"):
-                out = await keeper.cordon(kind, name, reason=fields["reason"], actor=actor, drain=action == "drain")
-                message = f"{'Drained' if action == 'drain' else 'Cordoned'} {kind} {out['name']}: {out['reason']}."
-            elif action == "uncordon":
-                out = await keeper.uncordon(kind, name, actor=actor)
-                message = f"{kind.capitalize()} {out['name']} is back in the pool."
-            elif action == "window":
-                out = await keeper.add_window(start=start, end=end, reason=fields["reason"], devices=[name] if kind == "device" else [],
-                                              nodes=[name] if kind == "node" else [], actor=actor)
-                message = f"Maintenance window set: {local_time(out['start'])} to {local_time(out['end'])} ({out['reason']})."
-            else:
-                out = await keeper.delete_window(fields["window"], actor=actor)
-                message = f"Maintenance window removed ({out['reason']})."
-        except LeaseError as e:
-            self.show(message=e.message, error=True, status=e.status)
-            return
-        self.show(message=message)
-
-    def confirm(self, action: str, fields: dict[str, str], kind: str, name: str, start: float | None, end: float | None) -> None:
-        what = {
-            "cordon": f"Cordon {kind} {name}: nothing new is granted there; the leases on it run to their end. Users read: “{fields['reason']}”.",
-            "drain": f"Drain {kind} {name}: nothing new is granted there, and every lease on it moves to a healthy GPU "
-                     f"(its kernels are suspended first). Users read: “{fields['reason']}”.",
-            "uncordon": f"Put {kind} {name} back into the pool.",
-            "window": f"Set a maintenance window on {kind} {name} from {local_time(start) if start else ''} to {local_time(end) if end else ''}: "
-                      f"no lease is granted that would run into it; holders of leases that would are warned now. Users read: “{fields['reason']}”.",
-            "unwindow": "Remove this maintenance window.",
-        }[action]
-        self.confirmation = {"action": action, "text": what, "fields": {k: v for k, v in fields.items() if v}}
-        self.show()
-
-    confirmation: dict | None = None
+def read_form(action: str, fields: dict[str, str], reason_chars: int) -> tuple[str, str, float | None, float | None]:
+    """The target (kind, name) and window (start, end) of a health form's ``fields``, its reason
+    checked; :class:`BadRequest` naming the field that is wrong."""
+    kind, _, name = fields["target"].partition(":")
+    if action in ("cordon", "drain", "uncordon", "window") and (kind not in ("node", "device") or not name):
+        raise BadRequest("choose a node or a GPU", field="target")
+    if action in ("cordon", "drain", "window"):
+        if not fields["reason"]:
+            raise BadRequest("say why: users read the reason on the spawn form and in their notebooks", field="reason")
+        fields["reason"] = short_text({"reason": fields["reason"]}, "reason", reason_chars)
+    start = end = None
+    if action == "window":
+        start, end = _local_input(fields["start"], "start"), _local_input(fields["end"], "end")
+    return kind, name, start, end
 
 
-def page_handlers(prefix: str) -> list[tuple]:
-    return [(prefix + r"admin/health/(" + "|".join(ACTIONS) + ")", AdminHealthHandler)]
+async def apply_action(keeper, action: str, fields: dict[str, str], kind: str, name: str, start: float | None, end: float | None,
+                       *, actor: str) -> str:
+    """Do what the confirmed form asks of the health ``keeper``; what the page then says."""
+    if action in ("cordon", "drain"):
+        out = await keeper.cordon(kind, name, reason=fields["reason"], actor=actor, drain=action == "drain")
+        return f"{'Drained' if action == 'drain' else 'Cordoned'} {kind} {out['name']}: {out['reason']}."
+    if action == "uncordon":
+        out = await keeper.uncordon(kind, name, actor=actor)
+        return f"{kind.capitalize()} {out['name']} is back in the pool."
+    if action == "window":
+        out = await keeper.add_window(start=start, end=end, reason=fields["reason"], devices=[name] if kind == "device" else [],
+                                      nodes=[name] if kind == "node" else [], actor=actor)
+        return f"Maintenance window set: {local_time(out['start'])} to {local_time(out['end'])} ({out['reason']})."
+    out = await keeper.delete_window(fields["window"], actor=actor)
+    return f"Maintenance window removed ({out['reason']})."
+
+
+def confirmation(action: str, fields: dict[str, str], kind: str, name: str, start: float | None, end: float | None) -> dict[str, Any]:
+    """The second page of an action: what it will do, spelled out, and the fields to send again."""
+    what = {
+        "cordon": f"Cordon {kind} {name}: nothing new is granted there; the leases on it run to their end. Users read: “{fields['reason']}”.",
+        "drain": f"Drain {kind} {name}: nothing new is granted there, and every lease on it moves to a healthy GPU "
+                 f"(its kernels are suspended first). Users read: “{fields['reason']}”.",
+        "uncordon": f"Put {kind} {name} back into the pool.",
+        "window": f"Set a maintenance window on {kind} {name} from {local_time(start) if start else ''} to {local_time(end) if end else ''}: "
+                  f"no lease is granted that would run into it; holders of leases that would are warned now. Users read: “{fields['reason']}”.",
+        "unwindow": "Remove this maintenance window.",
+    }[action]
+    return {"action": action, "text": what, "fields": {k: v for k, v in fields.items() if v}}

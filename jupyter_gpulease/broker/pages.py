@@ -207,6 +207,7 @@ class AdminPage(PageHandler):
             raise web.HTTPError(403, f"The lease admin page is for callers with the {self.admin_scope} scope. Your own leases are on the leases page.")
 
     usage: dict | None = None  # the usage section, when the page shows it
+    confirmation: dict | None = None  # a health action waiting for its Confirm (AdminHealthHandler)
 
     @web.authenticated
     async def get(self):
@@ -223,7 +224,7 @@ class AdminPage(PageHandler):
     def show(self, message: str = "", error: bool = False, status: int = 200) -> None:
         xsrf = self.xsrf_token.decode() if isinstance(self.xsrf_token, bytes) else self.xsrf_token
         self.page("admin.html", status, message=message, error=error, xsrf=xsrf, graces=REVOKE_GRACES, usage=self.usage,
-                  health_confirm=getattr(self, "confirmation", None),
+                  health_confirm=self.confirmation,
                   **admin_context(self.manager, self.caller_name, health=self.health, unleased=self.unleased))
 
 
@@ -304,6 +305,33 @@ class AdminRevokeHandler(AdminPage):
             self.show(message=f"Lease {short} of {d['user']} revoked; {after_revoke(d)}.")
 
 
+class AdminHealthHandler(AdminPage):
+    """``POST admin/health/<action>``: cordon / drain / uncordon a GPU or a node, set or remove a
+    maintenance window (see :mod:`.health_pages`); the first POST shows what will happen with a
+    Confirm button."""
+
+    @web.authenticated
+    async def post(self, action: str):
+        from . import health_pages
+
+        self.check_admin()
+        keeper = self.health
+        if keeper is None:
+            raise web.HTTPError(404, "This broker keeps no GPU health state.")
+        fields = {k: self.get_body_argument(k, "").strip() for k in ("target", "reason", "start", "end", "window")}
+        try:
+            kind, name, start, end = health_pages.read_form(action, fields, self.limits.reason_chars)
+            if self.get_body_argument("confirm", "").strip() != "1":
+                self.confirmation = health_pages.confirmation(action, fields, kind, name, start, end)
+                self.show()
+                return
+            message = await health_pages.apply_action(keeper, action, fields, kind, name, start, end, actor=f"admin:{self.caller_name}")
+        except LeaseError as e:
+            self.show(message=e.message, error=True, status=e.status)
+            return
+        self.show(message=message)
+
+
 class OAuthCallbackHandler(HubOAuthCallbackHandler):
     """Finishes a page's OAuth login with the broker's own HubOAuth (it holds the PKCE state)."""
 
@@ -317,10 +345,10 @@ class OAuthCallbackHandler(HubOAuthCallbackHandler):
 
 
 def page_handlers(prefix: str) -> list[tuple]:
-    from .health_pages import page_handlers as health_page_handlers
+    from .health_pages import ACTIONS
 
     lease_id = LEASE_ID_ROUTE
-    return [*health_page_handlers(prefix),
+    return [(prefix + r"admin/health/(" + "|".join(ACTIONS) + ")", AdminHealthHandler),
         (prefix + r"oauth_callback", OAuthCallbackHandler),
         (prefix + r"admin/?", AdminPage),
         (prefix + r"admin/usage\.csv", UsageCSV, {"admin": True}),

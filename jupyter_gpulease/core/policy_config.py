@@ -4,17 +4,17 @@
 entry (same name, help with its unit and example, the same default and range: each made by
 :meth:`~.settings.Setting.trait`), plus the structured options (``tiers`` and the quotas). An
 application that inherits it (the broker) gets ``c.<App>.aging_s = 900`` and friends, refuses an
-invalid value at load with the option's name, reads a renamed option's old name with a
-deprecation warning (:mod:`.renames`), and builds its :class:`~.policy.Policy` with
-:meth:`PolicyConfig.build_policy`.
+invalid value at load with the option's name, lists a renamed option's old name (the application
+moves it to the new name as it loads a config, :func:`.renames.migrated`), and builds its
+:class:`~.policy.Policy` with :func:`policy_from_config`. It only declares options.
 """
 
 from __future__ import annotations
 
 from traitlets import Dict, validate
+from traitlets.config import LoggingConfigurable
 
 from .policy import DEFAULT_TIERS, SETTINGS, Policy, Quota, Tier
-from .renames import RenamedOptions
 
 SETTING = {s.name: s for s in SETTINGS}
 
@@ -23,7 +23,7 @@ def _default_tiers() -> dict:
     return {name: t.to_dict() | {"users": list(t.users), "groups": list(t.groups)} for name, t in DEFAULT_TIERS.items()}
 
 
-class PolicyConfig(RenamedOptions):
+class PolicyConfig(LoggingConfigurable):
     """Scheduling policy options: tiers, quotas and the settings declared on Policy."""
 
     # ------------------------------------------------------------------ the declared settings (core.policy.SETTINGS)
@@ -90,28 +90,30 @@ class PolicyConfig(RenamedOptions):
         together; ``gpu_hours`` per ``period_s`` counts their use together. Example: ``{'students': {'max_gpus': 2}}``.""",
     ).tag(config=True)
 
-    def build_policy(self) -> Policy:
-        """The Policy these options describe; ValueError naming the option that is wrong."""
 
-        def quota(option: str, d) -> Quota:
-            try:
-                return d if isinstance(d, Quota) else Quota.from_dict(d)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{option}: {e}") from None
+def policy_from_config(options: PolicyConfig) -> Policy:
+    """The Policy that ``options`` (an application inheriting :class:`PolicyConfig`: the broker)
+    describe; ValueError naming the option that is wrong."""
 
-        tiers = {}
-        for name, d in self.tiers.items():
-            try:
-                tiers[name] = d if isinstance(d, Tier) else Tier.from_dict(name, dict(d))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"tiers: {e}") from None
-        return Policy(
-            tiers=tiers,
-            default_user_quota=quota("default_user_quota", self.default_user_quota),
-            user_quotas={k: quota(f"user_quotas[{k!r}]", v) for k, v in self.user_quotas.items()},
-            group_quotas={k: quota(f"group_quotas[{k!r}]", v) for k, v in self.group_quotas.items()},
-            **{s.name: s.check(getattr(self, s.name)) for s in SETTINGS},
-        )
+    def quota(option: str, d) -> Quota:
+        try:
+            return d if isinstance(d, Quota) else Quota.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{option}: {e}") from None
+
+    tiers = {}
+    for name, d in options.tiers.items():
+        try:
+            tiers[name] = d if isinstance(d, Tier) else Tier.from_dict(name, dict(d))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tiers: {e}") from None
+    return Policy(
+        tiers=tiers,
+        default_user_quota=quota("default_user_quota", options.default_user_quota),
+        user_quotas={k: quota(f"user_quotas[{k!r}]", v) for k, v in options.user_quotas.items()},
+        group_quotas={k: quota(f"group_quotas[{k!r}]", v) for k, v in options.group_quotas.items()},
+        **{s.name: s.check(getattr(options, s.name)) for s in SETTINGS},
+    )
 
 
-__all__ = ["SETTING", "PolicyConfig"]
+__all__ = ["SETTING", "PolicyConfig", "policy_from_config"]

@@ -11,9 +11,9 @@ Two kinds of rename, one table (:data:`RENAMES`):
 
 :func:`migrate_config` moves each old name of a loaded ``Config`` to its new name, with one
 warning naming both; where the new name is set as well, the new name wins. It runs once per
-loaded config, before any option is set from it: :class:`RenamedOptions` applies it where a
-``Configurable`` receives its config (the broker's :class:`~.policy_config.PolicyConfig` and
-the server extension), and the simulator applies it to an admin's ``jupyter_server_config.py``
+loaded config, before any option is set from it: the broker and the server extension apply it
+(:func:`migrated`) in traitlets' two public hooks for a config, the ``config`` trait's validation
+and ``update_config``, and the simulator applies it to an admin's ``jupyter_server_config.py``
 and to its policy files. No old name is ever set as an option, so nothing forwards it later.
 """
 
@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterable
 from copy import deepcopy
 from dataclasses import dataclass
 
-from traitlets import Set, validate
-from traitlets.config import Config, LoggingConfigurable
+from traitlets.config import Config
 
 from .idle import IDLE_NAMES
 from .policy import SETTINGS
@@ -99,28 +98,18 @@ def migrate_config(config: Config, sections: Iterable[str], *, warn: Callable[[s
     return out
 
 
-class RenamedOptions(LoggingConfigurable):
-    """A ``Configurable`` whose config is migrated (:func:`migrate_config`) before it is loaded:
-    the config it is built with or given later, and each config an application loads (its files
-    and command line both reach it through ``update_config``). It declares no option.
+def migrated(configurable, config: Config, said: set[str]) -> Config:
+    """``config`` as ``configurable`` (an application: the broker, the server extension) loads it,
+    its old names moved (:func:`migrate_config`), each warning in its log once: an application
+    sees its command line more than once (traitlets merges it into each config file's load, so
+    that it wins), and ``said`` remembers what was said."""
 
-    An application sees its command line more than once (traitlets merges it into the config
-    files' so that it wins): each warning is given once."""
+    def warn(words: str) -> None:
+        if words not in said:
+            said.add(words)
+            configurable.log.warning(words)
 
-    _renames_said = Set()  # the warnings given
-
-    @validate("config")
-    def _migrated_config(self, proposal):
-        return migrate_config(proposal.value, self.section_names(), warn=self._say_renamed)
-
-    def update_config(self, config: Config) -> None:
-        """Load ``config`` (traitlets' public hook for every loaded config), its old names migrated first."""
-        super().update_config(migrate_config(config, self.section_names(), warn=self._say_renamed))
-
-    def _say_renamed(self, words: str) -> None:
-        if words not in self._renames_said:
-            self._renames_said.add(words)
-            self.log.warning(words)
+    return migrate_config(config, configurable.section_names(), warn=warn)
 
 
-__all__ = ["EXTENSION_MOVED", "EXTENSION_SECTION", "POLICY_SECTION", "RENAMES", "Rename", "RenamedOptions", "migrate_config", "old_names"]
+__all__ = ["EXTENSION_MOVED", "EXTENSION_SECTION", "POLICY_SECTION", "RENAMES", "Rename", "migrate_config", "migrated", "old_names"]

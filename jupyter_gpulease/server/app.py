@@ -15,10 +15,10 @@ import json
 import os
 
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Dict, Enum, Float, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Set, Unicode, default, validate
 
 from ..client import BrokerClient, default_broker_url
-from ..core.renames import RenamedOptions
+from ..core.renames import migrated
 from ..devices import DeviceUnavailable, get_backend
 from . import kernelenv
 from .checkpoint import CudaCheckpoint, find_cuda_checkpoint, simulated_checkpoint, unavailable_reason
@@ -29,12 +29,23 @@ from .lease import LeaseKeeper
 from .monitor import Monitor
 
 
-class GPULeaseExtension(RenamedOptions, ExtensionApp):
+class GPULeaseExtension(ExtensionApp):
     """GPU leases inside a Jupyter server: monitor, idle reclaim, resume, heartbeats, REST and feed."""
 
     name = "jupyter_gpulease"
     load_other_extensions = True
     classes = list(PARTS)  # each part declares its own settings (c.ReclaimActions.reclaim_action, ...)
+
+    # old option names (core/renames.py) move to their new names before any option is set from a
+    # config: traitlets' two public hooks, the config given at construction and every loaded one
+    _renames_said = Set()  # each old-name warning once
+
+    @validate("config")
+    def _config_with_new_names(self, proposal):
+        return migrated(self, proposal.value, self._renames_said)
+
+    def update_config(self, config):
+        super().update_config(migrated(self, config, self._renames_said))
 
     enabled = Bool(True, help="""Run the GPU lease extension. False: it loads but does nothing (no sampling, no REST).""").tag(config=True)
 
