@@ -106,9 +106,9 @@ class BrokerService:
             return await getattr(BrokerClient(self.url, token), method)(*args, **kw)
         return asyncio.run(go())
 
-    def wait_up(self, token: str, timeout: float = 60, log: str = "") -> None:
-        """Wait until the broker answers ``token``'s api/pool (``log``: said when it does not)."""
-        wait_for(lambda: self.call(token, "pool"), timeout, f"the broker did not answer\n{log}")
+    def wait_up(self, token: str, timeout: float = 60) -> None:
+        """Wait until the broker answers ``token``'s api/pool."""
+        wait_for(lambda: self.call(token, "pool"), timeout, "the broker did not answer")
 
 
 def hub_for_broker(tmp_path: Path, *, db_url: str | None = None, pool=None, users=("alice", "bob", "carol"), extra_config: str = "",
@@ -153,7 +153,7 @@ def server_token(hub: HubHarness, user: str, timeout: float = 200) -> str:
     status, body = hub.spawn(user)
     assert status in (201, 202), (status, body)
     wait_for(lambda: hub.ready_server(user), timeout, f"{user}'s server did not become ready")
-    return hub.server_env(user)["JUPYTERHUB_API_TOKEN"]
+    return hub.server_token(user)
 
 
 def broker_processes(hub: HubHarness) -> list[tuple[int, str]]:

@@ -474,6 +474,10 @@ class HubHarness:
     def server_pid(self, user: str) -> int:
         return self.server_process(user)[0]
 
+    def server_token(self, user: str) -> str:
+        """The token the hub gave ``user``'s running server (its JUPYTERHUB_API_TOKEN)."""
+        return self.server_env(user)["JUPYTERHUB_API_TOKEN"]
+
     def progress(self, user: str, *, timeout: float = 600, deadline: float | None = None) -> Iterator[dict]:
         """The events of ``user``'s spawn progress stream (server-sent events) as they come, until
         one says ready or failed; ``timeout``: the longest silence; ``deadline`` (monotonic): stop

@@ -146,7 +146,10 @@ class LeaseHub(HubHarness):
         return self
 
     def wait_for_broker(self, timeout: float = 90) -> None:
-        self.broker.wait_up(self.spawner_token, timeout, log=self.log_tail(30))
+        try:
+            self.broker.wait_up(self.spawner_token, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- hub log ---\n{self.log_tail(30)}") from None
 
     def close(self) -> None:
         """Stop every server the hub lists (so that each ends its lease), then the hub."""

@@ -301,7 +301,7 @@ def test_a_lease_the_user_gives_back_from_inside_the_server_keeps_the_server_run
     hub.wait_ready("alice")
     (lease,) = hub.leases("alice", "active")
     pid = hub.server_pid("alice")
-    own = hub.server_env("alice")["JUPYTERHUB_API_TOKEN"]
+    own = hub.server_token("alice")
     released = hub.broker.call(own, "release", lease["id"], reason="done with the GPU")
     assert released["state"] == "released"
 
