@@ -40,7 +40,6 @@ sys.path.insert(0, str(HERE))
 from bench_spawn import spawn_to_ready  # noqa: E402
 
 from test_cgroup_e2e import _v1_root, make_hub, make_nodes  # noqa: E402
-from test_spawner_e2e import wait_gone  # noqa: E402
 
 BENCH_SPAWNER = '''
 import jupyterhub.utils as _hub_utils
@@ -171,7 +170,7 @@ def main(argv=None) -> int:
             for user in times:  # warm-up, not counted
                 spawn_to_ready(hub, user, {"gpus": 1})
                 hub.api("DELETE", f"users/{user}/server")
-                wait_gone(hub, user)
+                hub.wait_gone(user)
             for i in range(args.rounds):
                 order = ("enforced", "plain") if i % 2 == 0 else ("plain", "enforced")
                 for user in order:
@@ -179,7 +178,7 @@ def main(argv=None) -> int:
                     if user == "enforced":
                         deny.append(end_to_deny(hub, url, tokens[user], root, node_of))
                     hub.api("DELETE", f"users/{user}/server")
-                    wait_gone(hub, user)
+                    hub.wait_gone(user)
                 print(f"round {i + 1}: enforced {times['enforced'][-1]:.3f} s, plain {times['plain'][-1]:.3f} s, "
                       f"end-to-deny {deny[-1] * 1000:.1f} ms", flush=True)
         finally:

@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from test_spawner_e2e import GPU_MODEL, broker_call, make_hub, server_model, wait_gone  # noqa: E402
+from test_spawner_e2e import GPU_MODEL, make_hub  # noqa: E402
 
 BENCH_SPAWNER = '''
 import jupyterhub.utils as _hub_utils
@@ -77,7 +77,7 @@ def spawn_to_ready(hub, user: str, options: dict, timeout: float = 120) -> float
     if status not in (201, 202):
         raise RuntimeError(f"spawn of {user} failed: {status} {body}")
     while True:
-        s = server_model(hub, user)
+        s = hub.server_model(user)
         if s and s.get("ready"):
             return time.perf_counter() - t0
         if s is None:
@@ -96,21 +96,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-spawn-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "bench_spawner.py").write_text(BENCH_SPAWNER)  # the hub runs with cwd=tmp: importable
-        hub, url, token = make_hub(tmp, users=("plain", "leased"), config_lines=["c.JupyterHub.spawner_class = 'bench_spawner.BenchSpawner'"])
+        hub = make_hub(tmp, users=("plain", "leased"), config_lines=["c.JupyterHub.spawner_class = 'bench_spawner.BenchSpawner'"])
         times: dict[str, list[float]] = {"plain": [], "leased": []}
         try:
             # one warm-up each (imports, first JupyterLab build of settings), not counted
             for user, opts in (("plain", {"kind": "cpu"}), ("leased", {"gpus": 1, "model": GPU_MODEL})):
                 spawn_to_ready(hub, user, opts)
                 hub.api("DELETE", f"users/{user}/server")
-                wait_gone(hub, user)
+                hub.wait_gone(user)
             for i in range(args.rounds):
                 order = (("plain", {"kind": "cpu"}), ("leased", {"gpus": 1, "model": GPU_MODEL}))
                 for user, opts in (order if i % 2 == 0 else order[::-1]):
                     times[user].append(spawn_to_ready(hub, user, opts))
                     hub.api("DELETE", f"users/{user}/server")
-                    wait_gone(hub, user)
-                    assert not broker_call(url, token, "list_leases", state="live"), "a lease outlived its server"
+                    hub.wait_gone(user)
+                    assert not hub.leases(state="live"), "a lease outlived its server"
                 print(f"round {i + 1}: plain {times['plain'][-1]:.3f} s, leased {times['leased'][-1]:.3f} s", flush=True)
         finally:
             hub.stop()

@@ -38,7 +38,6 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from hubharness import wait_for  # noqa: E402
 from slurmharness import SlurmCluster  # noqa: E402
 from test_slurm_spawner import make_slurm_hub  # noqa: E402
-from test_spawner_e2e import broker_call, server_model, wait_gone  # noqa: E402
 
 BENCH_SPAWNER = '''
 import json
@@ -129,7 +128,7 @@ def spawn_to_ready(hub, user: str, options: dict, timeout: float = 180) -> float
     if status not in (201, 202):
         raise RuntimeError(f"spawn of {user} failed: {status} {body}")
     while True:
-        s = server_model(hub, user)
+        s = hub.server_model(user)
         if s and s.get("ready"):
             return time.perf_counter() - t0
         if s is None:
@@ -155,24 +154,24 @@ def main(argv=None) -> int:
             (tmp / "hub").mkdir()
             (tmp / "hub" / "bench_slurm_spawner.py").write_text(BENCH_SPAWNER)
             marks_file = tmp / "marks.jsonl"
-            hub, url, token = make_slurm_hub(tmp / "hub", slurm, users=("plain", "leased"),
-                                             config_lines=["c.BatchSpawnerBase.startup_poll_interval = 0.2"],
-                                             spawner="bench_slurm_spawner.BenchSlurmSpawner",
-                                             env={"GPULEASE_BENCH_MARKS": str(marks_file)})
+            hub = make_slurm_hub(tmp / "hub", slurm, users=("plain", "leased"),
+                                 config_lines=["c.BatchSpawnerBase.startup_poll_interval = 0.2"],
+                                 spawner="bench_slurm_spawner.BenchSlurmSpawner",
+                                 env={"GPULEASE_BENCH_MARKS": str(marks_file)})
             order = (("plain", {"kind": "cpu"}), ("leased", {"gpus": 1, "model": "l4"}))
             for user, opts in order:  # warm-up, not counted
                 spawn_to_ready(hub, user, opts)
                 hub.api("DELETE", f"users/{user}/server")
-                wait_gone(hub, user)
+                hub.wait_gone(user)
             for i in range(args.rounds):
                 for user, opts in (order if i % 2 == 0 else order[::-1]):
                     t_post = time.time()
                     times[user].append(spawn_to_ready(hub, user, opts))
                     split[user].append(phases(read_marks(marks_file), user, t_post))
                     hub.api("DELETE", f"users/{user}/server")
-                    wait_gone(hub, user)
+                    hub.wait_gone(user)
                     wait_for(lambda: not slurm.jobs(), 60, "a job outlived its server")
-                    assert not broker_call(url, token, "list_leases", state="live"), "a lease outlived its server"
+                    assert not hub.leases(state="live"), "a lease outlived its server"
                 print(f"round {i + 1}: plain {times['plain'][-1]:.3f} s {fmt(split['plain'][-1])}; "
                       f"leased {times['leased'][-1]:.3f} s {fmt(split['leased'][-1])}", flush=True)
         finally:

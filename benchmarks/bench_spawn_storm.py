@@ -86,7 +86,7 @@ def run(args) -> dict:
                 wait_for(lambda: "solo" not in storm.server_models(), 60, "solo did not stop")
 
             # 2. the storm
-            broker_pid = storm.hub.find_process("jupyter_gpulease.cli broker")
+            broker_pid = storm.hub.broker_supervisor_pid()
             cpu0 = (cpu_seconds(storm.hub.pid), cpu_seconds(broker_pid), time.monotonic())
             options = storm_options(args.users)
             spawns = storm.storm(options)

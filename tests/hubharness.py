@@ -13,6 +13,13 @@ Usage::
     hub.keep_servers = True                             # with cleanup_servers = False: servers outlive stop()
     hub.stop()
 
+Users' servers, through the Hub API and /proc::
+
+    hub.spawn("alice", {"gpus": 1})                     # (status, body) of POST users/alice/server
+    hub.wait_ready("alice")                             # her server's model, once ready
+    hub.server_env("alice")["CUDA_VISIBLE_DEVICES"]     # the environment of her server's process
+    hub.stop_server("alice")                            # DELETE, then wait until the hub lists none
+
 Everything binds to 127.0.0.1 on free ports; the hub's database, cookie secret, proxy pid
 file and log live in ``tmp_path``. configurable-http-proxy is found by :func:`tooling.find_chp`
 (``GPULEASE_CHP``, ``PATH``, the project's ``.ci/node_modules``, where it is installed when
@@ -32,6 +39,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +98,20 @@ def _children(pid: int) -> list[int]:
         if ppid == pid:
             out.append(int(d))
     return out
+
+
+def process_env(pid: int) -> dict[str, str]:
+    """The environment process ``pid`` started with (from /proc; OSError when it is gone)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _cmdline(pid: int) -> str:
@@ -155,9 +177,22 @@ class HubHarness:
         self._log_handle = None
 
     # ------------------------------------------------------------------ config
+    def site_lines(self) -> list[str]:
+        """The settings every hub has of its own: its ports on 127.0.0.1, its database, cookie
+        secret and proxy, all in this harness's folder."""
+        return [
+            f"c.JupyterHub.bind_url = {self.url!r}",
+            f"c.JupyterHub.hub_bind_url = 'http://127.0.0.1:{self.hub_port}'",
+            f"c.JupyterHub.db_url = {('sqlite:///' + str(self.dir / 'jupyterhub.sqlite'))!r}",
+            f"c.JupyterHub.cookie_secret_file = {str(self.dir / 'jupyterhub_cookie_secret')!r}",
+            f"c.ConfigurableHTTPProxy.command = [{find_chp()!r}]",
+            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{self.proxy_api_port}'",
+            f"c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}",
+            f"c.ConfigurableHTTPProxy.pid_file = {str(self.dir / 'proxy.pid')!r}",
+        ]
+
     def config_text(self) -> str:
         """The jupyterhub_config.py this harness writes (handy when a test fails)."""
-        chp = find_chp()
         home = self.dir / "home"
         home.mkdir(exist_ok=True)
         singleuser = Path(sys.executable).with_name("jupyterhub-singleuser")
@@ -168,15 +203,8 @@ class HubHarness:
         allowed = sorted(set(self.users) | set(self.admin_users) | {u for members in self.groups.values() for u in members})
         lines = [
             "c = get_config()  # noqa",
-            f"c.JupyterHub.bind_url = {self.url!r}",
-            f"c.JupyterHub.hub_bind_url = 'http://127.0.0.1:{self.hub_port}'",
-            f"c.JupyterHub.db_url = {('sqlite:///' + str(self.dir / 'jupyterhub.sqlite'))!r}",
-            f"c.JupyterHub.cookie_secret_file = {str(self.dir / 'jupyterhub_cookie_secret')!r}",
+            *self.site_lines(),
             "c.JupyterHub.cleanup_servers = True",
-            f"c.ConfigurableHTTPProxy.command = [{chp!r}]",
-            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{self.proxy_api_port}'",
-            f"c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}",
-            f"c.ConfigurableHTTPProxy.pid_file = {str(self.dir / 'proxy.pid')!r}",
             "c.ConfigurableHTTPProxy.should_start = True",
             f"c.JupyterHub.authenticator_class = {self.authenticator_class!r}",
             f"c.DummyAuthenticator.password = {self.password!r}",
@@ -372,3 +400,107 @@ class HubHarness:
     def service_url(self, name: str) -> str:
         """The service's public URL through the proxy, with a trailing slash."""
         return f"{self.url}/services/{name}/"
+
+    # ------------------------------------------------------------------ users' servers
+    def user_url(self, user: str, path: str = "") -> str:
+        """A URL of ``user``'s default server through the proxy (``path`` relative to it)."""
+        return f"{self.url}/user/{user}/{path.lstrip('/')}"
+
+    def spawn(self, user: str, options: dict | None = None) -> tuple[int, Any]:
+        """POST users/<user>/server with ``options`` as the user_options; (status, body)."""
+        return self.api("POST", f"users/{user}/server", options)
+
+    def server_model(self, user: str) -> dict | None:
+        """The hub's model of ``user``'s default server (pending or ready), or None when it has none."""
+        status, model = self.api("GET", f"users/{user}")
+        assert status == 200, model
+        return (model.get("servers") or {}).get("")
+
+    def ready_server(self, user: str) -> dict | None:
+        """``user``'s server model when the hub calls it ready, else None (never fails)."""
+        status, model = self.api("GET", f"users/{user}")
+        s = (model.get("servers") or {}).get("") if status == 200 else None
+        return s if s and s.get("ready") else None
+
+    def wait_ready(self, user: str, timeout: float = 90) -> dict:
+        """Wait until ``user``'s server is ready; fails at once when the hub drops it (the spawn failed)."""
+        def ready():
+            s = self.server_model(user)
+            if s is None:
+                raise AssertionError(f"{user} has no server: the spawn failed\n{self.log_tail(40)}")
+            return s if s.get("ready") else None
+        return wait_for(ready, timeout, f"{user}'s server did not become ready")
+
+    def wait_gone(self, user: str, timeout: float = 60) -> None:
+        wait_for(lambda: self.server_model(user) is None, timeout, f"{user}'s server did not stop")
+
+    def stop_server(self, user: str, timeout: float = 60) -> None:
+        """DELETE ``user``'s server and wait until the hub lists it no more."""
+        status, body = self.api("DELETE", f"users/{user}/server")
+        assert status in (202, 204), body
+        self.wait_gone(user, timeout)
+
+    def stop_servers(self) -> None:
+        """Ask the hub to stop every server it lists, pending or running (clean-up: no waiting)."""
+        status, users = self.api("GET", "users?state=active")
+        for user in users if status == 200 else ():
+            if (user.get("servers") or {}).get(""):
+                self.api("DELETE", f"users/{user['name']}/server")
+
+    def server_processes(self) -> dict[str, tuple[int, dict[str, str]]]:
+        """user -> (pid, environment) of every running single-user server process below the hub."""
+        out = {}
+        for pid, cmd in self.descendants():
+            if "jupyterhub-singleuser" not in cmd or _zombie(pid):
+                continue
+            try:
+                env = process_env(pid)
+            except OSError:
+                continue
+            if env.get("JUPYTERHUB_USER"):
+                out[env["JUPYTERHUB_USER"]] = (pid, env)
+        return out
+
+    def server_process(self, user: str) -> tuple[int, dict[str, str]]:
+        """(pid, environment) of ``user``'s single-user server process."""
+        found = self.server_processes().get(user)
+        if found is None:
+            raise AssertionError(f"no single-user server process of {user} found below the hub")
+        return found
+
+    def server_env(self, user: str) -> dict[str, str]:
+        return self.server_process(user)[1]
+
+    def server_pid(self, user: str) -> int:
+        return self.server_process(user)[0]
+
+    def server_token(self, user: str) -> str:
+        """The token the hub gave ``user``'s running server (its JUPYTERHUB_API_TOKEN)."""
+        return self.server_env(user)["JUPYTERHUB_API_TOKEN"]
+
+    def progress(self, user: str, *, timeout: float = 600, deadline: float | None = None) -> Iterator[dict]:
+        """The events of ``user``'s spawn progress stream (server-sent events) as they come, until
+        one says ready or failed; ``timeout``: the longest silence; ``deadline`` (monotonic): stop
+        at the first keep-alive after it."""
+        req = urllib.request.Request(f"{self.hub_api_url}/users/{user}/server/progress",
+                                     headers={"Authorization": f"token {self.admin_token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    if deadline is not None and time.monotonic() > deadline:
+                        return
+                    continue
+                ev = json.loads(line[5:])
+                yield ev
+                if ev.get("failed") or ev.get("ready"):
+                    return
+
+    def progress_events(self, user: str, until, timeout: float = 60) -> list[dict]:
+        """``user``'s spawn progress events until ``until(event)`` is true (or ready, failed, ``timeout``)."""
+        events = []
+        for ev in self.progress(user, timeout=timeout, deadline=time.monotonic() + timeout):
+            events.append(ev)
+            if until(ev):
+                break
+        return events

@@ -1,9 +1,9 @@
 """A spawn storm on a real hub: many users start servers at once on a small simulated pool.
 
 Shared by the storm test (tests/test_spawn_storm.py) and its benchmark
-(benchmarks/bench_spawn_storm.py). :class:`Storm` runs JupyterHub, configurable-http-proxy,
-the broker (the demo's simulated pool: two L4, one A100, one A100 in MIG mode with two
-3g.40gb instances) and the lease spawner on 127.0.0.1; :class:`Checker` looks at the broker,
+(benchmarks/bench_spawn_storm.py). :class:`Storm` runs the whole stack of :class:`leasehub.LeaseHub`
+(JupyterHub, configurable-http-proxy, the broker and the lease spawner on 127.0.0.1) on the
+demo's simulated pool (two L4, one A100, one A100 in MIG mode with two 3g.40gb instances); :class:`Checker` looks at the broker,
 the hub and the servers' processes over and over and records every broken rule:
 
 * no GPU or MIG instance is held by two active leases, no GPU's shares add up to more than 1;
@@ -19,23 +19,15 @@ longer than ``grace`` seconds.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-import secrets
 import signal
-import sys
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hubharness import HubHarness, free_port, wait_for
-from jupyter_gpulease.client import BrokerClient
-
-SPAWNER_SERVICE = "gpulease-spawner"
+from leasehub import LeaseHub
 
 # the mix of a class starting its day: whole L4 and A100 GPUs, half and quarter L4 shares, MIG slices
 REQUESTS = [
@@ -53,20 +45,13 @@ def storm_options(n: int) -> dict[str, dict]:
     return {f"u{i + 1:02d}": dict(REQUESTS[i % len(REQUESTS)]) for i in range(n)}
 
 
-def broker_config(path: Path, *, tick: float, reconcile_interval: float) -> Path:
-    path.write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseBroker.device_backend = 'simulated'\n"
-        "c.GPULeaseBroker.devices = {}  # the demo's pool\n"
-        f"c.GPULeaseBroker.tick_interval = {tick}\n"
-        f"c.GPULeaseBroker.reconcile_interval = {reconcile_interval}\n"
-        "c.GPULeaseBroker.tiers = {\n"
-        "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
-        "    'learning': {'priority': 10, 'max_duration_s': 4 * 3600, 'default_duration_s': 1800, 'preemptible': True},\n"
-        "}\n"
-        "c.GPULeaseBroker.default_tier = 'experiment'\n"
-    )
-    return path
+TIERS = [
+    "c.GPULeaseBroker.tiers = {",
+    "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},",
+    "    'learning': {'priority': 10, 'max_duration_s': 4 * 3600, 'default_duration_s': 1800, 'preemptible': True},",
+    "}",
+    "c.GPULeaseBroker.default_tier = 'experiment'",
+]
 
 
 class Storm:
@@ -76,33 +61,14 @@ class Storm:
                  lease_wait_timeout: float = 3600, config_lines=()):
         self.dir = Path(tmp_path)
         self.poll_interval = poll_interval
-        bport = free_port()
-        self.token = secrets.token_hex(16)
-        conf = broker_config(self.dir / "gpulease_config.py", tick=tick, reconcile_interval=reconcile_interval)
-        self.broker_db = self.dir / "gpulease.sqlite"
-        broker = {
-            "name": "gpulease",
-            "url": f"http://127.0.0.1:{bport}",
-            "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={conf}", f"--db-url=sqlite:///{self.broker_db}"],
-            "cwd": str(self.dir),
-        }
-        self.broker_url = f"http://127.0.0.1:{bport}/services/gpulease/"
-        self.hub = HubHarness(
+        self.hub = LeaseHub(
             self.dir,
-            users=[],
-            services=[broker, {"name": SPAWNER_SERVICE, "api_token": self.token}],
-            custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
-            roles=[
-                {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
-                {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
-            ],
-            user_scopes=["access:services!service=gpulease"],
-            spawner_class="gpulease-simple",
-            log_level="INFO",
-            config_lines=[
+            users=(),  # any user may log in; the storm creates its users through the Hub API
+            broker_devices={},  # the demo's pool
+            broker_tick=tick,
+            broker_config=[f"c.GPULeaseBroker.reconcile_interval = {reconcile_interval}", *TIERS],
+            hub_config=[
                 "c.Authenticator.allow_all = True",
-                f"c.GPULeaseSpawner.broker_url = {self.broker_url!r}",
-                f"c.GPULeaseSpawner.broker_api_token = {self.token!r}",
                 f"c.GPULeaseSpawner.lease_wait_timeout = {lease_wait_timeout}",
                 f"c.Spawner.poll_interval = {poll_interval}",
                 "c.Spawner.http_timeout = 120",
@@ -111,26 +77,20 @@ class Storm:
                 *config_lines,
             ],
         )
+        self.broker_db = Path(self.hub.broker.db_url.removeprefix("sqlite:///"))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Storm:
         self.hub.start()
-        wait_for(lambda: self.broker("pool"), 90, "the broker did not answer")
         return self
 
     def stop(self) -> None:
-        self.hub.stop()
-
-    def restart(self) -> None:
-        self.hub.stop()
-        self.hub.start()
-        wait_for(lambda: self.broker("pool"), 90, "the broker did not come back")
+        """Stop every server, then the hub."""
+        self.hub.close()
 
     # ------------------------------------------------------------------ the broker
     def broker(self, method: str, *args, **kw):
-        async def go():
-            return await getattr(BrokerClient(self.broker_url, self.token), method)(*args, **kw)
-        return asyncio.run(go())
+        return self.hub.broker_call(method, *args, **kw)
 
     def leases(self, state: str = "all") -> list[dict]:
         return self.broker("list_leases", state=state, limit=10000)
@@ -144,7 +104,7 @@ class Storm:
 
     # ------------------------------------------------------------------ the hub
     def spawn(self, user: str, options: dict) -> tuple[int, object]:
-        return self.hub.api("POST", f"users/{user}/server", options)
+        return self.hub.spawn(user, options)
 
     def create_users(self, names) -> None:
         status, body = self.hub.api("POST", "users", {"usernames": sorted(names)})
@@ -164,21 +124,7 @@ class Storm:
 
     def processes(self) -> dict[str, dict]:
         """user -> {pid, env} of every running single-user server process below the hub."""
-        out = {}
-        for pid, cmd in self.hub.descendants():
-            if "jupyterhub-singleuser" not in cmd:
-                continue
-            try:
-                raw = Path(f"/proc/{pid}/environ").read_bytes()
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        continue
-            except OSError:
-                continue
-            env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-            if env.get("JUPYTERHUB_USER"):
-                out[env["JUPYTERHUB_USER"]] = {"pid": pid, "env": env}
-        return out
+        return {user: {"pid": pid, "env": env} for user, (pid, env) in self.hub.server_processes().items()}
 
     def kill_server(self, user: str) -> int:
         pid = self.processes()[user]["pid"]
@@ -189,17 +135,9 @@ class Storm:
     def open_progress(self, user: str, into: list, timeout: float = 600) -> threading.Thread:
         """Read ``user``'s spawn progress stream in a thread, appending each event to ``into``."""
         def read():
-            req = urllib.request.Request(f"{self.hub.hub_api_url}/users/{user}/server/progress",
-                                         headers={"Authorization": f"token {self.hub.admin_token}"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    for raw in resp:
-                        line = raw.decode().strip()
-                        if line.startswith("data:"):
-                            ev = json.loads(line[5:])
-                            into.append(ev)
-                            if ev.get("failed") or ev.get("ready"):
-                                return
+                for ev in self.hub.progress(user, timeout=timeout):
+                    into.append(ev)  # as it comes: the test reads the list while the stream goes on
             except Exception as e:
                 into.append({"stream_error": repr(e)})
         t = threading.Thread(target=read, daemon=True)

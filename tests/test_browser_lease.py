@@ -24,185 +24,128 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 import standin_cuda_checkpoint as standin
+from browserutil import (
+    FAST_SERVERS,
+    ROOT,
+    TOAST,
+    chromium_browser,
+    demo_config,
+    login,
+    open_lab,
+    open_notebook_and_run,
+    server_status,
+    start_demo,
+    toast,
+)
 from hubharness import wait_for
-from jupyter_gpulease.devices.simulated import SimulatedBackend
-from test_browser import CHROMIUM_ARGS, login, start_from_form
-from test_demo import Demo
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "browser-lease"
+# every lease is within its warning time: the notification shows at once
+WARN_AT_ONCE = "c.GPULeaseBroker.warn_before = 12 * 3600\n"
 
 
-def demo_config(tmp_path: Path) -> Path:
-    """The example configs, with expiry warnings 12 h ahead, fast heartbeats and no JupyterLab news."""
-    conf = tmp_path / "config"
-    conf.mkdir()
-    shutil.copy(ROOT / "config" / "jupyterhub_config.py", conf / "jupyterhub_config.py")
-    labconf = tmp_path / "labconf" / "labconfig"
-    labconf.mkdir(parents=True)
-    (labconf / "page_config.json").write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    with open(conf / "jupyterhub_config.py", "a") as f:
-        f.write(f"""
-# --- test: fast heartbeats, no news pop-up (the simulated GPUs' state file is the demo's own), and
-# not the demo's one-minute idle reclaim: the lease stays while the test looks at it
-# a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
-c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPUIdleRule.gpu_idle_timeout=", "--ReclaimActions.warn_before="))]
-c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1",
-                       "--GPUIdleRule.gpu_idle_timeout=3600"])
-c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
-""")
-    (conf / "gpulease_config.py").write_text(
-        "c = get_config()  # noqa: F821\n"
-        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n"
-        "c.GPULeaseBroker.warn_before = 12 * 3600  # every lease is within its warning time: the notification shows at once\n"
-    )
-    return conf
-
-
-def server_status(page, user: str) -> dict:
-    return page.evaluate(
-        """async (user) => {
-            const xsrf = (document.cookie.match(/_xsrf=([^;]+)/) || [])[1] || '';
-            const r = await fetch(`/user/${user}/gpulease/api/status?history=0`, {headers: {'X-XSRFToken': xsrf}});
-            return await r.json();
-        }""", user)
-
-
-def open_notebook_and_run(page, code: str) -> None:
-    """A new notebook from the launcher; ``code`` typed into its first cell and run once the kernel is idle."""
-    page.wait_for_selector(".jp-LauncherCard", timeout=120_000)
-    page.locator('.jp-LauncherCard[data-category="Notebook"]').first.click()
-    cell = page.locator(".jp-Notebook .jp-Cell").first
-    cell.locator(".cm-content").wait_for(timeout=60_000)
-    # a cell run before the kernel is connected is silently dropped: wait for "Idle" in the status bar
-    page.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
-    cell.locator(".cm-content").click()
-    page.keyboard.type(code)
-    cell.locator(".cm-content").press("Control+Enter")
-    prompt = cell.locator(".jp-InputPrompt")
-    wait_for(lambda: re.search(r"\[(\*|\d+)\]", prompt.inner_text()) is not None, 60, f"the cell {code!r} did not run", interval=0.5)
+def lease_config(tmp_path: Path) -> Path:
+    """The example configs, with expiry warnings 12 h ahead, fast heartbeats, and not the demo's
+    one-minute idle reclaim: the lease stays while the test looks at it."""
+    return demo_config(tmp_path, server_args=[*FAST_SERVERS, "--GPUIdleRule.gpu_idle_timeout=3600"], broker=WARN_AT_ONCE)
 
 
 def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_path, playwright_sync_api, chromium):
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    state = tmp_path / "state"
-    state.mkdir()
-    demo = Demo(state, config_dir=demo_config(tmp_path)).start()
-    sim = SimulatedBackend({"state_file": str(state / "sim-gpus.json")})  # the demo's servers read the same file
+    demo, sim = start_demo(tmp_path, lease_config(tmp_path))
     try:
-        with playwright_sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-            try:
-                alice = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
-                login(alice, demo.url, "alice", demo.password)
-                start_from_form(alice, "gpu:2:L4")  # both L4s
-                alice.wait_for_url("**/user/alice/**", timeout=120_000)
-                item = alice.locator(".jp-gpulease-status")
-                item.wait_for(timeout=120_000)
-                wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · \d+% · \d+:\d\d left", item.inner_text().strip()) is not None, 90,
-                         "the status bar did not show alice's lease", interval=0.5)
-                alice.screenshot(path=str(ARTIFACTS / "01-status-bar-shows-the-lease.png"))
+        with chromium_browser(playwright_sync_api, chromium, failed=ARTIFACTS / "failed") as browser:
+            alice = browser.login(demo, "alice")
+            item = open_lab(alice, "alice", "gpu:2:L4")  # both L4s
+            wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · \d+% · \d+:\d\d left", item.inner_text().strip()) is not None, 90,
+                     "the status bar did not show alice's lease", interval=0.5)
+            alice.screenshot(path=str(ARTIFACTS / "01-status-bar-shows-the-lease.png"))
 
-                # the status bar item opens the panel: per-device figures and the actions
-                item.click()
-                panel = alice.locator("#jp-gpulease-panel")
-                panel.wait_for(state="visible")
-                assert panel.locator(".jp-gpulease-device").count() == 2
-                assert panel.locator("button[data-action='lease/extend']").is_visible()
-                alice.screenshot(path=str(ARTIFACTS / "02-panel-with-devices-and-actions.png"))
-                # while the feed's samples and the countdown move on, the buttons stay the same nodes (a
-                # button made anew detaches under the pointer and swallows the click)
-                marked = alice.evaluate("""() => { const bs = document.querySelectorAll('#jp-gpulease-panel button');
-                                                   bs.forEach(b => { b.dataset.seen = '1'; }); return bs.length; }""")
-                for sl in server_status(alice, "alice")["lease"]["placement"]["slices"]:
-                    sim.set_utilization(sl["gpu_uuid"], 41)
-                util = panel.locator(".jp-gpulease-device .jp-gpulease-bar-value")
-                wait_for(lambda: util.all_inner_texts().count("41%") == 2, 60, "the panel did not follow the utilization to 41%", interval=0.25)
-                alice.wait_for_timeout(2000)  # two more seconds of samples and countdown
-                assert marked >= 3 and panel.locator("button[data-seen='1']").count() == marked == panel.locator("button").count()
-                # a click elsewhere closes it; the item opens and closes it again
-                alice.locator(".jp-Launcher-sectionTitle").first.click()
-                panel.wait_for(state="detached", timeout=10_000)
-                item.click()
-                panel.wait_for(state="visible")
-                item.click()
-                panel.wait_for(state="detached", timeout=10_000)
+            # the status bar item opens the panel: per-device figures and the actions
+            item.click()
+            panel = alice.locator("#jp-gpulease-panel")
+            panel.wait_for(state="visible")
+            assert panel.locator(".jp-gpulease-device").count() == 2
+            assert panel.locator("button[data-action='lease/extend']").is_visible()
+            alice.screenshot(path=str(ARTIFACTS / "02-panel-with-devices-and-actions.png"))
+            # while the feed's samples and the countdown move on, the buttons stay the same nodes (a
+            # button made anew detaches under the pointer and swallows the click)
+            marked = alice.evaluate("""() => { const bs = document.querySelectorAll('#jp-gpulease-panel button');
+                                               bs.forEach(b => { b.dataset.seen = '1'; }); return bs.length; }""")
+            for sl in server_status(alice, "alice")["lease"]["placement"]["slices"]:
+                sim.set_utilization(sl["gpu_uuid"], 41)
+            util = panel.locator(".jp-gpulease-device .jp-gpulease-bar-value")
+            wait_for(lambda: util.all_inner_texts().count("41%") == 2, 60, "the panel did not follow the utilization to 41%", interval=0.25)
+            alice.wait_for_timeout(2000)  # two more seconds of samples and countdown
+            assert marked >= 3 and panel.locator("button[data-seen='1']").count() == marked == panel.locator("button").count()
+            # a click elsewhere closes it; the item opens and closes it again
+            alice.locator(".jp-Launcher-sectionTitle").first.click()
+            panel.wait_for(state="detached", timeout=10_000)
+            item.click()
+            panel.wait_for(state="visible")
+            item.click()
+            panel.wait_for(state="detached", timeout=10_000)
 
-                # the expiry warning (12 h ahead in this config) is a notification; its Extend button extends the lease
-                # (a replaced notification lingers in the page while it slides out: take a standing one)
-                toast = alice.locator(".Toastify__toast:not([class*='exit'])", has_text="GPU lease ends soon").first
-                toast.wait_for(timeout=90_000)
-                alice.screenshot(path=str(ARTIFACTS / "03-expiry-warning-notification.png"))
-                before = server_status(alice, "alice")["lease"]["expires_at"]
-                toast.get_by_role("button", name="Extend 30 min").click()
-                wait_for(lambda: server_status(alice, "alice")["lease"]["expires_at"] >= before + 1800 - 1, 60,
-                         "Extend in the notification did not extend the lease", interval=0.5)
+            # the expiry warning (12 h ahead in this config) is a notification; its Extend button extends the lease
+            # (a replaced notification lingers in the page while it slides out: take a standing one)
+            expiring = toast(alice, "GPU lease ends soon")
+            expiring.wait_for(timeout=90_000)
+            alice.screenshot(path=str(ARTIFACTS / "03-expiry-warning-notification.png"))
+            before = server_status(alice, "alice")["lease"]["expires_at"]
+            expiring.get_by_role("button", name="Extend 30 min").click()
+            wait_for(lambda: server_status(alice, "alice")["lease"]["expires_at"] >= before + 1800 - 1, 60,
+                     "Extend in the notification did not extend the lease", interval=0.5)
 
-                # a notebook: %gpu watch draws the widget, which follows the GPUs' utilization
-                open_notebook_and_run(alice, "%gpu watch")
-                widget = alice.locator(".gpulease-widget")
-                widget.wait_for(timeout=90_000)
-                slices = server_status(alice, "alice")["lease"]["placement"]["slices"]
-                for s in slices:
-                    sim.set_utilization(s["gpu_uuid"], 12)
-                wait_for(lambda: widget.inner_text().count("12%") == 2, 60, "the widget did not show 12%", interval=0.5)
-                alice.screenshot(path=str(ARTIFACTS / "04-widget-at-12-percent.png"))
-                for s in slices:
-                    sim.set_utilization(s["gpu_uuid"], 87)
-                wait_for(lambda: widget.inner_text().count("87%") == 2, 60, "the widget did not follow the utilization to 87%", interval=0.5)
-                assert re.search(r"L4 #\d", widget.inner_text()) and "Time left" in widget.inner_text()
-                wait_for(lambda: "87%" in item.inner_text(), 60, "the status bar did not follow the utilization", interval=0.5)
-                alice.screenshot(path=str(ARTIFACTS / "05-widget-follows-utilization.png"))
+            # a notebook: %gpu watch draws the widget, which follows the GPUs' utilization
+            open_notebook_and_run(alice, "%gpu watch")
+            widget = alice.locator(".gpulease-widget")
+            widget.wait_for(timeout=90_000)
+            slices = server_status(alice, "alice")["lease"]["placement"]["slices"]
+            for s in slices:
+                sim.set_utilization(s["gpu_uuid"], 12)
+            wait_for(lambda: widget.inner_text().count("12%") == 2, 60, "the widget did not show 12%", interval=0.5)
+            alice.screenshot(path=str(ARTIFACTS / "04-widget-at-12-percent.png"))
+            for s in slices:
+                sim.set_utilization(s["gpu_uuid"], 87)
+            wait_for(lambda: widget.inner_text().count("87%") == 2, 60, "the widget did not follow the utilization to 87%", interval=0.5)
+            assert re.search(r"L4 #\d", widget.inner_text()) and "Time left" in widget.inner_text()
+            wait_for(lambda: "87%" in item.inner_text(), 60, "the status bar did not follow the utilization", interval=0.5)
+            alice.screenshot(path=str(ARTIFACTS / "05-widget-follows-utilization.png"))
 
-                # bob's server runs without a GPU; he asks for both L4s and waits in the queue
-                bob = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
-                login(bob, demo.url, "bob", demo.password)
-                start_from_form(bob, "cpu")
-                bob.wait_for_url("**/user/bob/**", timeout=120_000)
-                open_notebook_and_run(bob, "%gpu request --gpus 2 --model L4")
-                bob_item = bob.locator(".jp-gpulease-status")
-                wait_for(lambda: re.match(r"GPU queue #1( · .+)?$", bob_item.inner_text().strip()) is not None, 90,
-                         "bob's status bar did not show his place in the queue", interval=0.5)
-                bob.screenshot(path=str(ARTIFACTS / "06-second-user-waits-in-the-queue.png"))
-                assert server_status(bob, "bob")["lease"]["state"] == "queued"
-            except BaseException:
-                for ctx in browser.contexts:  # what each user saw when it failed
-                    for i, pg in enumerate(ctx.pages):
-                        pg.screenshot(path=str(ARTIFACTS / f"failed-{browser.contexts.index(ctx)}-{i}.png"))
-                raise
-            finally:
-                browser.close()
+            # bob's server runs without a GPU; he asks for both L4s and waits in the queue
+            bob = browser.login(demo, "bob")
+            bob_item = open_lab(bob, "bob", "cpu")
+            open_notebook_and_run(bob, "%gpu request --gpus 2 --model L4")
+            wait_for(lambda: re.match(r"GPU queue #1( · .+)?$", bob_item.inner_text().strip()) is not None, 90,
+                     "bob's status bar did not show his place in the queue", interval=0.5)
+            bob.screenshot(path=str(ARTIFACTS / "06-second-user-waits-in-the-queue.png"))
+            assert server_status(bob, "bob")["lease"]["state"] == "queued"
     finally:
         demo.stop()
 
 
 # ---------------------------------------------------------------------- the live feed, with XSRF checks on
 def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
-    """The demo's configs as above, plus a fast idle reclaim by suspend (cuda-checkpoint is the
-    tests' stand-in) and servers that keep running when their lease ends. Nothing about XSRF:
-    the hub and the single-user servers check it as a default deployment does."""
-    conf = demo_config(tmp_path)
-    with open(conf / "jupyterhub_config.py", "a") as f:
-        f.write(f"""
-# --- test: idle kernels are warned after 3 s and suspended after 6 s; a revoked lease leaves the server running
-# a setting may be given once on a server's command line: the test's idle timeouts replace the demo's
-c.Spawner.args = [a for a in c.Spawner.args if not a.startswith(("--GPUIdleRule.gpu_idle_timeout=", "--ReclaimActions.warn_before="))]
-c.Spawner.args.extend(["--GPUIdleRule.gpu_idle_timeout=6", "--ReclaimActions.warn_before=3",
-                       "--ReclaimActions.reclaim_action=suspend",
-                       "--GPULeaseExtension.cuda_checkpoint={standin_dir / 'cuda-checkpoint'}"])
-c.Spawner.environment.update({{"STANDIN_CUDA_CHECKPOINT_DIR": {str(standin_dir)!r}, "STANDIN_CUDA_CHECKPOINT_SIM_STATE": {str(sim_state)!r},
+    """The demo's configs as above, but a fast idle reclaim by suspend (idle kernels are warned after
+    3 s and suspended after 6 s; cuda-checkpoint is the tests' stand-in) and servers that keep
+    running when their lease ends. Nothing about XSRF: the hub and the single-user servers check it
+    as a default deployment does."""
+    return demo_config(
+        tmp_path,
+        server_args=[*FAST_SERVERS, "--GPUIdleRule.gpu_idle_timeout=6", "--ReclaimActions.warn_before=3", "--ReclaimActions.reclaim_action=suspend",
+                     f"--GPULeaseExtension.cuda_checkpoint={standin_dir / 'cuda-checkpoint'}"],
+        hub=f"""c.Spawner.environment.update({{"STANDIN_CUDA_CHECKPOINT_DIR": {str(standin_dir)!r}, "STANDIN_CUDA_CHECKPOINT_SIM_STATE": {str(sim_state)!r},
                               "STANDIN_CUDA_CHECKPOINT_REMAP": "1"}})
 c.GPULeaseSpawner.on_lease_end = "keep"
-""")
-    return conf
+""",
+        broker=WARN_AT_ONCE,
+    )
 
 
 class FeedWatch:
@@ -248,10 +191,6 @@ def shown(message: str, toast_text: str) -> bool:
     return message[:60] in toast_text
 
 
-def toast(page, text: str):
-    return page.locator(".Toastify__toast:not([class*='exit'])", has_text=text).first
-
-
 def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_path, playwright_sync_api, chromium):
     """The hub and servers as a default deployment runs them (XSRF checks on): bob's JupyterLab
     opens the event stream (200, never 403) and shows the grant, the idle reclaim (whose Resume
@@ -259,130 +198,112 @@ def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_p
     message of an event that the stream carried. Only the stream brings lease, reclaim and
     resume events (polling brings standing warnings only)."""
     shots = ARTIFACTS.parent / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
-    state = tmp_path / "state"
-    state.mkdir()
     standin_dir = tmp_path / "standin"
     standin_dir.mkdir()
     standin.install(str(standin_dir))
-    sim_state = state / "sim-gpus.json"
-    demo = Demo(state, config_dir=feed_config(tmp_path, standin_dir, sim_state)).start()
-    sim = SimulatedBackend({"state_file": str(sim_state)})
+    demo, sim = start_demo(tmp_path, feed_config(tmp_path, standin_dir, tmp_path / "state" / "sim-gpus.json"))
     try:
-        with playwright_sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-            try:
-                bob = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
-                feed = FeedWatch(bob)
-                login(bob, demo.url, "bob", demo.password)
-                start_from_form(bob, "cpu")
-                bob.wait_for_url("**/user/bob/**", timeout=120_000)
-                item = bob.locator(".jp-gpulease-status")
-                item.wait_for(timeout=120_000)
-                # the stream is open: the status bar is fed by it, not by asking
-                wait_for(lambda: item.get_attribute("data-feed") == "live", 60, "bob's JupyterLab never opened the live feed", interval=0.5)
+        with chromium_browser(playwright_sync_api, chromium, failed=shots / "feed-failed") as browser:
+            bob = browser.page()
+            feed = FeedWatch(bob)  # from the first page on
+            login(bob, demo, "bob")
+            item = open_lab(bob, "bob", "cpu")
+            # the stream is open: the status bar is fed by it, not by asking
+            wait_for(lambda: item.get_attribute("data-feed") == "live", 60, "bob's JupyterLab never opened the live feed", interval=0.5)
 
-                # grant: bob asks for both L4s in a notebook; the kernel says its process id, so that the
-                # simulated GPUs can show it holding memory on them from the grant on, as a CUDA program would
-                open_notebook_and_run(bob, "import os; print(os.getpid())\n%gpu request --gpus 2 --model L4")
-                grants = wait_for(lambda: feed.find("lease", event="granted"), 60, "no grant came on the stream", interval=0.2)
-                output = bob.locator(".jp-NotebookPanel .jp-OutputArea-output").first
-                wait_for(lambda: output.count() and output.inner_text().strip().split("\n")[0].isdigit(), 60,
-                         "the cell did not print the kernel's process id", interval=0.2)
-                pid = int(output.inner_text().strip().split("\n")[0])
-                sim.add_process(grants[0]["lease"]["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=0.0)  # idle
-                granted = toast(bob, "is active:")
-                granted.wait_for(timeout=60_000)
-                bob.screenshot(path=str(shots / "feed-01-grant-notification.png"))
-                text = granted.inner_text()
-                assert shown(grants[0]["message"], text), (text, grants)
-                lease_id = grants[0]["lease"]["id"]
+            # grant: bob asks for both L4s in a notebook; the kernel says its process id, so that the
+            # simulated GPUs can show it holding memory on them from the grant on, as a CUDA program would
+            open_notebook_and_run(bob, "import os; print(os.getpid())\n%gpu request --gpus 2 --model L4")
+            grants = wait_for(lambda: feed.find("lease", event="granted"), 60, "no grant came on the stream", interval=0.2)
+            output = bob.locator(".jp-NotebookPanel .jp-OutputArea-output").first
+            wait_for(lambda: output.count() and output.inner_text().strip().split("\n")[0].isdigit(), 60,
+                     "the cell did not print the kernel's process id", interval=0.2)
+            pid = int(output.inner_text().strip().split("\n")[0])
+            sim.add_process(grants[0]["lease"]["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=0.0)  # idle
+            granted = toast(bob, "is active:")
+            granted.wait_for(timeout=60_000)
+            bob.screenshot(path=str(shots / "feed-01-grant-notification.png"))
+            text = granted.inner_text()
+            assert shown(grants[0]["message"], text), (text, grants)
+            lease_id = grants[0]["lease"]["id"]
 
-                # idle reclaim: warned, then suspended; the notification offers Resume
-                suspended = bob.locator(".Toastify__toast:not([class*='exit'])", has=bob.get_by_role("button", name="Resume")).first
-                suspended.wait_for(timeout=60_000)
-                wait_for(lambda: feed.find("lease", event="reclaimed"), 30, "the lease did not go back as reclaimed", interval=0.5)
-                toast(bob, "GPU lease reclaimed").wait_for(timeout=30_000)
-                bob.screenshot(path=str(shots / "feed-02-idle-reclaim-notifications.png"))
-                suspends = feed.find("reclaim", action="suspend", outcome="done")
-                assert suspends and shown(suspends[0]["message"], suspended.inner_text()), (suspended.inner_text(), suspends)
-                assert feed.find("warning", kind="reclaim"), "no reclaim warning came first"
-                reclaimed = feed.find("lease", event="reclaimed")[0]
-                assert reclaimed["lease"]["id"] == lease_id and shown(reclaimed["message"], toast(bob, "GPU lease reclaimed").inner_text())
+            # idle reclaim: warned, then suspended; the notification offers Resume
+            suspended = bob.locator(TOAST, has=bob.get_by_role("button", name="Resume")).first
+            suspended.wait_for(timeout=60_000)
+            wait_for(lambda: feed.find("lease", event="reclaimed"), 30, "the lease did not go back as reclaimed", interval=0.5)
+            toast(bob, "GPU lease reclaimed").wait_for(timeout=30_000)
+            bob.screenshot(path=str(shots / "feed-02-idle-reclaim-notifications.png"))
+            suspends = feed.find("reclaim", action="suspend", outcome="done")
+            assert suspends and shown(suspends[0]["message"], suspended.inner_text()), (suspended.inner_text(), suspends)
+            assert feed.find("warning", kind="reclaim"), "no reclaim warning came first"
+            reclaimed = feed.find("lease", event="reclaimed")[0]
+            assert reclaimed["lease"]["id"] == lease_id and shown(reclaimed["message"], toast(bob, "GPU lease reclaimed").inner_text())
 
-                # resume: the notification's button (a POST with the XSRF header) gets the kernel a GPU back
-                suspended.get_by_role("button", name="Resume").click()
-                resumed = toast(bob, "has its GPU back")
-                resumed.wait_for(timeout=90_000)
-                bob.screenshot(path=str(shots / "feed-03-resume-notification.png"))
-                done = feed.find("resume", stage="done")
-                assert done and shown(done[0]["message"], resumed.inner_text()), (resumed.inner_text(), done)
-                assert next(d["stage"] for d in feed.find("resume")) == "waiting"
-                regrants = [g for g in feed.find("lease", event="granted") if g["lease"]["id"] != lease_id]
-                assert regrants, "the resume's lease was not announced"
-                new_lease = regrants[-1]["lease"]
-                # the kernel computes again (the idle rule leaves it alone now)
-                sim.remove_process(pid)
-                sim.add_process(new_lease["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=80.0)
+            # resume: the notification's button (a POST with the XSRF header) gets the kernel a GPU back
+            suspended.get_by_role("button", name="Resume").click()
+            resumed = toast(bob, "has its GPU back")
+            resumed.wait_for(timeout=90_000)
+            bob.screenshot(path=str(shots / "feed-03-resume-notification.png"))
+            done = feed.find("resume", stage="done")
+            assert done and shown(done[0]["message"], resumed.inner_text()), (resumed.inner_text(), done)
+            assert next(d["stage"] for d in feed.find("resume")) == "waiting"
+            regrants = [g for g in feed.find("lease", event="granted") if g["lease"]["id"] != lease_id]
+            assert regrants, "the resume's lease was not announced"
+            new_lease = regrants[-1]["lease"]
+            # the kernel computes again (the idle rule leaves it alone now)
+            sim.remove_process(pid)
+            sim.add_process(new_lease["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=80.0)
 
-                # the panel's Keep (a POST with the XSRF header, as ServerConnection sends it)
-                item.click()
-                bob.locator("#jp-gpulease-panel button[data-action='keep']").click()
-                toast(bob, "Idle reclaim postponed").wait_for(timeout=30_000)
-                item.click()
-                assert [a for a in feed.actions if a[0] in ("resume", "keep")] == [("resume", 202), ("keep", 200)], feed.actions
+            # the panel's Keep (a POST with the XSRF header, as ServerConnection sends it)
+            item.click()
+            bob.locator("#jp-gpulease-panel button[data-action='keep']").click()
+            toast(bob, "Idle reclaim postponed").wait_for(timeout=30_000)
+            item.click()
+            assert [a for a in feed.actions if a[0] in ("resume", "keep")] == [("resume", 202), ("keep", 200)], feed.actions
 
-                # revoke: the hub's admin ends bob's lease on the broker's admin page
-                admin = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
-                login(admin, demo.url, "admin", demo.password)
-                admin.goto(f"{demo.url}/services/gpulease/admin")
-                row = admin.locator("#active tr", has_text="bob")
-                row.locator("input[name=reason]").fill("GPU maintenance on sim-node-1 at noon")
-                row.locator("button", has_text="Revoke").click()
-                assert "revoked" in admin.locator("p.msg").inner_text()
-                ended = toast(bob, "GPU lease revoked")
-                ended.wait_for(timeout=60_000)
-                bob.screenshot(path=str(shots / "feed-04-revoke-notification.png"))
-                ends = feed.find("lease", event="ended")
-                assert ends and ends[-1]["lease"]["id"] == new_lease["id"] and shown(ends[-1]["message"], ended.inner_text()), (ended.inner_text(), ends)
-                assert "GPU maintenance on sim-node-1 at noon" in ended.inner_text()
-                wait_for(lambda: not item.inner_text().startswith("GPU L4"), 30, "the status bar still shows the revoked lease", interval=0.5)
+            # revoke: the hub's admin ends bob's lease on the broker's admin page
+            admin = browser.login(demo, "admin", 1280, 900)
+            admin.goto(f"{demo.url}/services/gpulease/admin")
+            row = admin.locator("#active tr", has_text="bob")
+            row.locator("input[name=reason]").fill("GPU maintenance on sim-node-1 at noon")
+            row.locator("button", has_text="Revoke").click()
+            assert "revoked" in admin.locator("p.msg").inner_text()
+            ended = toast(bob, "GPU lease revoked")
+            ended.wait_for(timeout=60_000)
+            bob.screenshot(path=str(shots / "feed-04-revoke-notification.png"))
+            ends = feed.find("lease", event="ended")
+            assert ends and ends[-1]["lease"]["id"] == new_lease["id"] and shown(ends[-1]["message"], ended.inner_text()), (ended.inner_text(), ends)
+            assert "GPU maintenance on sim-node-1 at noon" in ended.inner_text()
+            wait_for(lambda: not item.inner_text().startswith("GPU L4"), 30, "the status bar still shows the revoked lease", interval=0.5)
 
-                # the events came in order on the stream, each once
-                ids = [int(e["id"]) for e in feed.events if e["event"] != "sample" and e["id"]]
-                assert ids == sorted(ids)
-                kinds = [e["event"] for e in feed.events]
-                assert {"status", "lease", "warning", "reclaim", "resume"} <= set(kinds)
+            # the events came in order on the stream, each once
+            ids = [int(e["id"]) for e in feed.events if e["event"] != "sample" and e["id"]]
+            assert ids == sorted(ids)
+            kinds = [e["event"] for e in feed.events]
+            assert {"status", "lease", "warning", "reclaim", "resume"} <= set(kinds)
 
-                # the feed was answered 200 every time it was opened, and the server never refused it; a
-                # request without the XSRF token is refused (so the log would show a client that forgot it)
-                refused = bob.evaluate("async () => (await fetch('/user/bob/gpulease/api/feed?probe=no-xsrf')).status")
-                assert refused == 403
-                streams = [status for url, status in feed.answers if "probe=no-xsrf" not in url]
-                assert streams and set(streams) == {200}, feed.answers
-                log = (state / "jupyterhub.log").read_text(errors="replace")
-                assert re.search(r"403 GET /user/bob/gpulease/api/feed\?probe=no-xsrf", log), "the server's log does not show refusals"
-                refusals = [line for line in log.splitlines() if re.search(r"\b403 \w+ /user/\w+/gpulease/api/", line) and "probe=no-xsrf" not in line]
-                assert not refusals, refusals
+            # the feed was answered 200 every time it was opened, and the server never refused it; a
+            # request without the XSRF token is refused (so the log would show a client that forgot it)
+            refused = bob.evaluate("async () => (await fetch('/user/bob/gpulease/api/feed?probe=no-xsrf')).status")
+            assert refused == 403
+            streams = [status for url, status in feed.answers if "probe=no-xsrf" not in url]
+            assert streams and set(streams) == {200}, feed.answers
+            log = (demo.state / "jupyterhub.log").read_text(errors="replace")
+            assert re.search(r"403 GET /user/bob/gpulease/api/feed\?probe=no-xsrf", log), "the server's log does not show refusals"
+            refusals = [line for line in log.splitlines() if re.search(r"\b403 \w+ /user/\w+/gpulease/api/", line) and "probe=no-xsrf" not in line]
+            assert not refusals, refusals
 
-                # when the stream cannot be opened (here a proxy answers 503 for it), the status bar asks for
-                # the status instead, and opens the stream again once it can
-                bob.context.route("**/gpulease/api/feed*", lambda route: route.fulfill(status=503, body="no streams today"))
-                other = bob.context.new_page()
-                other.goto(f"{demo.url}/user/bob/lab/workspaces/feed-down?reset")
-                other_item = other.locator(".jp-gpulease-status")
-                other_item.wait_for(timeout=120_000)
-                wait_for(lambda: other_item.get_attribute("data-feed") == "polling" and other_item.inner_text().strip() == "GPU none", 60,
-                         "without the stream, the status bar did not show the status by asking", interval=0.5)
-                other.screenshot(path=str(shots / "feed-05-stream-down-status-by-polling.png"))
-                bob.context.unroute("**/gpulease/api/feed*")
-                wait_for(lambda: other_item.get_attribute("data-feed") == "live", 90, "the stream was not opened again", interval=0.5)
-            except BaseException:
-                for ctx in browser.contexts:
-                    for i, pg in enumerate(ctx.pages):
-                        pg.screenshot(path=str(shots / f"feed-failed-{browser.contexts.index(ctx)}-{i}.png"))
-                raise
-            finally:
-                browser.close()
+            # when the stream cannot be opened (here a proxy answers 503 for it), the status bar asks for
+            # the status instead, and opens the stream again once it can
+            bob.context.route("**/gpulease/api/feed*", lambda route: route.fulfill(status=503, body="no streams today"))
+            other = bob.context.new_page()
+            other.goto(f"{demo.url}/user/bob/lab/workspaces/feed-down?reset")
+            other_item = other.locator(".jp-gpulease-status")
+            other_item.wait_for(timeout=120_000)
+            wait_for(lambda: other_item.get_attribute("data-feed") == "polling" and other_item.inner_text().strip() == "GPU none", 60,
+                     "without the stream, the status bar did not show the status by asking", interval=0.5)
+            other.screenshot(path=str(shots / "feed-05-stream-down-status-by-polling.png"))
+            bob.context.unroute("**/gpulease/api/feed*")
+            wait_for(lambda: other_item.get_attribute("data-feed") == "live", 90, "the stream was not opened again", interval=0.5)
     finally:
         demo.stop()

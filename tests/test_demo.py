@@ -96,6 +96,15 @@ class Demo:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace")
 
+    def broker_api(self, path: str, body: dict | None = None):
+        """The broker's REST API through the hub's proxy (POST when there is a ``body``), with the
+        spawner's token (it holds the lease admin scope); the answer's JSON."""
+        token = (self.state / "spawner-token").read_text().strip()
+        req = urllib.request.Request(f"{self.url}/services/gpulease/{path}", data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"token {token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+
     def leases(self) -> list[tuple]:
         with sqlite3.connect(self.state / "gpulease.sqlite") as db:
             return list(db.execute("select user, state from leases order by created_at"))

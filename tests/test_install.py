@@ -117,21 +117,12 @@ class InstalledHub(HubHarness):
         self.readme_config = readme_config
 
     def config_text(self) -> str:
-        from hubharness import find_chp
-
         home = self.dir / "home"
         home.mkdir(exist_ok=True)
         site = [
             "",
             "# ---- the site's own settings (every hub has its own): not from the guides ----",
-            f"c.JupyterHub.bind_url = {self.url!r}",
-            f"c.JupyterHub.hub_bind_url = 'http://127.0.0.1:{self.hub_port}'",
-            f"c.JupyterHub.db_url = {('sqlite:///' + str(self.dir / 'jupyterhub.sqlite'))!r}",
-            f"c.JupyterHub.cookie_secret_file = {str(self.dir / 'jupyterhub_cookie_secret')!r}",
-            f"c.ConfigurableHTTPProxy.command = [{find_chp()!r}]",
-            f"c.ConfigurableHTTPProxy.api_url = 'http://127.0.0.1:{self.proxy_api_port}'",
-            f"c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}",
-            f"c.ConfigurableHTTPProxy.pid_file = {str(self.dir / 'proxy.pid')!r}",
+            *self.site_lines(),
             "c.JupyterHub.authenticator_class = 'dummy'",
             f"c.DummyAuthenticator.password = {self.password!r}",
             "c.Authenticator.allowed_users = {'alice', 'bob'}",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hubharness import HubHarness, free_port, wait_for
+from hubharness import process_env, wait_for
 from jupyter_gpulease.hub.slurm import (
     SlurmPlacementError,
     job_field,
@@ -25,11 +25,10 @@ from jupyter_gpulease.hub.slurm import (
     slurm_job_spec,
     slurm_time,
 )
+from leasehub import LeaseHub
 from slurmharness import SlurmCluster, require_slurm
-from test_spawner_e2e import broker_call, server_model, spawn, wait_gone, wait_ready
 
 VENV_BIN = Path(sys.executable).parent
-SPAWNER_SERVICE = "gpulease-spawner"
 T0 = 1_800_000_000.0
 
 # The hub's users are not system users on a test machine: their home directories live under
@@ -131,65 +130,42 @@ def test_the_gpus_slurm_gave_a_job_are_read_from_scontrol():
 
 # --------------------------------------------------------------------------- a real hub on real Slurm
 def make_slurm_hub(tmp_path: Path, slurm: SlurmCluster, *, users=("alice", "bob"), config_lines=(), spawner="slurm_test_spawner.TestSlurmSpawner",
-                   env: dict | None = None):
-    """A hub whose spawner runs servers as Slurm jobs, with the broker's pool read from Slurm."""
+                   env: dict | None = None) -> LeaseHub:
+    """A started hub whose spawner runs servers as Slurm jobs, with the broker's pool read from Slurm."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "slurm_test_spawner.py").write_text(TEST_SPAWNER)
-    bport = free_port()
-    token = "spawner-" + str(free_port())
-    conf = tmp_path / "gpulease_config.py"
-    conf.write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseBroker.device_backend = 'slurm'\n"
-        f"c.GPULeaseBroker.devices = {{'slurm_conf': {str(slurm.conf)!r}, 'memory_mib': {{'l4': 23034}}}}\n"
-        "c.GPULeaseBroker.tick_interval = 0.5\n"
-        "c.GPULeaseBroker.inventory_interval = 1\n"
-        "c.GPULeaseBroker.warn_before_s = 10\n"
-        "c.GPULeaseBroker.min_duration_s = 20\n"  # the 'short' tier's leases last 45 s
-        "c.GPULeaseBroker.tiers = {\n"
-        "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},\n"
-        "    'short': {'priority': 20, 'max_duration_s': 120, 'default_duration_s': 45},\n"
-        "    'learning': {'priority': 10, 'max_duration_s': 3600, 'default_duration_s': 3600, 'preemptible': True, 'grace_s': 15},\n"
-        "    'urgent': {'priority': 40, 'max_duration_s': 3600, 'default_duration_s': 1800},\n"
-        "}\n"
-        "c.GPULeaseBroker.default_tier = 'experiment'\n"
-    )
-    broker = {"name": "gpulease", "url": f"http://127.0.0.1:{bport}",
-              "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={conf}",
-                          f"--db-url=sqlite:///{tmp_path / 'gpulease.sqlite'}"], "cwd": str(tmp_path)}
-    broker_url = f"http://127.0.0.1:{bport}/services/gpulease/"
-    hub = HubHarness(
+    hub = LeaseHub(
         tmp_path,
-        users=list(users),
-        services=[broker, {"name": SPAWNER_SERVICE, "api_token": token}],
-        custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
-        roles=[
-            {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": [SPAWNER_SERVICE]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
-        ],
-        user_scopes=["access:services!service=gpulease"],
+        users=users,
         spawner_class=spawner,
         env={"GPULEASE_TEST_HOMES": str(tmp_path / "homes"), "SLURM_CONF": str(slurm.conf), **(env or {})},
-        config_lines=[
-            f"c.GPULeaseSpawner.broker_url = {broker_url!r}",
-            f"c.GPULeaseSpawner.broker_api_token = {token!r}",
+        device_backend="slurm",
+        broker_devices={"slurm_conf": str(slurm.conf), "memory_mib": {"l4": 23034}},
+        broker_config=[
+            "c.GPULeaseBroker.inventory_interval = 1",
+            "c.GPULeaseBroker.warn_before_s = 10",
+            "c.GPULeaseBroker.min_duration_s = 20",  # the 'short' tier's leases last 45 s
+            "c.GPULeaseBroker.tiers = {",
+            "    'experiment': {'priority': 20, 'max_duration_s': 8 * 3600, 'default_duration_s': 3600},",
+            "    'short': {'priority': 20, 'max_duration_s': 120, 'default_duration_s': 45},",
+            "    'learning': {'priority': 10, 'max_duration_s': 3600, 'default_duration_s': 3600, 'preemptible': True, 'grace_s': 15},",
+            "    'urgent': {'priority': 40, 'max_duration_s': 3600, 'default_duration_s': 1800},",
+            "}",
+            "c.GPULeaseBroker.default_tier = 'experiment'",
+        ],
+        server_env={"SLURM_CONF": str(slurm.conf)},
+        hub_config=[
             "c.GPULeaseSpawner.queue_refresh_interval = 0.5",
             "c.GPULeaseSpawner.lease_wait_timeout = 300",
-            "c.Spawner.poll_interval = 1",
-            "c.Spawner.http_timeout = 60",
             "c.Spawner.start_timeout = 120",
-            f"c.Spawner.environment = {{'SLURM_CONF': {str(slurm.conf)!r}}}",
             "c.BatchSpawnerBase.exec_prefix = ''",
             f"c.BatchSpawnerBase.batchspawner_singleuser_cmd = {str(VENV_BIN / 'batchspawner-singleuser')!r}",
             "c.BatchSpawnerBase.startup_poll_interval = 0.2",
             "c.BatchSpawnerRegexStates.state_exechost_exp = '127.0.0.1'",
-            "c.JupyterHub.log_level = 'INFO'",
             *config_lines,
         ],
     )
-    hub.start()
-    wait_for(lambda: broker_call(broker_url, token, "pool"), 60, f"the broker did not answer\n{hub.log_tail(30)}")
-    return hub, broker_url, token
+    return hub.start()
 
 
 def job_of(slurm: SlurmCluster, user: str) -> str | None:
@@ -211,13 +187,10 @@ def job_env(slurm: SlurmCluster, job: str, user: str) -> dict[str, str]:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
+            env = process_env(int(pid))
         except OSError:
             continue
-        if "jupyterhub-singleuser" not in cmd:
-            continue
-        env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-        if env.get("JUPYTERHUB_USER") == user:
+        if "jupyterhub-singleuser" in cmd and env.get("JUPYTERHUB_USER") == user:
             return env
     raise AssertionError(f"no single-user server of {user} in job {job}: {out}")
 
@@ -236,46 +209,47 @@ def slurm_hub(tmp_path_factory):
     slurm = SlurmCluster(tmp / "slurm", gpus=4, gpu_type="l4").start()
     hub = None
     try:
-        hub, url, token = make_slurm_hub(tmp / "hub", slurm)
-        yield hub, url, token, slurm
+        hub = make_slurm_hub(tmp / "hub", slurm)
+        yield hub, slurm
     finally:
         if hub is not None:
-            for user in ("alice", "bob"):
-                if server_model(hub, user) is not None:
-                    hub.api("DELETE", f"users/{user}/server")
-            hub.stop()
+            hub.close()
         slurm.stop()
 
 
 @pytest.fixture
 def shub(slurm_hub):
-    hub, url, token, slurm = slurm_hub
+    hub, slurm = slurm_hub
     yield slurm_hub
     for user in ("alice", "bob"):
-        if server_model(hub, user) is not None:
+        if hub.server_model(user) is not None:
             hub.api("DELETE", f"users/{user}/server")
-            wait_gone(hub, user)
-    wait_for(lambda: not broker_call(url, token, "list_leases", state="live"), 30, "leases left live after a test")
+            hub.wait_gone(user)
+    wait_for(lambda: not hub.leases(state="live"), 30, "leases left live after a test")
     wait_for(lambda: not slurm.jobs(), 30, "jobs left in Slurm after a test")
 
 
 e2e = pytest.mark.timeout(600)
 
 
-def the_lease(url, token, user, state="active"):
-    leases = broker_call(url, token, "list_leases", state=state, user=user)
+def the_lease(hub, user, state="active"):
+    leases = hub.leases(user, state)
     assert len(leases) == 1, leases
     return leases[0]
 
 
+def running(hub, slurm, user, options) -> tuple[dict, str | None]:
+    """``user`` spawns with ``options``; once the server is ready, (its lease, its job's id)."""
+    status, body = hub.spawn(user, options)
+    assert status in (201, 202), body
+    hub.wait_ready(user, timeout=120)
+    return the_lease(hub, user), job_of(slurm, user)
+
+
 @e2e
 def test_a_gpu_spawn_runs_as_a_slurm_job_on_the_leased_node_and_gpus_and_stopping_it_cancels_the_job(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "alice", {"gpus": 2, "model": "l4"})
-    assert status in (201, 202), body
-    wait_ready(hub, "alice", timeout=120)
-    lease = the_lease(url, token, "alice")
-    job = job_of(slurm, "alice")
+    hub, slurm = shub
+    lease, job = running(hub, slurm, "alice", {"gpus": 2, "model": "l4"})
     assert job, slurm.run("squeue").stdout
     show = slurm.show_job(job)
     assert "JobState=RUNNING" in show
@@ -298,30 +272,26 @@ def test_a_gpu_spawn_runs_as_a_slurm_job_on_the_leased_node_and_gpus_and_stoppin
 
     status, _ = hub.api("DELETE", "users/alice/server")
     assert status in (202, 204)
-    wait_gone(hub, "alice")
+    hub.wait_gone("alice")
     wait_for(lambda: job not in slurm.jobs(), 30, f"job {job} still in Slurm after the server stopped")
-    assert the_lease(url, token, "alice", state="all")["state"] == "released"
+    assert the_lease(hub, "alice", state="all")["state"] == "released"
 
 
 @e2e
 def test_a_cpu_only_server_is_a_job_without_gpus_and_a_later_gpu_spawn_gets_its_lease(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "bob", {"kind": "cpu"})
+    hub, slurm = shub
+    status, body = hub.spawn("bob", {"kind": "cpu"})
     assert status in (201, 202), body
-    wait_ready(hub, "bob", timeout=120)
+    hub.wait_ready("bob", timeout=120)
     job = job_of(slurm, "bob")
     assert "gpu" not in job_field(slurm.show_job(job), "TresPerNode")
     env = job_env(slurm, job, "bob")
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GPULEASE_LEASE_ID"] == ""
-    assert not broker_call(url, token, "list_leases", state="live", user="bob")
+    assert not hub.leases("bob", "live")
     hub.api("DELETE", "users/bob/server")
-    wait_gone(hub, "bob")
+    hub.wait_gone("bob")
     # the same spawner object, now with a lease: every GPULEASE_* variable reaches the job
-    status, body = spawn(hub, "bob", {"gpus": 1})
-    assert status in (201, 202), body
-    wait_ready(hub, "bob", timeout=120)
-    lease = the_lease(url, token, "bob")
-    job = job_of(slurm, "bob")
+    lease, job = running(hub, slurm, "bob", {"gpus": 1})
     env = job_env(slurm, job, "bob")
     assert env["GPULEASE_LEASE_ID"] == lease["id"]
     assert env["GPULEASE_EXPIRES_AT"] and env["GPULEASE_PLACEMENT"] and env["GPULEASE_DEVICE_CHOICE"] == "engine"
@@ -330,16 +300,12 @@ def test_a_cpu_only_server_is_a_job_without_gpus_and_a_later_gpu_spawn_gets_its_
 
 @e2e
 def test_extending_the_lease_moves_the_jobs_time_limit_in_slurm(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "alice", {"gpus": 1})
-    assert status in (201, 202), body
-    wait_ready(hub, "alice", timeout=120)
-    lease = the_lease(url, token, "alice")
-    job = job_of(slurm, "alice")
+    hub, slurm = shub
+    lease, job = running(hub, slurm, "alice", {"gpus": 1})
     before = time_limit_minutes(slurm, job)
 
     user_token = hub.create_token("alice")
-    extended = broker_call(url, user_token, "extend", lease["id"], by_s=1800)
+    extended = hub.broker.call(user_token, "extend", lease["id"], by_s=1800)
     assert extended["expires_at"] == pytest.approx(lease["expires_at"] + 1800, abs=1)
     wait_for(lambda: time_limit_minutes(slurm, job) >= before + 30, 30,
              f"the job's TimeLimit stayed at {before} min after a 30-min extension")
@@ -348,75 +314,67 @@ def test_extending_the_lease_moves_the_jobs_time_limit_in_slurm(shub):
 
 @e2e
 def test_a_job_that_ends_in_slurm_ends_its_lease(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "bob", {"gpus": 1})
-    assert status in (201, 202), body
-    wait_ready(hub, "bob", timeout=120)
-    lease = the_lease(url, token, "bob")
-    job = job_of(slurm, "bob")
+    hub, slurm = shub
+    lease, job = running(hub, slurm, "bob", {"gpus": 1})
     slurm.run("scancel", job)  # an admin cancels it, or it hits its time limit, or the node dies
-    wait_for(lambda: server_model(hub, "bob") is None, 60, "the hub did not notice the job ended")
-    wait_for(lambda: broker_call(url, token, "get_lease", lease["id"])["state"] not in ("active", "queued"), 30,
+    wait_for(lambda: hub.server_model("bob") is None, 60, "the hub did not notice the job ended")
+    wait_for(lambda: hub.broker_call("get_lease", lease["id"])["state"] not in ("active", "queued"), 30,
              "the lease outlived its job")
 
 
 @e2e
 def test_an_expired_lease_cancels_its_job_after_the_warning(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "alice", {"gpus": 1, "tier": "short"})
+    hub, slurm = shub
+    status, body = hub.spawn("alice", {"gpus": 1, "tier": "short"})
     assert status in (201, 202), body
     job = wait_for(lambda: job_of(slurm, "alice"), 120, "no job for alice's server")
     # Slurm's own limit is minutes away (45 s lease + 2 min margin): if the job goes now, the lease's end did it
     assert time_limit_minutes(slurm, job) >= 3
-    lease = the_lease(url, token, "alice")
+    lease = the_lease(hub, "alice")
     wait_for(lambda: job not in slurm.jobs(), 120, f"job {job} still runs after its lease expired")
-    ended = broker_call(url, token, "get_lease", lease["id"])
+    ended = hub.broker_call("get_lease", lease["id"])
     assert ended["state"] == "expired"
     assert ended["warned_at"] is not None and ended["warned_at"] < ended["ended_at"]
-    wait_gone(hub, "alice")
+    hub.wait_gone("alice")
 
 
 @e2e
 def test_a_preempted_lease_cancels_its_job_after_the_grace_and_the_gpus_go_to_the_higher_tier(shub):
-    hub, url, token, slurm = shub
-    status, body = spawn(hub, "alice", {"gpus": 4, "tier": "learning"})
-    assert status in (201, 202), body
-    wait_ready(hub, "alice", timeout=120)
-    alice_lease = the_lease(url, token, "alice")
-    alice_job = job_of(slurm, "alice")
-    status, body = spawn(hub, "bob", {"gpus": 2, "tier": "urgent"})
+    hub, slurm = shub
+    alice_lease, alice_job = running(hub, slurm, "alice", {"gpus": 4, "tier": "learning"})
+    status, body = hub.spawn("bob", {"gpus": 2, "tier": "urgent"})
     assert status == 202, body  # every GPU is alice's: bob waits while she is warned
-    warned = wait_for(lambda: broker_call(url, token, "get_lease", alice_lease["id"]).get("preempt_at"), 30,
+    warned = wait_for(lambda: hub.broker_call("get_lease", alice_lease["id"]).get("preempt_at"), 30,
                       "alice's lease was not marked for preemption")
     assert alice_job in slurm.jobs()  # during the grace period her job still runs
     wait_for(lambda: alice_job not in slurm.jobs(), 90, f"alice's job {alice_job} outlived her preempted lease")
-    ended = broker_call(url, token, "get_lease", alice_lease["id"])
+    ended = hub.broker_call("get_lease", alice_lease["id"])
     assert ended["state"] == "preempted" and ended["ended_at"] >= warned - 1
-    wait_ready(hub, "bob", timeout=120)
+    hub.wait_ready("bob", timeout=120)
     bob_job = job_of(slurm, "bob")
     assert "gpu:l4:2" in job_field(slurm.show_job(bob_job), "TresPerNode")
-    wait_gone(hub, "alice")
+    hub.wait_gone("alice")
 
 
 @e2e
 def test_the_broker_pool_is_slurms_gres_and_a_drained_node_takes_no_new_lease(shub):
-    hub, url, token, slurm = shub
-    pool = broker_call(url, token, "pool")
+    hub, slurm = shub
+    pool = hub.broker_call("pool")
     devices = pool["devices"]
     assert [(d["node"], d["index"], d["model"], d["memory_mib"]) for d in devices] == [("localhost", i, "l4", 23034) for i in range(4)]
     slurm.run("scontrol", "update", "NodeName=localhost", "State=DRAIN", "Reason=maintenance")
     try:
-        wait_for(lambda: not any(d.get("healthy", True) for d in broker_call(url, token, "pool")["devices"]), 40,
+        wait_for(lambda: not any(d.get("healthy", True) for d in hub.broker_call("pool")["devices"]), 40,
                  "the broker did not see the drained node")
-        status, body = spawn(hub, "alice", {"gpus": 1})
-        assert status == 202, (body, broker_call(url, token, "pool")["devices"],  # waits: no healthy GPU
-                               broker_call(url, token, "list_leases", state="all", user="alice"))
+        status, body = hub.spawn("alice", {"gpus": 1})
+        assert status == 202, (body, hub.broker_call("pool")["devices"],  # waits: no healthy GPU
+                               hub.leases("alice"))
         time.sleep(2)
-        assert the_lease(url, token, "alice", state="queued")["state"] == "queued"
+        assert the_lease(hub, "alice", state="queued")["state"] == "queued"
         assert job_of(slurm, "alice") is None
     finally:
         slurm.run("scontrol", "update", "NodeName=localhost", "State=RESUME")
-    wait_ready(hub, "alice", timeout=120)  # the node came back: the queued lease is granted, the job runs
+    hub.wait_ready("alice", timeout=120)  # the node came back: the queued lease is granted, the job runs
     assert job_of(slurm, "alice")
 
 

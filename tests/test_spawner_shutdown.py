@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from hubharness import pid_alive
-from test_spawner_e2e import BROKER_HOLD, leases_of, make_hub, server_model, server_pid, spawn, wait_for, wait_ready
+from hubharness import pid_alive, wait_for
+from test_spawner_e2e import BROKER_HOLD, make_hub
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,7 +71,7 @@ def _kill_brokers(hub) -> None:
 
 
 def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lease_ends_when_a_broker_answers(tmp_path):
-    hub, url, token = make_hub(
+    hub = make_hub(
         tmp_path, users=("alice", "bob"),
         # the broker's own check with the hub would end the leases too, but only after its grace:
         # long here, so that what ends them is the hub's outbox
@@ -82,16 +82,16 @@ def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lea
         # bob holds the spawner's lease; alice runs CPU-only and asks for a GPU from inside her
         # server, as %gpu request does (the server extension's API, her own token)
         for user, options in (("bob", {"share": 0.5}), ("alice", {"kind": "cpu"})):
-            status, body = spawn(hub, user, options)
+            status, body = hub.spawn(user, options)
             assert status in (201, 202), body
-            wait_ready(hub, user)
+            hub.wait_ready(user)
         alice_token = hub.create_token("alice")
         _user_call(hub, "alice", alice_token, "POST", "gpulease/api/lease", {"share": 0.5})
-        (own,) = leases_of(url, token, "alice", "active")
+        (own,) = hub.leases("alice", "active")
         assert own["server"] == "" and own["meta"]["taken_by"] == "server", own
         _user_call(hub, "alice", alice_token, "POST", "api/kernels", {"name": "python3"})
-        (bobs,) = leases_of(url, token, "bob", "active")
-        servers = [server_pid(hub, "alice"), server_pid(hub, "bob")]
+        (bobs,) = hub.leases("bob", "active")
+        servers = [hub.server_pid("alice"), hub.server_pid("bob")]
         procs = servers + [p for s in servers for p in _descendants(s)]
         assert len(procs) >= 3, "alice's kernel is not running below her server"
 
@@ -113,9 +113,8 @@ def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lea
         hub.start()
 
         def ended(lease_id):
-            from test_spawner_e2e import broker_call
             try:
-                lease = broker_call(url, token, "get_lease", lease_id)
+                lease = hub.broker_call("get_lease", lease_id)
             except Exception:
                 return None
             return lease if lease["state"] != "active" else None
@@ -124,7 +123,7 @@ def test_a_hub_stopped_while_its_broker_is_down_stops_every_server_and_every_lea
             assert done["state"] == "released", done
             assert done["end_reason"] in ("server stopped", "its server stopped"), done
         wait_for(lambda: not (tmp_path / "jupyterhub-gpulease-pending.json").exists(), 30, "the outbox was not emptied")
-        assert server_model(hub, "alice") is None and server_model(hub, "bob") is None
+        assert hub.server_model("alice") is None and hub.server_model("bob") is None
         assert "Every GPU lease end the hub kept has reached the broker" in hub.log_file.read_text()
     finally:
         try:
@@ -143,17 +142,17 @@ def test_a_hub_killed_while_its_broker_is_down_follows_its_servers_again_and_no_
     waits in the outbox and reaches the broker as soon as it answers (not after the broker's own
     check, whose grace is an hour here). Then that hub stops normally (cleanup_servers): bob's
     server stops and both his leases end."""
-    hub, url, token = make_hub(tmp_path, users=("alice", "bob"), broker_lines=("c.GPULeaseBroker.reconcile_grace = 3600",))
+    hub = make_hub(tmp_path, users=("alice", "bob"), broker_lines=("c.GPULeaseBroker.reconcile_grace = 3600",))
     procs: list[int] = []
     try:
         for user, options in (("alice", {"share": 0.5}), ("bob", {"kind": "cpu"})):
-            status, body = spawn(hub, user, options)
+            status, body = hub.spawn(user, options)
             assert status in (201, 202), body
-            wait_ready(hub, user)
+            hub.wait_ready(user)
         _user_call(hub, "bob", hub.create_token("bob"), "POST", "gpulease/api/lease", {"share": 0.5})
-        (alices,) = leases_of(url, token, "alice", "active")
-        (bobs,) = leases_of(url, token, "bob", "active")
-        alice_pid, bob_pid = server_pid(hub, "alice"), server_pid(hub, "bob")
+        (alices,) = hub.leases("alice", "active")
+        (bobs,) = hub.leases("bob", "active")
+        alice_pid, bob_pid = hub.server_pid("alice"), hub.server_pid("bob")
         procs = [alice_pid, bob_pid, *_descendants(alice_pid), *_descendants(bob_pid)]
 
         (tmp_path / BROKER_HOLD).touch()
@@ -172,13 +171,12 @@ def test_a_hub_killed_while_its_broker_is_down_follows_its_servers_again_and_no_
         # manager would restart both; it checks its servers before the broker answers
         (tmp_path / BROKER_HOLD).unlink()
         hub.start()
-        wait_for(lambda: server_model(hub, "alice") is None, 60, "the new hub did not notice alice's server is gone")
-        wait_ready(hub, "bob")
+        wait_for(lambda: hub.server_model("alice") is None, 60, "the new hub did not notice alice's server is gone")
+        hub.wait_ready("bob")
 
         def state(lease_id):
-            from test_spawner_e2e import broker_call
             try:
-                return broker_call(url, token, "get_lease", lease_id)["state"]
+                return hub.broker_call("get_lease", lease_id)["state"]
             except Exception:
                 return None
         wait_for(lambda: state(alices["id"]) == "released", 90, "alice's lease did not end once the broker answered")
@@ -208,19 +206,18 @@ def test_an_admins_revoke_with_a_grace_warns_the_holder_then_says_why_on_the_hom
     bob's home page and his server's status (what the notebook shows) carry the admin's words
     as a warning while the grace runs, and the end with its reason after it; the server runs on."""
     from jupyter_gpulease.hub.pages import TEMPLATE_PATH
-    from test_spawner_e2e import broker_call
 
-    hub, url, token = make_hub(tmp_path, users=("bob",), config_lines=[
+    hub = make_hub(tmp_path, users=("bob",), config_lines=[
         "c.GPULeaseSpawner.on_lease_end = 'keep'", f"c.JupyterHub.template_paths = [{TEMPLATE_PATH!r}]",
         # the server hears the broker's warnings in its heartbeats' answers: every 2 s here
         "c.Spawner.args = ['--allow-root', '--GPULeaseExtension.heartbeat_interval=2']"])
     pid = None
     try:
-        status, body = spawn(hub, "bob", {"share": 0.5})
+        status, body = hub.spawn("bob", {"share": 0.5})
         assert status in (201, 202), body
-        wait_ready(hub, "bob")
-        pid = server_pid(hub, "bob")
-        (lease,) = leases_of(url, token, "bob", "active")
+        hub.wait_ready("bob")
+        pid = hub.server_pid("bob")
+        (lease,) = hub.leases("bob", "active")
         assert lease["meta"]["on_end"] == "keep"
         bob_token = hub.create_token("bob")
         browser = hub.login("bob")
@@ -228,8 +225,8 @@ def test_an_admins_revoke_with_a_grace_warns_the_holder_then_says_why_on_the_hom
         def home() -> str:
             return browser.open(f"{hub.url}/hub/home", timeout=30).read().decode()
 
-        status, answer = hub.request("POST", f"{url}api/leases/{lease['id']}/release",
-                                     {"state": "revoked", "reason": "node maintenance at noon", "grace_s": 20}, token=token)
+        status, answer = hub.request("POST", f"{hub.broker.url}api/leases/{lease['id']}/release",
+                                     {"state": "revoked", "reason": "node maintenance at noon", "grace_s": 20}, token=hub.spawner_token)
         assert status == 200 and answer["state"] == "active" and answer["preempt_at"], answer
         words = "an admin ends this lease in"
         wait_for(lambda: words in home() and "node maintenance at noon" in home(), 15, "bob's home page shows no warning")
@@ -238,7 +235,7 @@ def test_an_admins_revoke_with_a_grace_warns_the_holder_then_says_why_on_the_hom
                  45, "bob's server does not show the warning: "
                  + json.dumps(_user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0").get("warnings")))
 
-        wait_for(lambda: broker_call(url, token, "get_lease", lease["id"])["state"] == "revoked", 60, "the grace did not end the lease")
+        wait_for(lambda: hub.broker_call("get_lease", lease["id"])["state"] == "revoked", 60, "the grace did not end the lease")
 
         def ended_on_home():
             page = home()
@@ -248,6 +245,6 @@ def test_an_admins_revoke_with_a_grace_warns_the_holder_then_says_why_on_the_hom
                  60, "bob's server does not know its lease was revoked")
         last = _user_call(hub, "bob", bob_token, "GET", "gpulease/api/status?history=0")["last_lease"]
         assert "node maintenance at noon" in last["end_reason"], last
-        assert pid_alive(pid) and server_model(hub, "bob")["ready"]
+        assert pid_alive(pid) and hub.server_model("bob")["ready"]
     finally:
         hub.stop()

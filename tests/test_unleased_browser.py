@@ -12,61 +12,26 @@ Screenshots go to test-artifacts/browser/unleased-*.png.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
-import urllib.request
-from pathlib import Path
 
 import pytest
 
+from browserutil import ARTIFACTS, FAST_SERVERS, chromium_browser, demo_config, open_lab, slid_in, start_demo, toast
 from hubharness import wait_for
-from jupyter_gpulease.devices.simulated import SimulatedBackend
-from test_browser import ARTIFACTS, CHROMIUM_ARGS, login, start_from_form
-from test_demo import Browserless, Demo
+from test_demo import Browserless
 
 pytestmark = pytest.mark.timeout(400)
 
-ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 30  # time enough to look at the admin page and bob's JupyterLab before the process is stopped
 
 
-def demo_config(tmp_path: Path, broker_settings: str) -> Path:
-    """The example configs with ``broker_settings`` (lines of the broker's config) added; servers
-    ask the broker every 2 s; JupyterLab shows no news pop-up."""
-    conf = tmp_path / "config"
-    conf.mkdir()
-    shutil.copy(ROOT / "config" / "jupyterhub_config.py", conf / "jupyterhub_config.py")
-    labconf = tmp_path / "labconf" / "labconfig"
-    labconf.mkdir(parents=True)
-    (labconf / "page_config.json").write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    with open(conf / "jupyterhub_config.py", "a") as f:
-        f.write(f"""
-# --- test: servers ask the broker every 2 s; no news pop-up
-c.Spawner.args.extend(["--GPULeaseExtension.heartbeat_interval=2", "--GPULeaseExtension.sample_interval=1"])
-c.Spawner.environment.update({{"JUPYTER_CONFIG_PATH": {str(tmp_path / "labconf")!r}}})
-""")
-    (conf / "gpulease_config.py").write_text(
-        "c = get_config()  # noqa: F821\n"
-        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n" + broker_settings
-    )
-    return conf
-
-
-def unleased_config(tmp_path: Path) -> Path:
+def unleased_config(tmp_path):
     """The example configs; the broker checks every second and stops unleased use after the grace."""
-    return demo_config(tmp_path, "c.GPULeaseBroker.unleased_check_interval = 1\n"
-                                 "c.GPULeaseBroker.unleased_use = 'kill'\n"
-                                 f"c.GPULeaseBroker.unleased_grace_s = {GRACE_S}\n")
-
-def broker_get(demo: Demo, path: str):
-    """The broker's API through the hub's proxy, with the spawner's token (it holds the admin scope)."""
-    token = (demo.state / "spawner-token").read_text().strip()
-    req = urllib.request.Request(f"{demo.url}/services/gpulease/{path}", headers={"Authorization": f"token {token}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    return demo_config(tmp_path, server_args=FAST_SERVERS, broker=("c.GPULeaseBroker.unleased_check_interval = 1\n"
+                                                           "c.GPULeaseBroker.unleased_use = 'kill'\n"
+                                                           f"c.GPULeaseBroker.unleased_grace_s = {GRACE_S}\n"))
 
 
 def sleeper(user: str, uid: int) -> subprocess.Popen:
@@ -76,88 +41,68 @@ def sleeper(user: str, uid: int) -> subprocess.Popen:
 
 
 def test_unleased_use_on_the_admin_page_and_in_the_users_jupyterlab_then_stopped_after_the_grace(tmp_path, playwright_sync_api, chromium):
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    state = tmp_path / "state"
-    state.mkdir()
-    demo = Demo(state, config_dir=unleased_config(tmp_path)).start()
-    sim = SimulatedBackend({"state_file": str(state / "sim-gpus.json")})  # the demo's broker reads the same file
+    demo, sim = start_demo(tmp_path, unleased_config(tmp_path))
     procs: list[subprocess.Popen] = []
     try:
         # alice's server holds one L4 (no browser needed for her)
         assert "spawn-pending/alice" in Browserless(demo, "alice").submit({"choice": "gpu:1:L4", "tier": "experiment", "duration_h": "1"})
         wait_for(lambda: ("alice", "active") in demo.leases(), 90, "alice's lease was not granted")
-        lease = next(x for x in broker_get(demo, "api/leases?user=alice")["leases"] if x["state"] == "active")
+        lease = next(x for x in demo.broker_api("api/leases?user=alice")["leases"] if x["state"] == "active")
         alice_gpu = lease["placement"]["slices"][0]["gpu_uuid"]
-        with playwright_sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-            try:
-                bob = browser.new_context(viewport={"width": 1400, "height": 900}).new_page()
-                login(bob, demo.url, "bob", demo.password)
-                start_from_form(bob, "cpu")
-                bob.wait_for_url("**/user/bob/**", timeout=120_000)
-                bob.locator(".jp-gpulease-status").wait_for(timeout=120_000)
+        with chromium_browser(playwright_sync_api, chromium, failed=ARTIFACTS / "unleased-failed") as browser:
+            bob = browser.login(demo, "bob")
+            open_lab(bob, "bob", "cpu")
 
-                # a process of alice's on her GPU, and one of bob's on it too
-                alice_proc, bob_proc = sleeper("alice", 61235), sleeper("bob", 61234)
-                procs += [alice_proc, bob_proc]
-                sim.add_process(alice_gpu, alice_proc.pid, 4096)
-                sim.add_process(alice_gpu, bob_proc.pid, 6144)
+            # a process of alice's on her GPU, and one of bob's on it too
+            alice_proc, bob_proc = sleeper("alice", 61235), sleeper("bob", 61234)
+            procs += [alice_proc, bob_proc]
+            sim.add_process(alice_gpu, alice_proc.pid, 4096)
+            sim.add_process(alice_gpu, bob_proc.pid, 6144)
 
-                def found():
-                    events = broker_get(demo, "api/events?since=0&timeout=0")["events"]
-                    return [e for e in events if e["kind"] == "unleased-use"]
-                event = wait_for(found, 30, "no unleased-use event in the broker's feed", interval=0.5)[0]
-                assert (event["data"]["user"], event["data"]["pid"], event["data"]["holders"]) == ("bob", bob_proc.pid, ["alice"])
+            def found():
+                events = demo.broker_api("api/events?since=0&timeout=0")["events"]
+                return [e for e in events if e["kind"] == "unleased-use"]
+            event = wait_for(found, 30, "no unleased-use event in the broker's feed", interval=0.5)[0]
+            assert (event["data"]["user"], event["data"]["pid"], event["data"]["holders"]) == ("bob", bob_proc.pid, ["alice"])
 
-                # the admin page: who, which GPU, whose it is, memory, since when, what happens
-                admin = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
-                login(admin, demo.url, "admin", demo.password)
-                admin.goto(f"{demo.url}/services/gpulease/admin")
-                row = admin.locator(f'#unleased tr[data-pid="{bob_proc.pid}"]')
-                text = row.inner_text()
-                assert text.startswith("bob\t(default)\tL4 #") and "\talice\t" in text and f"{bob_proc.pid} (sleep)" in text
-                if os.getuid() == 0:
-                    assert f"{bob_proc.pid} (sleep), uid 61234" in text
-                assert "6144 MiB" in text and "stopped in" in text
-                assert admin.locator("#unleased tr", has_text=str(alice_proc.pid)).count() == 0
-                admin.locator("#unleased").scroll_into_view_if_needed()
-                admin.screenshot(path=str(ARTIFACTS / "unleased-01-admin-page.png"), full_page=True)
+            # the admin page: who, which GPU, whose it is, memory, since when, what happens
+            admin = browser.login(demo, "admin", 1400, 1000)
+            admin.goto(f"{demo.url}/services/gpulease/admin")
+            row = admin.locator(f'#unleased tr[data-pid="{bob_proc.pid}"]')
+            text = row.inner_text()
+            assert text.startswith("bob\t(default)\tL4 #") and "\talice\t" in text and f"{bob_proc.pid} (sleep)" in text
+            if os.getuid() == 0:
+                assert f"{bob_proc.pid} (sleep), uid 61234" in text
+            assert "6144 MiB" in text and "stopped in" in text
+            assert admin.locator("#unleased tr", has_text=str(alice_proc.pid)).count() == 0
+            admin.locator("#unleased").scroll_into_view_if_needed()
+            admin.screenshot(path=str(ARTIFACTS / "unleased-01-admin-page.png"), full_page=True)
 
-                # bob's JupyterLab: the warning as a notification
-                toast = bob.locator(".Toastify__toast:not([class*='exit'])", has_text="GPU used without a lease").first
-                toast.wait_for(timeout=60_000)
-                words = toast.inner_text()
-                assert f"Process {bob_proc.pid} (sleep) uses L4 #" in words and "another user's GPU" in words and "it is stopped in" in words
-                def in_view():  # the notification has slid in
-                    box = toast.bounding_box()
-                    return box is not None and box["x"] + box["width"] <= 1400
-                wait_for(in_view, 10, "the notification did not slide into view", interval=0.2)
-                bob.screenshot(path=str(ARTIFACTS / "unleased-02-bobs-jupyterlab-warned.png"))
+            # bob's JupyterLab: the warning as a notification
+            warned = toast(bob, "GPU used without a lease")
+            warned.wait_for(timeout=60_000)
+            words = warned.inner_text()
+            assert f"Process {bob_proc.pid} (sleep) uses L4 #" in words and "another user's GPU" in words and "it is stopped in" in words
+            slid_in(bob, warned)
+            bob.screenshot(path=str(ARTIFACTS / "unleased-02-bobs-jupyterlab-warned.png"))
 
-                # after the grace: bob's process is stopped, alice's runs on, her lease too
-                bob_proc.wait(timeout=GRACE_S + 60)
-                assert bob_proc.returncode == -signal.SIGTERM
-                sim.remove_process(bob_proc.pid)  # what the driver does when a process exits
-                assert alice_proc.poll() is None
-                assert ("alice", "active") in demo.leases()
+            # after the grace: bob's process is stopped, alice's runs on, her lease too
+            bob_proc.wait(timeout=GRACE_S + 60)
+            assert bob_proc.returncode == -signal.SIGTERM
+            sim.remove_process(bob_proc.pid)  # what the driver does when a process exits
+            assert alice_proc.poll() is None
+            assert ("alice", "active") in demo.leases()
 
-                def stopped():
-                    events = broker_get(demo, "api/events?since=0&timeout=0")["events"]
-                    return [e["data"]["pid"] for e in events if e["kind"] == "unleased-stop" and e["data"]["stop"]["outcome"] == "stopped"]
-                assert wait_for(stopped, 30, "no unleased-stop event in the broker's feed", interval=0.5) == [bob_proc.pid]
+            def stopped():
+                events = demo.broker_api("api/events?since=0&timeout=0")["events"]
+                return [e["data"]["pid"] for e in events if e["kind"] == "unleased-stop" and e["data"]["stop"]["outcome"] == "stopped"]
+            assert wait_for(stopped, 30, "no unleased-stop event in the broker's feed", interval=0.5) == [bob_proc.pid]
 
-                def unlisted():
-                    admin.reload()
-                    return admin.locator("#unleased tr", has_text=str(bob_proc.pid)).count() == 0
-                wait_for(unlisted, 30, "the admin page still lists bob's stopped process", interval=1)
-                admin.screenshot(path=str(ARTIFACTS / "unleased-03-admin-page-after-the-stop.png"), full_page=True)
-            except BaseException:
-                for i, ctx in enumerate(browser.contexts):
-                    for j, pg in enumerate(ctx.pages):
-                        pg.screenshot(path=str(ARTIFACTS / f"unleased-failed-{i}-{j}.png"))
-                raise
-            finally:
-                browser.close()
+            def unlisted():
+                admin.reload()
+                return admin.locator("#unleased tr", has_text=str(bob_proc.pid)).count() == 0
+            wait_for(unlisted, 30, "the admin page still lists bob's stopped process", interval=1)
+            admin.screenshot(path=str(ARTIFACTS / "unleased-03-admin-page-after-the-stop.png"), full_page=True)
     finally:
         for proc in procs:
             if proc.poll() is None:

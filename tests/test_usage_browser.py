@@ -17,19 +17,17 @@ Screenshots go to test-artifacts/usage/ (the README shows them).
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from test_browser import CHROMIUM_ARGS, card, login
+from browserutil import ROOT, card, chromium_browser, demo_config, login
 from test_demo import Demo
 from usage_seed import seed
 
 pytestmark = pytest.mark.timeout(400)
 
-ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts" / "usage"
 A100 = "A100-SXM4-80GB"
 PRICES = {A100: 2.5, "L4": 0.8}
@@ -37,16 +35,7 @@ PRICES = {A100: 2.5, "L4": 0.8}
 
 def usage_config(tmp_path: Path) -> Path:
     """The example configs, with prices per GPU-hour in the broker's."""
-    conf = tmp_path / "config"
-    conf.mkdir()
-    shutil.copy(ROOT / "config" / "jupyterhub_config.py", conf / "jupyterhub_config.py")
-    (conf / "gpulease_config.py").write_text(
-        "c = get_config()  # noqa: F821\n"
-        f"load_subconfig({str(ROOT / 'config' / 'gpulease_config.py')!r})  # noqa: F821\n"
-        f"c.GPULeaseUsage.prices = {PRICES!r}\n"
-        "c.GPULeaseUsage.currency = 'EUR'\n"
-    )
-    return conf
+    return demo_config(tmp_path, news=True, broker=f"c.GPULeaseUsage.prices = {PRICES!r}\nc.GPULeaseUsage.currency = 'EUR'\n")
 
 
 def suggestion_for(user: str, db_url: str) -> dict:
@@ -78,56 +67,51 @@ def test_an_over_asking_user_sees_the_hint_on_the_card_it_suggests_and_the_admin
     value = f"share:0.25:{A100}"
     demo = Demo(state, config_dir=usage_config(tmp_path)).start()
     try:
+        with chromium_browser(playwright_sync_api, chromium) as browser:
+            page = browser.page(1280, 1000)
+            requests = []
+            page.on("request", lambda r: requests.append(r.url))
+            login(page, demo, "alice")
+            suggested = card(page, value)
+            suggested.scroll_into_view_if_needed()
+            shown = suggested.locator(".gpulease-hint").inner_text()
+            assert shown == f"Suggested from your past leases: {hint['text']}"
+            # only that card carries it, and the choice the form starts with is not changed by it
+            assert page.locator("label.gpulease-card .gpulease-hint", has_text=hint["text"]).count() == 1
+            first = page.locator("input[name=choice]:checked").get_attribute("value")
+            assert first != value
+            # her other hint, a shorter duration, is by the duration field, which keeps the tier's default
+            assert page.locator(".gpulease-duration-hint").inner_text().startswith(
+                "Suggested from your past leases: asks 8 h, uses 2 h at the median: ")
+            assert page.locator("#gpulease-duration").input_value() == ""
+            assert page.locator("label.gpulease-card .gpulease-hint").count() == 1
+            page.locator(".gpulease-choices").screenshot(path=str(ARTIFACTS / "01-spawn-form-hint-on-the-suggested-card.png"))
+            page.screenshot(path=str(ARTIFACTS / "02-spawn-form.png"), full_page=True)
 
-        with playwright_sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-            try:
-                page = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
-                requests = []
-                page.on("request", lambda r: requests.append(r.url))
-                login(page, demo.url, "alice", demo.password)
-                suggested = card(page, value)
-                suggested.scroll_into_view_if_needed()
-                shown = suggested.locator(".gpulease-hint").inner_text()
-                assert shown == f"Suggested from your past leases: {hint['text']}"
-                # only that card carries it, and the choice the form starts with is not changed by it
-                assert page.locator("label.gpulease-card .gpulease-hint", has_text=hint["text"]).count() == 1
-                first = page.locator("input[name=choice]:checked").get_attribute("value")
-                assert first != value
-                # her other hint, a shorter duration, is by the duration field, which keeps the tier's default
-                assert page.locator(".gpulease-duration-hint").inner_text().startswith(
-                    "Suggested from your past leases: asks 8 h, uses 2 h at the median: ")
-                assert page.locator("#gpulease-duration").input_value() == ""
-                assert page.locator("label.gpulease-card .gpulease-hint").count() == 1
-                page.locator(".gpulease-choices").screenshot(path=str(ARTIFACTS / "01-spawn-form-hint-on-the-suggested-card.png"))
-                page.screenshot(path=str(ARTIFACTS / "02-spawn-form.png"), full_page=True)
+            # alice's own page: her figures and the hint
+            page.goto(f"{demo.url}/services/gpulease/")
+            summary = page.locator("#usage-summary").inner_text()
+            assert re.search(r"Last 30 days: you held GPUs for [\d.,]+ GPU-hours and used them for", summary), summary
+            assert hint["text"] in page.locator("#usage-hints").inner_text()
+            page.locator("#usage-mine").screenshot(path=str(ARTIFACTS / "03-my-leases-usage.png"))
 
-                # alice's own page: her figures and the hint
-                page.goto(f"{demo.url}/services/gpulease/")
-                summary = page.locator("#usage-summary").inner_text()
-                assert re.search(r"Last 30 days: you held GPUs for [\d.,]+ GPU-hours and used them for", summary), summary
-                assert hint["text"] in page.locator("#usage-hints").inner_text()
-                page.locator("#usage-mine").screenshot(path=str(ARTIFACTS / "03-my-leases-usage.png"))
-
-                # the admin's page: the suggestion for alice, the cost table, the plots
-                admin = browser.new_context(viewport={"width": 1280, "height": 1000}).new_page()
-                admin.on("request", lambda r: requests.append(r.url))
-                login(admin, demo.url, "admin", demo.password)
-                admin.goto(f"{demo.url}/services/gpulease/admin")
-                rows = admin.locator("#usage-suggestions tr", has_text="alice")
-                assert rows.count() >= 1 and hint["text"] in rows.first.inner_text()
-                # the cost of the seeded hours: 40 A100-hours at 2.50, 12 L4-hours at 0.80, 2 hours of half an L4
-                cost = admin.locator("#usage-cost")
-                for group, eur in (("physics", "100.00 EUR"), ("chemistry", "9.60 EUR"), ("none", "0.80 EUR")):
-                    assert cost.locator("tr", has=admin.locator("td", has_text=re.compile(f"^{group}$"))).inner_text().endswith(eur)
-                assert cost.locator("tr.total").inner_text().endswith("110.40 EUR")
-                assert admin.locator("svg.usage-chart").count() == 2
-                assert "alice" in admin.locator("#usage-idle").inner_text()
-                admin.locator("#usage-admin").screenshot(path=str(ARTIFACTS / "04-admin-usage.png"))
-                # nothing was fetched from outside the hub
-                assert all(u.startswith((demo.url, "data:", "blob:")) for u in requests), \
-                    [u for u in requests if not u.startswith(demo.url)]
-            finally:
-                browser.close()
+            # the admin's page: the suggestion for alice, the cost table, the plots
+            admin = browser.page(1280, 1000)
+            admin.on("request", lambda r: requests.append(r.url))
+            login(admin, demo, "admin")
+            admin.goto(f"{demo.url}/services/gpulease/admin")
+            rows = admin.locator("#usage-suggestions tr", has_text="alice")
+            assert rows.count() >= 1 and hint["text"] in rows.first.inner_text()
+            # the cost of the seeded hours: 40 A100-hours at 2.50, 12 L4-hours at 0.80, 2 hours of half an L4
+            cost = admin.locator("#usage-cost")
+            for group, eur in (("physics", "100.00 EUR"), ("chemistry", "9.60 EUR"), ("none", "0.80 EUR")):
+                assert cost.locator("tr", has=admin.locator("td", has_text=re.compile(f"^{group}$"))).inner_text().endswith(eur)
+            assert cost.locator("tr.total").inner_text().endswith("110.40 EUR")
+            assert admin.locator("svg.usage-chart").count() == 2
+            assert "alice" in admin.locator("#usage-idle").inner_text()
+            admin.locator("#usage-admin").screenshot(path=str(ARTIFACTS / "04-admin-usage.png"))
+            # nothing was fetched from outside the hub
+            assert all(u.startswith((demo.url, "data:", "blob:")) for u in requests), \
+                [u for u in requests if not u.startswith(demo.url)]
     finally:
         demo.stop()

@@ -10,84 +10,37 @@ then counts busy and idle GPU-seconds against each notebook: busy.ipynb busy, id
 
 from __future__ import annotations
 
-import asyncio
-import json
-import secrets
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from hubharness import HubHarness, free_port, wait_for
+from hubharness import wait_for
+from leasehub import ONE_L4, LeaseHub
 from serverutil import SimGPUs
-from test_server_hub_e2e import run_cell, server_ready
 
 pytestmark = pytest.mark.timeout(600)
 
-POOL = [{"node": "n1", "model": "L4", "count": 1, "memory_mib": 23034}]
 BUSY_S = 24  # how long busy.ipynb computes
 
 
-def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs]:
-    """(hub, broker URL, spawner token, the simulated GPUs): servers sample every 0.25 s, send
-    heartbeats every second and never reclaim an idle GPU while the test looks."""
-    sim = SimGPUs(str(tmp / "sim-gpus.json"), POOL)
-    conf_dir = tmp / "jupyter-config"
-    conf_dir.mkdir()
-    (conf_dir / "jupyter_server_config.py").write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseExtension.sample_interval = 0.25\n"
-        "c.GPULeaseExtension.heartbeat_interval = 1\n"
-        "c.GPULeaseExtension.gpu_idle_timeout = 3600\n"
-    )
-    bport = free_port()
-    token = secrets.token_hex(16)
-    broker_conf = tmp / "gpulease_config.py"
-    broker_conf.write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseBroker.device_backend = 'simulated'\n"
-        f"c.GPULeaseBroker.devices = {{'gpus': {POOL!r}}}\n"
-        "c.GPULeaseBroker.tick_interval = 0.5\n"
-        "c.GPULeaseBroker.heartbeat_timeout = 60\n"
-    )
-    broker = {
-        "name": "gpulease",
-        "url": f"http://127.0.0.1:{bport}",
-        "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={broker_conf}",
-                    f"--db-url=sqlite:///{tmp / 'gpulease.sqlite'}"],
-        "cwd": str(tmp),
-    }
-    broker_url = f"http://127.0.0.1:{bport}/services/gpulease/"
-    server_env = {
-        "JUPYTER_CONFIG_DIR": str(conf_dir),
-        "GPULEASE_DEVICE_BACKEND": "simulated",
-        "GPULEASE_DEVICE_CONFIG": json.dumps(sim.config),
-    }
-    hub = HubHarness(
+def make_hub(tmp: Path) -> tuple[LeaseHub, SimGPUs]:
+    """(hub, the simulated GPUs): one L4; servers sample every 0.25 s, send heartbeats every
+    second and never reclaim an idle GPU while the test looks."""
+    sim = SimGPUs(str(tmp / "sim-gpus.json"), ONE_L4)
+    hub = LeaseHub(
         tmp,
         users=["alice"],
-        services=[broker, {"name": "gpulease-spawner", "api_token": token}],
-        custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
-        roles=[
-            {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
+        server_devices=sim.config,
+        server_config=[
+            "c.GPULeaseExtension.sample_interval = 0.25",
+            "c.GPULeaseExtension.heartbeat_interval = 1",
+            "c.GPUIdleRule.gpu_idle_timeout = 3600",
         ],
-        user_scopes=["access:services!service=gpulease"],
-        spawner_class="gpulease-simple",
-        config_lines=[
-            f"c.GPULeaseSpawner.broker_url = {broker_url!r}",
-            f"c.GPULeaseSpawner.broker_api_token = {token!r}",
-            "c.GPULeaseSpawner.lease_wait_timeout = 120",
-            "c.Spawner.server_token_scopes = ['users:activity!user', 'access:servers!server', 'access:services!service=gpulease']",
-            f"c.Spawner.environment = {server_env!r}",
-            "c.Spawner.default_url = '/tree'",
-            "c.Spawner.poll_interval = 1",
-            "c.Spawner.http_timeout = 60",
-        ],
+        broker_config=["c.GPULeaseBroker.heartbeat_timeout = 60"],
+        hub_config=["c.GPULeaseSpawner.lease_wait_timeout = 120", "c.Spawner.default_url = '/tree'"],
     )
-    hub.start()
-    return hub, broker_url, token, sim
+    return hub.start(), sim
 
 
 def notebook_rows(report: dict) -> dict[str, dict]:
@@ -96,37 +49,31 @@ def notebook_rows(report: dict) -> dict[str, dict]:
 
 
 def test_a_busy_and_an_idle_kernel_in_one_lease_count_as_busy_and_idle_gpu_seconds_of_their_notebooks(tmp_path):
-    hub, broker_url, spawner_token, sim = make_hub(tmp_path)
+    hub, sim = make_hub(tmp_path)
     try:
         alice = hub.create_token("alice")
-        assert hub.api("POST", "users/alice/server", {"gpus": 1})[0] in (201, 202)
-        wait_for(lambda: server_ready(hub, "alice"), 120, "alice's server did not start")
+        assert hub.spawn("alice", {"gpus": 1})[0] in (201, 202)
+        wait_for(lambda: hub.ready_server("alice"), 120, "alice's server did not start")
 
         def lease():
-            code, st = hub.request("GET", f"{hub.url}/user/alice/gpulease/api/status", token=alice)
+            code, st = hub.gpu_api("alice", alice)
             return st["lease"] if code == 200 and st.get("lease") and st["lease"]["state"] == "active" else None
 
         lease_id = wait_for(lease, 60, "alice's server reports its lease")["id"]
         # two notebooks, each with its own kernel, made as JupyterLab makes them: a session with the notebook's path
-        kernels = {}
-        for path in ("work/busy.ipynb", "work/idle.ipynb"):
-            code, session = hub.request("POST", f"{hub.url}/user/alice/api/sessions",
-                                        {"path": path, "name": Path(path).name, "type": "notebook", "kernel": {"name": "python3"}}, token=alice)
-            assert code == 201, session
-            kernels[Path(path).name] = session["kernel"]["id"]
+        kernels = {Path(path).name: hub.start_session("alice", alice, path) for path in ("work/busy.ipynb", "work/idle.ipynb")}
 
         def on_gpu(n):
             sim.prune()
             return len(sim.processes()) >= n
 
-        asyncio.run(run_cell(hub, "alice", alice, kernels["idle.ipynb"],
-                             "from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=0, memory_gb=2, seconds=0)"))
-        asyncio.run(run_cell(hub, "alice", alice, kernels["busy.ipynb"],
-                             f"from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=90, memory_gb=4, seconds={BUSY_S})"))
+        hub.run_cell("alice", alice, kernels["idle.ipynb"], "from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=0, memory_gb=2, seconds=0)")
+        hub.run_cell("alice", alice, kernels["busy.ipynb"],
+                     f"from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=90, memory_gb=4, seconds={BUSY_S})")
         wait_for(lambda: on_gpu(2), 60, "both kernels hold memory on the simulated GPU")
 
         def execution_state(name):
-            code, k = hub.request("GET", f"{hub.url}/user/alice/api/kernels/{kernels[name]}", token=alice)
+            code, k = hub.request("GET", hub.user_url("alice", f"api/kernels/{kernels[name]}"), token=alice)
             return k.get("execution_state") if code == 200 else None
 
         # the busy cell runs its course, then a few heartbeats carry the last of it
@@ -136,10 +83,9 @@ def test_a_busy_and_an_idle_kernel_in_one_lease_count_as_busy_and_idle_gpu_secon
 
         # the lease ends with the server: its record is complete
         assert hub.api("DELETE", "users/alice/server")[0] in (202, 204)
-        wait_for(lambda: hub.request("GET", broker_url + f"api/leases/{lease_id}", token=spawner_token)[1]["state"] != "active",
-                 60, "alice's lease did not end with her server")
+        wait_for(lambda: hub.lease(lease_id)["state"] != "active", 60, "alice's lease did not end with her server")
 
-        code, report = hub.request("GET", broker_url + "api/usage?since=1d&by=notebook&format=json", token=alice)
+        code, report = hub.broker_get("api/usage?since=1d&by=notebook&format=json", token=alice)
         assert code == 200, report
         rows = notebook_rows(report)
         assert {"busy.ipynb", "idle.ipynb"} <= set(rows), report
@@ -152,16 +98,14 @@ def test_a_busy_and_an_idle_kernel_in_one_lease_count_as_busy_and_idle_gpu_secon
         assert idle_busy_s == 0, idle
         assert idle_held_s >= BUSY_S * 0.8 and idle["idle_gpu_h"] == idle["held_gpu_h"], idle
         # the lease as a whole: held for as long as the server ran, busy only while busy.ipynb computed
-        code, lease_report = hub.request("GET", broker_url + "api/usage?since=1d&by=user", token=alice)
+        code, lease_report = hub.broker_get("api/usage?since=1d&by=user", token=alice)
         assert code == 200 and [r["key"] for r in lease_report["rows"]] == ["alice"], lease_report
         whole = lease_report["rows"][0]
         assert whole["leases"] == 1 and BUSY_S * 0.8 <= whole["busy_gpu_h"] * 3600 <= BUSY_S + 3, whole
         assert whole["held_gpu_h"] * 3600 >= max(busy_held_s, idle_held_s), whole
         # alice sees only her own rows; another user's are refused
         assert all(r.get("key") for r in report["rows"])
-        code, refused = hub.request("GET", broker_url + "api/usage?since=1d&by=notebook&user=bob", token=alice)
+        code, refused = hub.broker_get("api/usage?since=1d&by=notebook&user=bob", token=alice)
         assert code == 403, refused
     finally:
-        if server_ready(hub, "alice"):
-            hub.api("DELETE", "users/alice/server")
-        hub.stop()
+        hub.close()
