@@ -233,19 +233,15 @@ SHOTS = {
 
 
 def test_screenshots_of_the_built_site(site, playwright_sync_api, chromium):
-    from test_browser import CHROMIUM_ARGS
+    from browserutil import chromium_browser
 
-    with playwright_sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
-            for name, url in SHOTS.items():
-                path, _, fragment = url.partition("#")
-                page.goto((site / path).as_uri() + (f"#{fragment}" if fragment else ""))
-                page.wait_for_load_state("load")
-                assert page.locator("h1").first.is_visible()
-                page.screenshot(path=str(IMAGES / name))
-        finally:
-            browser.close()
+    with chromium_browser(playwright_sync_api, chromium) as browser:
+        page = browser.page(1280, 900)
+        for name, url in SHOTS.items():
+            path, _, fragment = url.partition("#")
+            page.goto((site / path).as_uri() + (f"#{fragment}" if fragment else ""))
+            page.wait_for_load_state("load")
+            assert page.locator("h1").first.is_visible()
+            page.screenshot(path=str(IMAGES / name))
     for name in SHOTS:
         assert (IMAGES / name).stat().st_size > 10_000, name
