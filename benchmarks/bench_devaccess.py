@@ -80,14 +80,14 @@ while True:
 """
 
 
-def lease_of(hub, url, token, user):
-    code, body = hub.request("GET", url + f"api/leases?user={user}", token=token)
+def lease_of(hub, token, user):
+    code, body = hub.broker_get(f"api/leases?user={user}", token)
     assert code == 200, body
     return next(x for x in body["leases"] if x["state"] == "active")
 
 
-def end_to_deny(hub, url, token, root: str, node_of: dict[str, str]) -> float:
-    lease = lease_of(hub, url, token, "enforced")
+def end_to_deny(hub, token, root: str, node_of: dict[str, str]) -> float:
+    lease = lease_of(hub, token, "enforced")
     path = node_of[lease["placement"]["slices"][0]["gpu_uuid"]]
     probe = subprocess.Popen([sys.executable, "-c", PROBE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -99,7 +99,7 @@ def end_to_deny(hub, url, token, root: str, node_of: dict[str, str]) -> float:
         time.sleep(0.2)  # it opens its GPU meanwhile (ENXIO)
         assert probe.poll() is None, "the probe was denied before the lease ended"
         t0 = time.monotonic()
-        code, body = hub.request("POST", url + f"api/leases/{lease['id']}/release", {"reason": "bench"}, token=token)
+        code, body = hub.request("POST", hub.broker.url + f"api/leases/{lease['id']}/release", {"reason": "bench"}, token=token)
         assert code == 200, body
         line = probe.stdout.readline()
         return float(line) - t0
@@ -160,8 +160,7 @@ def main(argv=None) -> int:
         ops = cgroup_ops(mount, parent, nodes)
         print(f"device-cgroup work alone (median ms): {ops}", flush=True)
         pool = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034, "devices": nodes}]
-        hub, url, sim = make_hub(tmp, pool, parent, users=("enforced", "plain"),
-                                 config_lines=["c.JupyterHub.spawner_class = 'bench_devaccess_spawner.BenchSpawner'"])
+        hub, sim = make_hub(tmp, pool, parent, users=("enforced", "plain"), spawner_class="bench_devaccess_spawner.BenchSpawner")
         node_of = dict(zip(sim.uuids, nodes, strict=True))
         times: dict[str, list[float]] = {"enforced": [], "plain": []}
         deny: list[float] = []
@@ -176,13 +175,13 @@ def main(argv=None) -> int:
                 for user in order:
                     times[user].append(spawn_to_ready(hub, user, {"gpus": 1}))
                     if user == "enforced":
-                        deny.append(end_to_deny(hub, url, tokens[user], root, node_of))
+                        deny.append(end_to_deny(hub, tokens[user], root, node_of))
                     hub.api("DELETE", f"users/{user}/server")
                     hub.wait_gone(user)
                 print(f"round {i + 1}: enforced {times['enforced'][-1]:.3f} s, plain {times['plain'][-1]:.3f} s, "
                       f"end-to-deny {deny[-1] * 1000:.1f} ms", flush=True)
         finally:
-            hub.stop()
+            hub.close()
             for name in ("enforced", "bench", ""):
                 try:
                     os.rmdir(os.path.join(root, name))

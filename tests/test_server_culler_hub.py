@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import logging
 import re
-import secrets
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from hubharness import HubHarness, free_port, wait_for
+from hubharness import wait_for
 from jupyter_gpulease.culler import GPUCullArbiter
+from leasehub import LeaseHub
 from serverutil import SimGPUs
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,81 +60,37 @@ def culler_service(config_file: Path) -> tuple[dict, dict]:
     return service, role
 
 
-def make_hub(tmp: Path) -> tuple[HubHarness, str, str, SimGPUs]:
-    """(hub, broker URL, spawner token, the simulated GPUs)."""
+def make_hub(tmp: Path) -> tuple[LeaseHub, SimGPUs]:
+    """(hub, the simulated GPUs): the guide's culler as a service of the hub, with its hook's
+    config file; servers that sample every 0.25 s, send a heartbeat every second and never
+    reclaim an idle GPU themselves."""
     sim = SimGPUs(str(tmp / "sim-gpus.json"), POOL)
-    conf_dir = tmp / "jupyter-config"
-    conf_dir.mkdir()
-    (conf_dir / "jupyter_server_config.py").write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseExtension.sample_interval = 0.25\n"
-        "c.GPULeaseExtension.heartbeat_interval = 1\n"
-        "c.GPUIdleRule.gpu_idle_timeout = 3600\n"  # the server's own idle reclaim stays out of this
-        "c.GPUIdleRule.gpu_idle_timeout_learn = False\n"
-    )
-    bport = free_port()
-    spawner_token = secrets.token_hex(16)
-    broker_conf = tmp / "gpulease_config.py"
-    broker_conf.write_text(
-        "c = get_config()  # noqa\n"
-        "c.GPULeaseBroker.device_backend = 'simulated'\n"
-        f"c.GPULeaseBroker.devices = {{'gpus': {POOL!r}}}\n"
-        "c.GPULeaseBroker.tick_interval = 0.5\n"
-    )
-    broker = {
-        "name": "gpulease",
-        "url": f"http://127.0.0.1:{bport}",
-        "command": [sys.executable, "-m", "jupyter_gpulease.cli", "broker", f"--config={broker_conf}",
-                    f"--db-url=sqlite:///{tmp / 'gpulease.sqlite'}"],
-        "cwd": str(tmp),
-    }
     culler_conf = tmp / "idle_culler_config.py"
     hook = readme_block("# idle_culler_config.py")
     assert "gpu_idle_limit=1800" in hook
     culler_conf.write_text(hook.replace("gpu_idle_limit=1800", f"gpu_idle_limit={GPU_IDLE_LIMIT}"))
     culler, culler_role = culler_service(culler_conf)
-    server_env = {
-        "JUPYTER_CONFIG_DIR": str(conf_dir),
-        "GPULEASE_DEVICE_BACKEND": "simulated",
-        "GPULEASE_DEVICE_CONFIG": json.dumps(sim.config),
-    }
-    hub = HubHarness(
+    hub = LeaseHub(
         tmp,
-        users=["alice", "bob"],
         admin_users=["root"],
-        services=[broker, {"name": "gpulease-spawner", "api_token": spawner_token}, culler],
-        custom_scopes={"custom:gpulease:admin": {"description": "all GPU leases"}},
-        roles=[
-            {"name": "gpulease-spawner", "scopes": ["custom:gpulease:admin", "access:services!service=gpulease"], "services": ["gpulease-spawner"]},
-            {"name": "gpulease-broker", "scopes": ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"], "services": ["gpulease"]},
-            culler_role,
+        services=[culler],
+        roles=[culler_role],
+        pool=POOL,
+        server_devices=sim.config,
+        server_config=[
+            "c.GPULeaseExtension.sample_interval = 0.25",
+            "c.GPULeaseExtension.heartbeat_interval = 1",
+            "c.GPUIdleRule.gpu_idle_timeout = 3600",  # the server's own idle reclaim stays out of this
+            "c.GPUIdleRule.gpu_idle_timeout_learn = False",
         ],
-        user_scopes=["access:services!service=gpulease"],
-        spawner_class="gpulease-simple",
-        config_lines=[
-            f"c.GPULeaseSpawner.broker_url = {broker['url'] + '/services/gpulease/'!r}",
-            f"c.GPULeaseSpawner.broker_api_token = {spawner_token!r}",
-            "c.Spawner.server_token_scopes = ['users:activity!user', 'access:servers!server', 'access:services!service=gpulease']",
-            f"c.Spawner.environment = {server_env!r}",
-            "c.Spawner.default_url = '/tree'",
-            "c.Spawner.poll_interval = 1",
-            "c.Spawner.http_timeout = 60",
-            "c.JupyterHub.log_level = 'INFO'",
-        ],
+        hub_config=["c.Spawner.default_url = '/tree'"],
     )
-    hub.start()
-    return hub, broker["url"] + "/services/gpulease/", spawner_token, sim
+    return hub.start(), sim
 
 
-def server(hub, user):
-    status, model = hub.api("GET", f"users/{user}")
-    s = (model.get("servers") or {}).get("") if status == 200 else None
-    return s if s and s.get("ready") else None
-
-
-def lease_of(hub, url, token, user):
-    _, body = hub.request("GET", f"{url}api/leases?user={user}&state=all", token=token)
-    return body["leases"][0] if body and body.get("leases") else None
+def lease_of(hub: LeaseHub, user: str) -> dict | None:
+    """``user``'s newest lease, live or ended."""
+    return next(iter(hub.leases(user, "all")), None)
 
 
 def culler_lines(hub, needle):
@@ -144,38 +98,37 @@ def culler_lines(hub, needle):
 
 
 def test_the_culler_keeps_a_server_whose_gpu_works_and_culls_an_idle_lease_early_saying_why(tmp_path):
-    hub, url, spawner_token, sim = make_hub(tmp_path)
+    hub, sim = make_hub(tmp_path)
     try:
         alice = hub.create_token("alice")
         # alice: a server with a lease, a kernel that computes on her GPU
-        assert hub.api("POST", "users/alice/server", {"gpus": 1})[0] in (201, 202)
-        wait_for(lambda: server(hub, "alice"), 120, "alice's server did not start")
-        code, kernel = hub.request("POST", f"{hub.url}/user/alice/api/kernels", {"name": "python3"}, token=alice)
-        assert code == 201, kernel
+        assert hub.spawn("alice", {"gpus": 1})[0] in (201, 202)
+        hub.wait_ready("alice", 120)
+        kernel = hub.start_kernel("alice", alice)
 
         def kernel_on_gpu():
-            _, st = hub.request("GET", f"{hub.url}/user/alice/gpulease/api/status", token=alice)
-            k = next((k for k in st["kernels"] if k["id"] == kernel["id"]), None)
+            _, st = hub.gpu_api("alice", alice, "status")
+            k = next((k for k in st["kernels"] if k["id"] == kernel), None)
             return k and k["pid"] and (k["pid"], st["devices"][0]["uuid"])
 
         pid, uuid = wait_for(kernel_on_gpu, 60, "alice's server does not see her kernel")
         sim.run(pid, 4000, sm=90.0, uuid=uuid)
-        wait_for(lambda: (lease_of(hub, url, spawner_token, "alice").get("usage") or {}).get("gpu_busy"), 30,
+        wait_for(lambda: (lease_of(hub, "alice").get("usage") or {}).get("gpu_busy"), 30,
                  "alice's heartbeats do not say that her GPU works")
 
         # bob: a server with a lease and no GPU work
-        assert hub.api("POST", "users/bob/server", {"gpus": 1})[0] in (201, 202)
-        wait_for(lambda: server(hub, "bob"), 120, "bob's server did not start")
-        bob_lease = lease_of(hub, url, spawner_token, "bob")
+        assert hub.spawn("bob", {"gpus": 1})[0] in (201, 202)
+        hub.wait_ready("bob", 120)
+        bob_lease = lease_of(hub, "bob")
         assert bob_lease["state"] == "active"
 
         # bob's server goes before the culler's own timeout: its GPU lease is idle
-        wait_for(lambda: not server(hub, "bob"), GPU_IDLE_LIMIT + 60, f"bob's server was not culled\n{hub.log_tail(40)}")
+        wait_for(lambda: not hub.ready_server("bob"), GPU_IDLE_LIMIT + 60, f"bob's server was not culled\n{hub.log_tail(40)}")
         (early,) = culler_lines(hub, "GPU cull arbiter: culling bob/ early")
         assert f"the culler's limit: {TIMEOUT} s" in early and "its GPU idle (no GPU work since the lease began)" in early
         assert f"released its lease {bob_lease['id']}" in early
         assert culler_lines(hub, "Culling server bob")
-        _, ended = hub.request("GET", f"{url}api/leases/{bob_lease['id']}", token=spawner_token)
+        ended = hub.lease(bob_lease["id"])
         assert ended["state"] == "released", ended
         assert ended["end_message"].startswith("Released by the service idle-culler: culled by the idle culler: no activity for "), ended
         assert ended["end_message"].endswith("and its GPU idle (no GPU work since the lease began)."), ended
@@ -187,16 +140,16 @@ def test_the_culler_keeps_a_server_whose_gpu_works_and_culls_an_idle_lease_early
         time.sleep(3 * CULL_EVERY + 1)
         (kept,) = culler_lines(hub, "GPU cull arbiter: keeping alice/")
         assert "its GPU is working now" in kept and f"the culler's limit: {TIMEOUT} s" in kept
-        s = server(hub, "alice")
+        s = hub.ready_server("alice")
         assert s, "alice's server was culled while her GPU worked"
         last = datetime.datetime.fromisoformat((s["last_activity"] or s["started"]).replace("Z", "+00:00"))
         assert (datetime.datetime.now(datetime.UTC) - last).total_seconds() > TIMEOUT  # the hub saw nothing of her for longer
-        assert lease_of(hub, url, spawner_token, "alice")["state"] == "active"
+        assert lease_of(hub, "alice")["state"] == "active"
         assert not culler_lines(hub, "Culling server alice")
 
         # the hook found the broker through the Hub API, with no setting of its own, and said so once
         (found,) = culler_lines(hub, "GPU cull arbiter: deciding with the GPU leases of the broker at ")
-        assert found.endswith(f"at {url}")
+        assert found.endswith(f"at {hub.broker.url}")
         assert not culler_lines(hub, "culler decides by activity alone")
 
         # a token without the scopes the hook needs: one line that says which, then the culler's rule
@@ -225,7 +178,4 @@ def test_the_culler_keeps_a_server_whose_gpu_works_and_culls_an_idle_lease_early
         (line,) = messages
         assert "lacks custom:gpulease:admin: add them to the culler's role" in line, line
     finally:
-        for user in ("alice", "bob"):
-            if server(hub, user):
-                hub.api("DELETE", f"users/{user}/server")
-        hub.stop()
+        hub.close()
