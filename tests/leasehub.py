@@ -16,7 +16,7 @@ Usage::
 
     sim = SimGPUs(str(tmp_path / "sim-gpus.json"), POOL)      # serverutil: GPUs the test drives
     hub = LeaseHub(tmp_path, pool=POOL, server_devices=sim.config,
-                   broker_config=["c.GPULeaseBroker.heartbeat_timeout = 60"],
+                   broker_config=["c.GPULeaseBroker.heartbeat_timeout_s = 60"],
                    server_config=["c.GPUIdleRule.gpu_idle_timeout = 15"],
                    hub_config=["c.GPULeaseSpawner.on_lease_end = 'keep'"]).start()
     hub.spawn("alice", {"gpus": 1})

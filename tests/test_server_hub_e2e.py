@@ -41,7 +41,7 @@ def make_hub(tmp: Path) -> tuple[LeaseHub, SimGPUs, str]:
             f"c.GPULeaseExtension.cuda_checkpoint = {checkpoint!r}",
         ],
         server_env={"STANDIN_CUDA_CHECKPOINT_DIR": str(standin_dir), "STANDIN_CUDA_CHECKPOINT_SIM_STATE": sim.state_file},
-        broker_config=["c.GPULeaseBroker.heartbeat_timeout = 60"],
+        broker_config=["c.GPULeaseBroker.heartbeat_timeout_s = 60"],
         hub_config=[
             "c.GPULeaseSpawner.lease_wait_timeout = 300",
             # a lease the server gave back itself (reclaimed) must not stop it

@@ -37,7 +37,7 @@ def make_hub(tmp: Path) -> tuple[LeaseHub, SimGPUs]:
             "c.GPULeaseExtension.heartbeat_interval = 1",
             "c.GPUIdleRule.gpu_idle_timeout = 3600",
         ],
-        broker_config=["c.GPULeaseBroker.heartbeat_timeout = 60"],
+        broker_config=["c.GPULeaseBroker.heartbeat_timeout_s = 60"],
         hub_config=["c.GPULeaseSpawner.lease_wait_timeout = 120", "c.Spawner.default_url = '/tree'"],
     )
     return hub.start(), sim
