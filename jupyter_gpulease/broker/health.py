@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import health_store
-from ..core.health import HEALTH_META, Action, Finding, assess, new_xids, strongest
+from ..core.health import HEALTH_META, Action, Finding, assess, is_hot, new_xids, strongest
 from ..core.maintenance import MaintenanceWindow
 from ..core.model import GPU, BadRequest, Conflict, LeaseState, NotFound
 from ..core.text import format_duration
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_ACTIONS = ("suspend", "restart")
 MODES = ("cordon", "drain", "drain_when_idle")  # cordon: no new grants; drain: and move the holders; drain_when_idle: they run to their end
+JUDGE_SLICE = 1000  # GPUs judged between two turns of the event loop
 
 
 def target_key(kind: str, name: str) -> str:
@@ -70,6 +71,7 @@ class HealthKeeper:
         self._windows: list[MaintenanceWindow] | None = None  # self.windows as the scheduler's (cached)
         self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too)
         self._xids_seen: dict[str, dict[int, int]] = {}
+        self._looks: dict[str, tuple] = {}  # GPU uuid -> (its health, hot) at the last look
         self._busy = False
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -151,11 +153,17 @@ class HealthKeeper:
         now = self.manager.now()
         async with self._lock:
             changed = False
-            for g in self.raw:
+            for i, g in enumerate(list(self.raw)):
+                if i and not i % JUDGE_SLICE:
+                    await asyncio.sleep(0)  # a pool of thousands of GPUs: calls are answered in between
                 s = samples.get(g.uuid)
                 if s is None:
                     continue
                 h = s.health
+                looks = (h, is_hot(s.temperature_c, getattr(s, "temperature_slowdown_c", None)))
+                if self._looks.get(g.uuid) == looks and not self.findings.get(g.uuid) and target_key("device", g.uuid) not in self.cordons:
+                    continue  # healthy and as at the last look (so no new XID): nothing to judge
+                self._looks[g.uuid] = looks
                 counts = h.xid_counts()
                 before = self._xids_seen.get(g.uuid)
                 self._xids_seen[g.uuid] = counts
