@@ -149,16 +149,12 @@ class LeaseReads:
         that idle reclaim gives their lease back by then if they stay idle. None when one of them
         computes, says nothing, or the deadline is not before the ETA. (The scheduler plans with
         lease ends only; this is the broker's reading of the heartbeats.)"""
-        promised = {u for u, lid in self.scheduler._found.promised_to.items() if lid == lease_id}
-        if not promised:
+        holders = self.scheduler.promised_holders(lease_id)
+        if not holders:
             return None
         now = self.now()
         latest = None
-        for lease in self.scheduler.leases.values():
-            if lease.state is not LeaseState.ACTIVE or lease.placement is None:
-                continue
-            if not any(sl.gpu_uuid in promised or (sl.mig_uuid and sl.mig_uuid in promised) for sl in lease.placement.slices):
-                continue
+        for lease in holders:
             at = (lease.usage or {}).get("lease_reclaim_at")
             if isinstance(at, bool) or not isinstance(at, (int, float)) or at <= now:
                 return None  # a holder that computes (or says nothing) keeps it until its lease ends

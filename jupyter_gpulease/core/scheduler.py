@@ -489,6 +489,30 @@ class Scheduler:
             "eta_after_wait_limit": eta is not None and gives_up_at is not None and eta > gives_up_at,
         }
 
+    def promised_holders(self, lease_id: str) -> list[Lease] | None:
+        """The active leases that hold the devices the last pass promised to waiting ``lease_id``
+        (a GPU promised: every lease with a slice of it; a MIG instance: its holder); None when
+        nothing is promised to it. Found through the pool's holders, so a queued lease's read
+        costs what it waits for, not a walk over every live lease."""
+        promised = [u for u, lid in self._found.promised_to.items() if lid == lease_id]
+        if not promised:
+            return None
+        pool, out, seen = self.pool, [], set()
+        for u in promised:
+            st = pool.gpus.get(u)
+            mig = st is None
+            if mig:
+                st = pool.mig_owner.get(u)
+            for holder in list(st.holders) if st is not None else ():
+                lease = self.leases.get(holder)
+                if holder in seen or lease is None or lease.state is not LeaseState.ACTIVE or lease.placement is None:
+                    continue
+                if mig and not any(sl.mig_uuid == u for sl in lease.placement.slices):
+                    continue
+                seen.add(holder)
+                out.append(lease)
+        return out
+
     def preempting_for(self, lease_id: str) -> list[str] | None:
         """The leases still in their grace, preempted to make room for ``lease_id`` ([] once they
         have all ended while it still waits; None: no preemption was started for it)."""
