@@ -90,7 +90,7 @@ class Scheduler:
     # ================================================================== requests
     def check_ask(self, ask: Ask, now: float) -> tuple[Tier, float]:
         """The tier and duration ``ask`` gets under this policy and pool; raises what is wrong (see :mod:`.admission`)."""
-        return check_ask(ask, now, policy=self.policy, pool=self.pool, quotas=self._quotas, leases=self.leases)
+        return check_ask(ask, now, policy=self.policy, pool=self.pool, quotas=self._quotas, leases=self.leases, queued=self._queued.queued_of(ask.user))
 
     def new_lease(self, ask: Ask, now: float, *, lease_id: str | None = None) -> Lease:
         """Check ``ask`` (see :meth:`check_ask`) and build its lease, queued but not yet submitted."""
