@@ -194,6 +194,11 @@ def _hours(t0: float, t1: float):
 
 
 def _num(v: Any) -> float:
+    t = type(v)
+    if t is float:  # the usual cases first: a heartbeat carries dozens of figures
+        return v if math.isfinite(v) else 0.0
+    if t is int:
+        return float(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
@@ -291,40 +296,53 @@ class UsageRecorder:
         t0, t1 = lv.last_t, max(lv.last_t, now)
         busy = 0.0
         row = lv.row
-        devices = usage.get("devices") if isinstance(usage.get("devices"), dict) else {}
-        default_w = row["fraction"] / max(1, row["gpus"])
-        for uuid, d in devices.items():
-            if not isinstance(d, dict):
-                continue
-            b, i = _num(d.get("busy_s")), _num(d.get("idle_s"))
-            base = lv.dev.get(uuid, [0.0, 0.0])
-            db = b - base[0] if b >= base[0] else b  # a counter that went back: the server started again
-            w = lv.weights.get(uuid, default_w)
-            busy += max(0.0, db) * w
-            lv.dev[uuid] = [b, i]
-            dv = row["devices"].setdefault(uuid, {"busy_gpu_s": 0.0, "mem_peak_mib": 0})
-            dv["busy_gpu_s"] += max(0.0, db) * w
-            dv["mem_peak_mib"] = max(dv["mem_peak_mib"], int(_num(d.get("mem_peak_mib"))))
-            row["mem_peak_mib"] = max(row["mem_peak_mib"], dv["mem_peak_mib"])
-        kernels = usage.get("kernels") if isinstance(usage.get("kernels"), dict) else {}
+        # (on every heartbeat of every server: written for few calls per figure)
+        devices = usage.get("devices")
+        if isinstance(devices, dict) and devices:
+            default_w = row["fraction"] / max(1, row["gpus"])
+            seen, weights, row_devices = lv.dev, lv.weights, row["devices"]
+            for uuid, d in devices.items():
+                if not isinstance(d, dict):
+                    continue
+                b, i = _num(d.get("busy_s")), _num(d.get("idle_s"))
+                base = seen.get(uuid)
+                last = base[0] if base is not None else 0.0
+                db = b - last if b >= last else b  # a counter that went back: the server started again
+                added = (db if db > 0.0 else 0.0) * weights.get(uuid, default_w)
+                busy += added
+                seen[uuid] = [b, i]
+                dv = row_devices.get(uuid)
+                if dv is None:
+                    dv = row_devices[uuid] = {"busy_gpu_s": 0.0, "mem_peak_mib": 0}
+                dv["busy_gpu_s"] += added
+                mem = int(_num(d.get("mem_peak_mib")))
+                if mem > dv["mem_peak_mib"]:
+                    dv["mem_peak_mib"] = mem
+                if dv["mem_peak_mib"] > row["mem_peak_mib"]:
+                    row["mem_peak_mib"] = dv["mem_peak_mib"]
+        kernels = usage.get("kernels")
         kparts = []
-        for raw_kid, k in kernels.items():
-            if not isinstance(k, dict):
-                continue
-            kid = str(raw_kid)[:64]
-            b, i = _num(k.get("busy_s")), _num(k.get("idle_s"))
-            base = lv.ker.get(kid, [0.0, 0.0])
-            db = b - base[0] if b >= base[0] else b
-            di = i - base[1] if i >= base[1] else i
-            lv.ker[kid] = [b, i]
-            path = k.get("path") or k.get("notebook")
-            if isinstance(path, str) and path:
-                lv.nb[kid] = path[:1000]
-            if k.get("state") == "suspended":
-                lv.suspended.add(kid)
-            mem = int(_num(k.get("mem_peak_mib")))
-            row["mem_peak_mib"] = max(row["mem_peak_mib"], mem)
-            kparts.append((kid, max(0.0, db + di) * row["fraction"], max(0.0, db) * row["fraction"], mem))
+        if isinstance(kernels, dict) and kernels:
+            fraction, seen, notebooks = row["fraction"], lv.ker, lv.nb
+            for raw_kid, k in kernels.items():
+                if not isinstance(k, dict):
+                    continue
+                kid = raw_kid[:64] if type(raw_kid) is str else str(raw_kid)[:64]
+                b, i = _num(k.get("busy_s")), _num(k.get("idle_s"))
+                base = seen.get(kid)
+                last_b, last_i = base if base is not None else (0.0, 0.0)
+                db = b - last_b if b >= last_b else b
+                di = i - last_i if i >= last_i else i
+                seen[kid] = [b, i]
+                path = k.get("path") or k.get("notebook")
+                if isinstance(path, str) and path:
+                    notebooks[kid] = path[:1000]
+                if k.get("state") == "suspended":
+                    lv.suspended.add(kid)
+                mem = int(_num(k.get("mem_peak_mib")))
+                if mem > row["mem_peak_mib"]:
+                    row["mem_peak_mib"] = mem
+                kparts.append((kid, max(0.0, db + di) * fraction, (db if db > 0.0 else 0.0) * fraction, mem))
         self._advance(lv, t0, t1, busy)
         for kid, held, kbusy, mem in kparts:
             self._add(lv, kid, lv.nb.get(kid, ""), t0, t1, held, kbusy, mem)
@@ -422,8 +440,11 @@ class UsageRecorder:
                     out.samples.append((row["lease_id"], kernel, *p))
                 lv.pending[kernel] = [notebook, t0, t1, held, busy, mem]
         span = t1 - t0
-        parts = list(_hours(t0, t1)) if span > 0 else [(int(t0 // HOUR) * HOUR, 1.0)]
-        span = span if span > 0 else 1.0
+        if span > 0:
+            h = int(t0 // HOUR) * HOUR
+            parts = ((h, span),) if t1 <= h + HOUR else _hours(t0, t1)  # (most intervals lie in one hour)
+        else:
+            parts, span = ((int(t0 // HOUR) * HOUR, 1.0),), 1.0
         for h, part in parts:
             key = (h, row["lease_id"], kernel)
             v = out.hours.get(key)
