@@ -69,9 +69,9 @@ class HealthKeeper:
         self.raw: list[GPU] = list(manager.inventory())  # the pool as the device backend reports it
         self._by_uuid: dict[str, GPU] = {g.uuid: g for g in self.raw}
         self._windows: list[MaintenanceWindow] | None = None  # self.windows as the scheduler's (cached)
-        self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too)
+        self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too), if anything
         self._xids_seen: dict[str, dict[int, int]] = {}
-        self._looks: dict[str, tuple] = {}  # GPU uuid -> (its health, hot) at the last look
+        self._looks: dict[str, Any] = {}  # GPU uuid -> its health report at the last look
         self._busy = False
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -160,10 +160,11 @@ class HealthKeeper:
                 if s is None:
                     continue
                 h = s.health
-                looks = (h, is_hot(s.temperature_c, getattr(s, "temperature_slowdown_c", None)))
-                if self._looks.get(g.uuid) == looks and not self.findings.get(g.uuid) and target_key("device", g.uuid) not in self.cordons:
-                    continue  # healthy and as at the last look (so no new XID): nothing to judge
-                self._looks[g.uuid] = looks
+                seen = self._looks.get(g.uuid)
+                if ((seen is h or seen == h) and g.uuid not in self.findings and target_key("device", g.uuid) not in self.cordons
+                        and not is_hot(s.temperature_c, getattr(s, "temperature_slowdown_c", None))):
+                    continue  # healthy, not hot, and as at the last look (so no new XID): nothing to judge
+                self._looks[g.uuid] = h
                 counts = h.xid_counts()
                 before = self._xids_seen.get(g.uuid)
                 self._xids_seen[g.uuid] = counts
@@ -171,7 +172,10 @@ class HealthKeeper:
                 hd = h.to_dict()
                 found = assess(hd, temperature_c=s.temperature_c, slowdown_c=getattr(s, "temperature_slowdown_c", None),
                                xids=xids, ecc_new=int(h.ecc_uncorrected or 0))
-                self.findings[g.uuid] = found
+                if found:
+                    self.findings[g.uuid] = found
+                else:
+                    self.findings.pop(g.uuid, None)  # (the healthy majority of a large pool holds nothing here)
                 act = strongest(found)
                 key = target_key("device", g.uuid)
                 row = self.cordons.get(key)
