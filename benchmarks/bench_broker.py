@@ -486,7 +486,8 @@ def guard_main(port: int, servers: int, interval: float, users: int, hold: float
         spy = None
         if py_spy:
             fmt = "speedscope" if py_spy.endswith(".json") else "raw"
-            spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "-p", str(server_pid), "-o", py_spy, "-f", fmt, "-r", "200",
+            beside = Path(sys.executable).with_name("py-spy")  # installed in this Python's environment, or on the PATH
+            spy = subprocess.Popen([str(beside) if beside.exists() else shutil.which("py-spy") or "py-spy", "record", "-p", str(server_pid), "-o", py_spy, "-f", fmt, "-r", "200",
                                     "-d", str(math.ceil(interval)), "--nonblocking"], stdout=subprocess.DEVNULL)
         cpu_before = thread_cpu(server_pid)
         t0 = time.perf_counter()
