@@ -7,9 +7,12 @@ Each build (``--base``: a ``git archive`` of that revision in a temporary folder
 or ``--this-rev``) runs in its own process, alternately, ``--rounds`` times. A round: a manager
 over a SQLite file (``synchronous=OFF``, so the figure is the broker's CPU, not the disk's) with
 ``--leases`` active leases on a pool of quarter-GPU shares, then ``--heartbeats`` heartbeats
-from 200 concurrent callers (the group commit batches them), then every live lease read as the
-API shows it (``get``, ``lease_json``, ``warnings``) ``--reads`` times. The process's CPU time
-per call is printed (median of the rounds); nothing is asserted.
+from 200 concurrent callers (the group commit batches them), each with the usage a server
+extension sends (its device and two kernels, as ``bench_broker.py``'s guard), then every live
+lease read as the API shows it (``get``, ``lease_json``, ``warnings``) ``--reads`` times. A build
+whose manager keeps usage records and durable counters does so here as in the broker (the
+broker's own ``UsageRecorder`` and ``count_events``). The process's CPU time per call is
+printed (median of the rounds); nothing is asserted.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def one_round(leases: int, heartbeats: int, reads: int, folder: str) -> dict:
+    from bench_broker import heartbeat_body
+
     from jupyter_gpulease.broker.manager import LeaseManager, SystemClock
     from jupyter_gpulease.core.policy import Policy
     from jupyter_gpulease.core.request import Ask, parse_request
@@ -38,14 +43,22 @@ async def one_round(leases: int, heartbeats: int, reads: int, folder: str) -> di
 
     gpus = get_backend("simulated", {"gpus": [{"node": f"n{i}", "model": "A100", "count": 8, "memory_mib": 81920} for i in range(leases // 32 + 1)]}).inventory()
     sched = Scheduler(gpus, Policy(confirm_timeout_s=None))
-    manager = LeaseManager(sched, LeaseStore(f"sqlite:///{folder}/bench.sqlite", sqlite_synchronous="OFF"), clock=SystemClock())
+    store = LeaseStore(f"sqlite:///{folder}/bench.sqlite", sqlite_synchronous="OFF")
+    try:  # what the broker's manager records besides the leases, where this build has it
+        from jupyter_gpulease.broker.metrics import count_events
+        from jupyter_gpulease.broker.usage import UsageRecorder
+
+        manager = LeaseManager(sched, store, clock=SystemClock(), count_totals=count_events, usage_recorder=UsageRecorder(write_s=300.0))
+    except (ImportError, TypeError):
+        manager = LeaseManager(sched, store, clock=SystemClock())
     await manager.start()
-    ids = [(await manager.request(Ask(user=f"u{i % 500}", request=parse_request({"share": 0.25}), duration_s=3600)))["id"] for i in range(leases)]
-    usage = {"gpu_util": 40, "memory_used_mib": 1000, "kernels": [{"id": "k1", "busy": True}, {"id": "k2", "busy": False}]}
+    granted = [await manager.request(Ask(user=f"u{i % 500}", request=parse_request({"share": 0.25}), duration_s=3600)) for i in range(leases)]
+    ids = [d["id"] for d in granted]
 
     async def caller(k: int) -> None:
         for j in range(k, heartbeats, 200):
-            await manager.heartbeat(ids[j % leases], usage)
+            i = j % leases
+            await manager.heartbeat(ids[i], heartbeat_body(granted[i], time.time(), i)["usage"])
 
     t = time.process_time()
     await asyncio.gather(*(caller(k) for k in range(200)))

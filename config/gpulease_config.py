@@ -67,6 +67,7 @@ c.GPULeaseBroker.fair_share_half_life_s = 7 * 24 * 3600  # seconds
 c.GPULeaseBroker.backfill = True  # small requests may start ahead of a blocked big one if they do not delay it
 c.GPULeaseBroker.preemption = True
 c.GPULeaseBroker.reservation_depth = 100  # queued leases that get a reservation and an ETA each pass
+c.GPULeaseBroker.max_queued_per_user = 100  # requests one user may have waiting; one more is answered 429; 0: no limit
 c.GPULeaseBroker.extend_when_contended = False  # refuse extensions while a lease of the same or a higher tier (or an aged one) waits for these GPUs
 c.GPULeaseBroker.aging_s = 1800  # s: a lease waiting this long goes before newer higher-tier ones; 0: never
 c.GPULeaseBroker.multi_gpu_aging = 1.0  # a request for several whole GPUs ages after aging x this (0.5: sooner)

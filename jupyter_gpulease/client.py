@@ -30,6 +30,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 SERVICE_NAME = "gpulease"
 RETRY_STATUSES = frozenset({502, 503, 504})
+LIST_PAGE_MAX = 2000  # the most leases the broker answers in one page of a list
 
 
 class BrokerError(Exception):
@@ -274,8 +275,23 @@ class BrokerClient:
         return await self._call("GET", f"api/leases/{quote(lease_id, safe='')}")
 
     async def list_leases(self, state: str | None = None, user: str | None = None, limit: int | None = None) -> list[dict]:
-        """Leases by state ('live' by default; 'ended' and 'all' list at most ``limit`` ended ones, newest first)."""
-        return (await self._call("GET", "api/leases", query={"state": state, "user": user, "limit": limit}))["leases"]
+        """Leases by state ('live' by default: oldest first; ended ones newest first; 'all': the
+        live ones, then the ended ones), every page of them: the broker answers a list a page at
+        a time and this follows its ``next_cursor`` to the end. ``limit``: at most this many
+        (ended histories are long: the CLI passes one). A lease that ends while the pages of
+        'all' are read is listed once, as it was last seen."""
+        found: dict[str, dict] = {}
+        cursor = None
+        while True:  # (a limit the broker refuses, such as 0, is its 400 to answer)
+            page_size = min(limit - len(found), LIST_PAGE_MAX) if limit is not None else None
+            data = await self._call("GET", "api/leases", query={"state": state, "user": user, "limit": page_size, "cursor": cursor})
+            for lease in data["leases"]:
+                found[lease["id"]] = lease
+            cursor = data.get("next_cursor")
+            if not cursor or (limit is not None and len(found) >= limit):  # the last page (or a broker that answers lists whole)
+                break
+        out = list(found.values())
+        return out[:limit] if limit is not None else out
 
     async def extend(self, lease_id: str, *, by_s: float | None = None, until: float | None = None) -> dict:
         body: dict[str, Any] = {}

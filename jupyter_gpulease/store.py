@@ -852,14 +852,21 @@ class LeaseStore:
         d = self.get_lease_dict(lease_id)
         return Lease.from_dict(d) if d is not None else None
 
-    def list_lease_dicts(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None) -> list[dict[str, Any]]:
-        """Lease dicts, newest first, filtered by user and states (values of :class:`LeaseState`)."""
+    def list_lease_dicts(self, user: str | None = None, states: Iterable[str] | None = None, *, limit: int | None = None,
+                         before: tuple[float, int, str] | None = None) -> list[dict[str, Any]]:
+        """Lease dicts, newest first (by creation, arrival, id), filtered by user and states
+        (values of :class:`LeaseState`); ``before``: only those after this (created_at, seq, id)
+        in that order (the next page of a list)."""
         q = select(LEASES.c.data)
         if user is not None:
             q = q.where(LEASES.c.user == user)
         if states is not None:
             q = q.where(LEASES.c.state.in_([getattr(st, "value", st) for st in states]))
-        q = q.order_by(LEASES.c.created_at.desc(), LEASES.c.seq.desc())
+        if before is not None:
+            c, s, i = LEASES.c.created_at, LEASES.c.seq, LEASES.c.id
+            at, seq, lid = before
+            q = q.where((c < at) | ((c == at) & ((s < seq) | ((s == seq) & (i < lid)))))
+        q = q.order_by(LEASES.c.created_at.desc(), LEASES.c.seq.desc(), LEASES.c.id.desc())
         if limit:
             q = q.limit(limit)
         with self.engine.connect() as conn:

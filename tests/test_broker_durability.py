@@ -280,3 +280,15 @@ def test_the_broker_process_tunes_the_garbage_collector_once_it_serves():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_the_broker_process_hands_the_gil_back_to_its_loop_within_a_millisecond_once_it_serves():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from jupyter_gpulease.broker.app import tune_switching, SWITCH_INTERVAL_S as S; "
+         "before = sys.getswitchinterval(); tune_switching(); print(before, sys.getswitchinterval() == S == 0.001)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["0.005", "True"]

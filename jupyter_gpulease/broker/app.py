@@ -57,7 +57,7 @@ from .orphan import OrphanHandover
 from .settings import SERVICE_NAME, BrokerSettings
 from .unleased import BACKENDS_WITH_PROCESSES
 
-__all__ = ["EXIT_CONFIG", "EXIT_LOST_DB", "GC_GEN0_THRESHOLD", "SERVICE_NAME", "GPULeaseBroker", "load_openapi", "main", "tune_gc"]
+__all__ = ["EXIT_CONFIG", "EXIT_LOST_DB", "GC_GEN0_THRESHOLD", "SERVICE_NAME", "GPULeaseBroker", "load_openapi", "main", "tune_gc", "tune_switching"]
 
 EXIT_CONFIG = 2  # the config is wrong: restarting will not help
 EXIT_LOST_DB = 3  # the database failed: a fresh broker (or the standby) carries on
@@ -411,6 +411,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         self._exit_on_lost_database = True
         if await self.start_async():
             tune_gc()
+            tune_switching()
             await self._stopping.wait()
         await self.stop_async()
 
@@ -455,6 +456,19 @@ def tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+SWITCH_INTERVAL_S = 0.001
+
+
+def tune_switching() -> None:
+    """The broker's own process, once it serves: a thread that holds the GIL (the store's writer,
+    the device samples of a large pool) hands it back to the event loop within 1 ms instead of
+    Python's 5 ms. The loop lets go of the GIL at every socket read and write and every wait for
+    events, and may then wait up to the switch interval to get it back while a worker computes:
+    a heartbeat does that several times, which made tens of milliseconds under a pool's device
+    sample (``benchmarks/bench_broker.py --stalls``)."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def _route_library_logs(app: GPULeaseBroker) -> None:

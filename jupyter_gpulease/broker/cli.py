@@ -27,7 +27,8 @@ from ..core.text import parse_duration as core_parse_duration
 from .present import describe_placement, describe_request, local_time
 
 # the options a broker error's field corresponds to, to name them in its message
-FIELD_OPTIONS = {"by_s": "--by", "until": "--until", "reason": "--reason", "state": "--state", "user": "--user", "id": "LEASE"}
+FIELD_OPTIONS = {"by_s": "--by", "until": "--until", "reason": "--reason", "state": "--state", "user": "--user", "id": "LEASE", "limit": "--limit"}
+ENDED_SHOWN = 1000  # ended leases listed (and searched for an id prefix) unless --limit says otherwise
 
 
 def command_parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
@@ -152,7 +153,8 @@ async def resolve_id(client: BrokerClient, lease_id: str) -> str:
     """Accept a unique prefix of one of the caller's lease ids (the tables show 12 characters)."""
     if len(lease_id) >= 32:
         return lease_id
-    matches = [x["id"] for x in await client.list_leases(state="all") if x["id"].startswith(lease_id)]
+    leases = await client.list_leases(state="live") + await client.list_leases(state="ended", limit=ENDED_SHOWN)
+    matches = list(dict.fromkeys(x["id"] for x in leases if x["id"].startswith(lease_id)))
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
@@ -199,12 +201,21 @@ def leases_main(argv: list[str] | None = None) -> int:
     p = command_parser("leases", "List leases: yours, or everyone's with the admin scope.")
     p.add_argument("--state", default="live", help="live (default: queued and active), queued, active, ended, all, or a final state such as expired")
     p.add_argument("--user", default=None, help="only this user's leases (admins)")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"at most this many (default: every live one; with --state ended, all or a final state: the {ENDED_SHOWN} newest ended)")
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        print("error: --limit must be at least 1", file=sys.stderr)
+        return 2
+    limit = args.limit if args.limit is not None or args.state in ("live", "queued", "active") else ENDED_SHOWN
 
     async def go(client):
-        leases = await client.list_leases(state=args.state, user=args.user)
+        # the broker answers a page at a time: the client follows them up to the limit
+        leases = await client.list_leases(state=args.state, user=args.user, limit=limit)
         if not args.json:
             print(lease_rows(leases, time.time()) if leases else "No leases.")
+            if limit is not None and len(leases) >= limit:
+                print(f"(the first {limit}; --limit for more)")
         return leases
 
     return run_command(args, go)

@@ -25,6 +25,7 @@ from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState
 from ..core.request import Ask, parse_ask
 from . import inputs
 from .feed import TooManyStreams
+from .listing import LIST_LIMIT, MAX_LIST_LIMIT, Cursor
 from .manager import STOPPING, Unavailable
 
 RELEASE_FIELDS = {"reason", "state", "keep_server", "grace_s"}
@@ -33,7 +34,7 @@ STATE_FILTERS = {"live", "queued", "active", "ended", "all"} | {s.value for s in
 MAX_POLL_S = 300.0
 MAX_NAME_LEN = 255  # user and server names: JupyterHub's limit, and the store's column width
 MAX_EVENT_ID = 2**63 - 1  # the largest id a SQL integer column holds
-ENDED_LIMIT = 1000  # ended leases listed at most, newest first, unless ?limit= says otherwise
+PAGE_SLICE = 100  # leases serialised between two turns of the loop when a page is written
 MAX_ESTIMATES = 32
 ERROR_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed", 413: "TooLarge", 429: "TooManyRequests"}
 
@@ -242,20 +243,28 @@ class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
         try:
             if self._early_error is not None:
                 raise self._early_error
-            if not self.needs_token:
-                return
-            model = await self.authenticate()
-            if not model:
-                raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
+            if self.needs_token:
+                model = await self.authenticate()
+                if not model:
+                    raise web.HTTPError(401, "a valid JupyterHub token is required: send 'Authorization: token <token>'")
+                self.current_user = model
+            self._check_query()
         except Exception as e:
             self._answer_after_body(functools.partial(_raise, e))
-            return
-        self.current_user = model
 
     @property
     def needs_token(self) -> bool:
         """Whether a call must bring a hub token (the API's description does not)."""
         return True
+
+    #: query arguments a call may give more than once (each value counts); any other given
+    #: twice is a 400: which of ``?user=bob&user=alice`` was meant is not for the broker to guess
+    repeatable_arguments: frozenset[str] = frozenset()
+
+    def _check_query(self) -> None:
+        for name, values in self.request.query_arguments.items():
+            if len(values) > 1 and name not in self.repeatable_arguments:
+                raise BadRequest(f"the query argument {name!r} is given {len(values)} times; give it once", field=name)
 
     def _track(self) -> None:
         """The broker's stop lets the calls it is answering finish (see ``stop_async``)."""
@@ -357,6 +366,8 @@ class PoolHandler(APIHandler):
     broker's token needs ``read:users:groups``), else none.
     """
 
+    repeatable_arguments = frozenset({"group"})
+
     async def get(self):
         user = self.get_argument("user", None)
         every = inputs.query_flag(self.get_argument("all", None), "all")
@@ -387,6 +398,8 @@ class PoolHandler(APIHandler):
 
 
 class LeasesHandler(APIHandler):
+    """``GET api/leases``: one page of a list (see :mod:`.listing`); ``POST``: a request."""
+
     async def get(self):
         state = self.get_argument("state", "live")
         if state not in STATE_FILTERS:
@@ -396,9 +409,29 @@ class LeasesHandler(APIHandler):
             raise Forbidden("only admins may list other users' leases", field="user")
         if user is None and not self.is_admin:
             user = self.caller_name
-        limit = self.query_number("limit", ENDED_LIMIT, integer=True, minimum=1, maximum=100_000)
-        leases = await self.manager.list(user=user, state=state, limit=limit)
-        self.write_json({"leases": [self.lease_json(d) for d in leases]})
+        # a larger limit (older clients asked for up to 100,000) is taken as the largest page
+        limit = min(self.query_number("limit", LIST_LIMIT, integer=True, minimum=1, maximum=100_000), MAX_LIST_LIMIT)
+        raw = self.get_argument("cursor", None)
+        after = Cursor.decode(raw, state, user) if raw is not None else None
+        leases, more = await self.manager.page(user=user, state=state, limit=limit, after=after)
+        await self.write_page(leases, limit, more.encode(state, user) if more is not None else None)
+
+    async def write_page(self, leases: list[dict], limit: int, next_cursor: str | None) -> None:
+        """``{"leases": [...], "limit", "next_cursor"}``, written in slices of
+        :data:`PAGE_SLICE` leases: the loop answers other calls between two of them, and no
+        large answer is held whole in memory."""
+        tail = f'], "limit": {limit}, "next_cursor": {json.dumps(next_cursor)}}}'
+        if len(leases) <= PAGE_SLICE:
+            self.finish('{"leases": [' + ", ".join(json.dumps(self.lease_json(d)) for d in leases) + tail)
+            return
+        self.write('{"leases": [')
+        for i in range(0, len(leases), PAGE_SLICE):
+            self.write((", " if i else "") + ", ".join(json.dumps(self.lease_json(d)) for d in leases[i:i + PAGE_SLICE]))
+            try:
+                await self.flush()
+            except StreamClosedError:
+                return  # the client went away
+        self.finish(tail)
 
     async def post(self):
         body = self.json_body()

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import health_store
-from ..core.health import HEALTH_META, Action, Finding, assess, new_xids, strongest
+from ..core.health import HEALTH_META, Action, Finding, assess, is_hot, new_xids, strongest
 from ..core.maintenance import MaintenanceWindow
 from ..core.model import GPU, BadRequest, Conflict, LeaseState, NotFound
 from ..core.text import format_duration
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DRAIN_ACTIONS = ("suspend", "restart")
 MODES = ("cordon", "drain", "drain_when_idle")  # cordon: no new grants; drain: and move the holders; drain_when_idle: they run to their end
+JUDGE_SLICE = 1000  # GPUs judged between two turns of the event loop
 
 
 def target_key(kind: str, name: str) -> str:
@@ -68,8 +69,9 @@ class HealthKeeper:
         self.raw: list[GPU] = list(manager.inventory())  # the pool as the device backend reports it
         self._by_uuid: dict[str, GPU] = {g.uuid: g for g in self.raw}
         self._windows: list[MaintenanceWindow] | None = None  # self.windows as the scheduler's (cached)
-        self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too)
+        self.findings: dict[str, list[Finding]] = {}  # GPU uuid -> what its last sample showed (watch findings too), if anything
         self._xids_seen: dict[str, dict[int, int]] = {}
+        self._looks: dict[str, Any] = {}  # GPU uuid -> its health report at the last look
         self._busy = False
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -151,11 +153,18 @@ class HealthKeeper:
         now = self.manager.now()
         async with self._lock:
             changed = False
-            for g in self.raw:
+            for i, g in enumerate(list(self.raw)):
+                if i and not i % JUDGE_SLICE:
+                    await asyncio.sleep(0)  # a pool of thousands of GPUs: calls are answered in between
                 s = samples.get(g.uuid)
                 if s is None:
                     continue
                 h = s.health
+                seen = self._looks.get(g.uuid)
+                if ((seen is h or seen == h) and g.uuid not in self.findings and target_key("device", g.uuid) not in self.cordons
+                        and not is_hot(s.temperature_c, getattr(s, "temperature_slowdown_c", None))):
+                    continue  # healthy, not hot, and as at the last look (so no new XID): nothing to judge
+                self._looks[g.uuid] = h
                 counts = h.xid_counts()
                 before = self._xids_seen.get(g.uuid)
                 self._xids_seen[g.uuid] = counts
@@ -163,7 +172,10 @@ class HealthKeeper:
                 hd = h.to_dict()
                 found = assess(hd, temperature_c=s.temperature_c, slowdown_c=getattr(s, "temperature_slowdown_c", None),
                                xids=xids, ecc_new=int(h.ecc_uncorrected or 0))
-                self.findings[g.uuid] = found
+                if found:
+                    self.findings[g.uuid] = found
+                else:
+                    self.findings.pop(g.uuid, None)  # (the healthy majority of a large pool holds nothing here)
                 act = strongest(found)
                 key = target_key("device", g.uuid)
                 row = self.cordons.get(key)

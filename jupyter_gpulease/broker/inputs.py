@@ -72,8 +72,10 @@ def depth(v: Any, limit: int) -> int:
     return deepest
 
 
-# one decoder for every body (json.loads with an option builds a new one per call)
+# one decoder for every body and one compact encoder for the sizes (json.loads or json.dumps
+# with an option builds a new one per call)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # ASCII out (ensure_ascii): its length is its size in bytes
 
 
 def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
@@ -82,15 +84,23 @@ def parse_body(raw: bytes, limits: Limits) -> dict[str, Any]:
         return {}
     if len(raw) > limits.body_bytes:
         raise TooLarge(f"the request body is {len(raw)} bytes, over the limit of {limits.body_bytes}", field="body")
+    if isinstance(raw, bytes):
+        # as json.loads: UTF-8 unless a BOM or the NUL bytes of UTF-16/32 say otherwise ('{' then
+        # a byte other than NUL is UTF-8 to json.detect_encoding too, without asking it)
+        text = raw.decode("utf-8" if raw[:1] == b"{" and raw[1:2] != b"\x00" else json.detect_encoding(raw), "surrogatepass")
+    else:
+        text = raw
     try:
-        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass") if isinstance(raw, bytes) else raw)  # as json.loads
+        body = _DECODER.decode(text)
     except RecursionError:
         raise BadRequest(f"the request body is nested too deeply (the limit is {limits.json_depth} levels)", field="body") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}", field="body") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object", field="body")
-    if depth(body, limits.json_depth) > limits.json_depth:
+    # nesting needs an opening bracket per level: a text with no more of them than the limit
+    # cannot be nested deeper, and its parsed value need not be walked
+    if text.count("{") + text.count("[") > limits.json_depth and depth(body, limits.json_depth) > limits.json_depth:
         raise BadRequest(f"the request body is nested too deeply (the limit is {limits.json_depth} levels)", field="body")
     return body
 
@@ -102,7 +112,7 @@ def json_object(body: dict, name: str, max_bytes: int) -> dict[str, Any]:
         return {}
     if not isinstance(v, dict):
         raise BadRequest(f"'{name}' must be a JSON object", field=name)
-    size = len(json.dumps(v, separators=(",", ":")).encode())
+    size = len(_COMPACT.encode(v))
     if size > max_bytes:
         raise TooLarge(f"'{name}' is {size} bytes as JSON, over the limit of {max_bytes}", field=name)
     return v

@@ -404,6 +404,10 @@ class LeaseManager:
         """Leases by ``state`` (awaitable): see :meth:`.reads.LeaseReads.list`."""
         return self.reads.list(user=user, state=state, limit=limit)
 
+    def page(self, *, user: str | None = None, state: str = "live", limit: int, after=None) -> Awaitable[tuple[list[dict[str, Any]], Any]]:
+        """One page of a list and the next page's cursor (awaitable): see :meth:`.reads.LeaseReads.page`."""
+        return self.reads.page(user=user, state=state, limit=limit, after=after)
+
     def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> Awaitable[list[dict]]:
         """Committed events after ``since`` (awaitable)."""
         return self.reads.events_since(since, lease_id=lease_id, user=user, limit=limit)

@@ -9,6 +9,7 @@ the committed state changes only when a batch is on disk (:meth:`LeaseReads.appl
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
@@ -21,6 +22,7 @@ from ..store import Batch, LeaseStore
 from .commit import LIVE, TERMINAL
 from .ends import end_message, ended_by
 from .feed import Feed
+from .listing import Cursor, key_of
 
 WarningSource = Callable[[dict[str, Any]], list[dict[str, Any]]]
 
@@ -123,6 +125,39 @@ class LeaseReads:
         states = TERMINAL if state == "ended" else (state,)
         return await self.in_reader(self.store.list_lease_dicts, user, states, limit=limit)
 
+    async def page(self, *, user: str | None = None, state: str = "live", limit: int, after: Cursor | None = None) -> tuple[list[dict[str, Any]], Cursor | None]:
+        """One page of the leases :meth:`list` lists (see :mod:`.listing`): at most ``limit``
+        after the cursor ``after``, and the cursor of the next page (None: this was the last).
+
+        Live ones as committed (the ``limit`` first after the cursor, without sorting them all);
+        ended ones from the store. On a page of ``all``, a lease that ended after its live copy
+        was taken shows as ended only."""
+        page: list[dict[str, Any]] = []
+        if state in ("live", *LIVE) or (state == "all" and (after is None or after.phase == "live")):
+            since = after.key if after is not None and after.key is not None else None
+            only = None if state in ("live", "all") else state
+            picked = (d for d in self.committed.values()
+                      if (user is None or d["user"] == user) and (only is None or d["state"] == only) and (since is None or key_of(d) > since))
+            page = heapq.nsmallest(limit + 1, picked, key=key_of)
+            if len(page) > limit:
+                page = page[:limit]
+                return page, Cursor("live", key_of(page[-1]))
+            if state != "all":
+                return page, None
+            before = None
+        else:
+            before = after.key if after is not None else None
+        room = limit - len(page)
+        ended = await self.in_reader(self.store.list_lease_dicts, user, TERMINAL if state in ("ended", "all") else (state,),
+                                     limit=room + 1, before=before)
+        if page:
+            gone = {d["id"] for d in ended}
+            page = [d for d in page if d["id"] not in gone]
+        if len(ended) <= room:
+            return page + ended, None
+        ended = ended[:room]
+        return page + ended, Cursor("ended", key_of(ended[-1]) if ended else before)
+
     async def events_since(self, since: int, *, lease_id: str | None = None, user: str | None = None, limit: int = 500) -> list[dict]:
         """Committed events after ``since``: from memory when recent, else from the store."""
         events = self.feed.since(since, user=user, lease_id=lease_id, limit=limit)
@@ -149,16 +184,12 @@ class LeaseReads:
         that idle reclaim gives their lease back by then if they stay idle. None when one of them
         computes, says nothing, or the deadline is not before the ETA. (The scheduler plans with
         lease ends only; this is the broker's reading of the heartbeats.)"""
-        promised = {u for u, lid in self.scheduler._found.promised_to.items() if lid == lease_id}
-        if not promised:
+        holders = self.scheduler.promised_holders(lease_id)
+        if not holders:
             return None
         now = self.now()
         latest = None
-        for lease in self.scheduler.leases.values():
-            if lease.state is not LeaseState.ACTIVE or lease.placement is None:
-                continue
-            if not any(sl.gpu_uuid in promised or (sl.mig_uuid and sl.mig_uuid in promised) for sl in lease.placement.slices):
-                continue
+        for lease in holders:
             at = (lease.usage or {}).get("lease_reclaim_at")
             if isinstance(at, bool) or not isinstance(at, (int, float)) or at <= now:
                 return None  # a holder that computes (or says nothing) keeps it until its lease ends

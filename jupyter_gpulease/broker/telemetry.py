@@ -48,6 +48,7 @@ class DeviceTelemetry:
         self.xids: dict[tuple[str, int], float] = {}
         self._xid_seen: dict[str, dict[int, int]] = {}
         self._resets: dict[str, int] = {}
+        self._health_seen: dict[str, Any] = {}  # device uuid -> its health report at the last look
         self.started_at = time.time()
         self.last_error = ""
         self.listeners: list[Callable[[DeviceTelemetry], None]] = list(listeners)
@@ -61,13 +62,18 @@ class DeviceTelemetry:
 
     def observe(self, samples: dict[str, Any]) -> None:
         """Take one sample of the backend (on the loop): keep it, count the new XIDs."""
-        known = {g.uuid for g in self.manager.inventory()}
-        for g in self.manager.inventory():
-            known.update(m.uuid for m in g.mig)
+        inventory = self.manager.inventory()
+        known = {g.uuid for g in inventory}
+        known.update(m.uuid for g in inventory if g.mig for m in g.mig)
         kept = {u: s for u, s in samples.items() if u in known}
+        health_seen = self._health_seen
         for uuid, s in kept.items():
             if getattr(s, "parent_uuid", ""):
                 continue  # an instance repeats its GPU's health
+            seen = health_seen.get(uuid)
+            if seen is s.health or seen == s.health:
+                continue  # the same report as at the last look: no new XID, no reset
+            health_seen[uuid] = s.health
             counts = s.health.xid_counts()
             before = self._xid_seen.get(uuid)
             resets = int(getattr(s.health, "resets", 0) or 0)

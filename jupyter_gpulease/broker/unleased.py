@@ -138,7 +138,8 @@ class UnleasedDetector:
             self.last_error = ""
             processes = [await self._with_hub_user(p) for p in processes]
             now = self.manager.now()
-            findings = find_unleased(processes, self.manager.live())
+            # no process on the pool's GPUs (the usual case): nothing to match against every live lease
+            findings = find_unleased(processes, self.manager.live()) if processes else []
             changes = self.tracker.observe(now, findings, seen)
             events = [found_event(st, now, self.action) for st in changes.new]
             for e in events:

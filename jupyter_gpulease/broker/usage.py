@@ -170,17 +170,30 @@ def _weights(slices) -> dict[str, float]:
 
 @dataclass
 class _Live:
+    """One live lease's record. Held for every live lease (10,000 on a large hub) for hours: what
+    it holds is tuples and dicts of plain values where it can, which the garbage collector stops
+    tracking, so that its full collections (which stall the event loop) do not walk them all."""
+
     row: dict[str, Any]
     last_t: float
     weights: dict[str, float]
-    dev: dict[str, list[float]] = field(default_factory=dict)  # cumulative [busy_s, idle_s] last seen
-    ker: dict[str, list[float]] = field(default_factory=dict)
+    dev: dict[str, tuple[float, float]] = field(default_factory=dict)  # cumulative (busy_s, idle_s) last seen
+    ker: dict[str, tuple[float, float]] = field(default_factory=dict)
     nb: dict[str, str] = field(default_factory=dict)  # kernel -> notebook path
-    suspended: set[str] = field(default_factory=set)
-    # raw samples being gathered, per kernel ("" the lease): [notebook, t0, t1, held, busy, mem]
-    pending: dict[str, list] = field(default_factory=dict)
-    acc: UsageBatch = field(default_factory=UsageBatch)  # roll-up increments not handed over yet
+    suspended: set[str] | None = None  # kernels seen suspended (None: none)
+    # raw samples being gathered, per kernel ("" the lease): (notebook, t0, t1, held, busy, mem)
+    pending: dict[str, tuple] = field(default_factory=dict)
+    # roll-up increments, raw samples and counters not handed over yet (as in a UsageBatch)
+    hours: dict[tuple[int, str, str], tuple] = field(default_factory=dict)
+    days: dict[tuple[int, str, str, str, str], tuple[float, float]] = field(default_factory=dict)
+    totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
+    samples: tuple[tuple, ...] = ()
     taken_at: float | None = None  # when this record was last handed over (None: at the next take)
+
+    def suspend(self, kernel: str) -> None:
+        if self.suspended is None:
+            self.suspended = set()
+        self.suspended.add(kernel)
 
 
 def _hours(t0: float, t1: float):
@@ -194,6 +207,11 @@ def _hours(t0: float, t1: float):
 
 
 def _num(v: Any) -> float:
+    t = type(v)
+    if t is float:  # the usual cases first: a heartbeat carries dozens of figures
+        return v if math.isfinite(v) else 0.0
+    if t is int:
+        return float(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
@@ -224,10 +242,11 @@ class UsageRecorder:
         for r in rows:
             st = dict(r.get("state") or {})
             row = {k: v for k, v in r.items()}
+            row["groups"], row["state"] = tuple(row.get("groups") or ()), {}  # (the state lives in the record's fields)
             self.live[r["lease_id"]] = _Live(row, float(st.get("last_t", r["granted_at"])), dict(st.get("weights") or {}),
-                                             {k: list(v) for k, v in (st.get("dev") or {}).items()},
-                                             {k: list(v) for k, v in (st.get("ker") or {}).items()},
-                                             dict(st.get("nb") or {}), set(st.get("susp") or ()))
+                                             {k: tuple(v) for k, v in (st.get("dev") or {}).items()},
+                                             {k: tuple(v) for k, v in (st.get("ker") or {}).items()},
+                                             dict(st.get("nb") or {}), set(st.get("susp") or ()) or None)
         if live is None:
             return []
         live = set(live)
@@ -268,7 +287,7 @@ class UsageRecorder:
         f = slice_facts(lease)
         granted = float(lease.granted_at)
         row = {
-            "lease_id": lease.id, "user": lease.user, "team": self.accounting.team(lease.user, lease.groups), "groups": sorted(lease.groups),
+            "lease_id": lease.id, "user": lease.user, "team": self.accounting.team(lease.user, lease.groups), "groups": tuple(sorted(lease.groups)),
             "tier": lease.tier, "model": f["model"], "slice_kind": f["slice_kind"], "slice": f["slice"], "gpus": f["gpus"],
             "fraction": f["fraction"], "mem_mib": f["mem_mib"], "asked_s": float(lease.duration_s), "created_at": float(lease.created_at),
             "granted_at": granted, "ended_at": None, "end_state": LeaseState.ACTIVE.value, "queue_wait_s": max(0.0, granted - float(lease.created_at)),
@@ -291,40 +310,53 @@ class UsageRecorder:
         t0, t1 = lv.last_t, max(lv.last_t, now)
         busy = 0.0
         row = lv.row
-        devices = usage.get("devices") if isinstance(usage.get("devices"), dict) else {}
-        default_w = row["fraction"] / max(1, row["gpus"])
-        for uuid, d in devices.items():
-            if not isinstance(d, dict):
-                continue
-            b, i = _num(d.get("busy_s")), _num(d.get("idle_s"))
-            base = lv.dev.get(uuid, [0.0, 0.0])
-            db = b - base[0] if b >= base[0] else b  # a counter that went back: the server started again
-            w = lv.weights.get(uuid, default_w)
-            busy += max(0.0, db) * w
-            lv.dev[uuid] = [b, i]
-            dv = row["devices"].setdefault(uuid, {"busy_gpu_s": 0.0, "mem_peak_mib": 0})
-            dv["busy_gpu_s"] += max(0.0, db) * w
-            dv["mem_peak_mib"] = max(dv["mem_peak_mib"], int(_num(d.get("mem_peak_mib"))))
-            row["mem_peak_mib"] = max(row["mem_peak_mib"], dv["mem_peak_mib"])
-        kernels = usage.get("kernels") if isinstance(usage.get("kernels"), dict) else {}
+        # (on every heartbeat of every server: written for few calls per figure)
+        devices = usage.get("devices")
+        if isinstance(devices, dict) and devices:
+            default_w = row["fraction"] / max(1, row["gpus"])
+            seen, weights, row_devices = lv.dev, lv.weights, row["devices"]
+            for uuid, d in devices.items():
+                if not isinstance(d, dict):
+                    continue
+                b, i = _num(d.get("busy_s")), _num(d.get("idle_s"))
+                base = seen.get(uuid)
+                last = base[0] if base is not None else 0.0
+                db = b - last if b >= last else b  # a counter that went back: the server started again
+                added = (db if db > 0.0 else 0.0) * weights.get(uuid, default_w)
+                busy += added
+                seen[uuid] = (b, i)
+                dv = row_devices.get(uuid)
+                if dv is None:
+                    dv = row_devices[uuid] = {"busy_gpu_s": 0.0, "mem_peak_mib": 0}
+                dv["busy_gpu_s"] += added
+                mem = int(_num(d.get("mem_peak_mib")))
+                if mem > dv["mem_peak_mib"]:
+                    dv["mem_peak_mib"] = mem
+                if dv["mem_peak_mib"] > row["mem_peak_mib"]:
+                    row["mem_peak_mib"] = dv["mem_peak_mib"]
+        kernels = usage.get("kernels")
         kparts = []
-        for raw_kid, k in kernels.items():
-            if not isinstance(k, dict):
-                continue
-            kid = str(raw_kid)[:64]
-            b, i = _num(k.get("busy_s")), _num(k.get("idle_s"))
-            base = lv.ker.get(kid, [0.0, 0.0])
-            db = b - base[0] if b >= base[0] else b
-            di = i - base[1] if i >= base[1] else i
-            lv.ker[kid] = [b, i]
-            path = k.get("path") or k.get("notebook")
-            if isinstance(path, str) and path:
-                lv.nb[kid] = path[:1000]
-            if k.get("state") == "suspended":
-                lv.suspended.add(kid)
-            mem = int(_num(k.get("mem_peak_mib")))
-            row["mem_peak_mib"] = max(row["mem_peak_mib"], mem)
-            kparts.append((kid, max(0.0, db + di) * row["fraction"], max(0.0, db) * row["fraction"], mem))
+        if isinstance(kernels, dict) and kernels:
+            fraction, seen, notebooks = row["fraction"], lv.ker, lv.nb
+            for raw_kid, k in kernels.items():
+                if not isinstance(k, dict):
+                    continue
+                kid = raw_kid[:64] if type(raw_kid) is str else str(raw_kid)[:64]
+                b, i = _num(k.get("busy_s")), _num(k.get("idle_s"))
+                base = seen.get(kid)
+                last_b, last_i = base if base is not None else (0.0, 0.0)
+                db = b - last_b if b >= last_b else b
+                di = i - last_i if i >= last_i else i
+                seen[kid] = (b, i)
+                path = k.get("path") or k.get("notebook")
+                if isinstance(path, str) and path:
+                    notebooks[kid] = path[:1000]
+                if k.get("state") == "suspended":
+                    lv.suspend(kid)
+                mem = int(_num(k.get("mem_peak_mib")))
+                if mem > row["mem_peak_mib"]:
+                    row["mem_peak_mib"] = mem
+                kparts.append((kid, max(0.0, db + di) * fraction, (db if db > 0.0 else 0.0) * fraction, mem))
         self._advance(lv, t0, t1, busy)
         for kid, held, kbusy, mem in kparts:
             self._add(lv, kid, lv.nb.get(kid, ""), t0, t1, held, kbusy, mem)
@@ -347,7 +379,7 @@ class UsageRecorder:
         """A kernel of the lease was suspended (the simulator's reclaims that suspend)."""
         lv = self.live.get(lease_id)
         if lv is not None:
-            lv.suspended.add(kernel)
+            lv.suspend(kernel)
 
     def ended(self, lease, now: float) -> None:
         lv = self.live.pop(lease.id, None)
@@ -363,7 +395,7 @@ class UsageRecorder:
         row["end_state"] = lease.state.value
         row["reclaims"] = int(lease.state is LeaseState.RECLAIMED)
         row["preemptions"] = int(lease.state is LeaseState.PREEMPTED)
-        row["suspends"] = len(lv.suspended) or int(lease.state is LeaseState.RECLAIMED and "suspend" in (lease.end_reason or "").lower())
+        row["suspends"] = len(lv.suspended or ()) or int(lease.state is LeaseState.RECLAIMED and "suspend" in (lease.end_reason or "").lower())
         self._emit(lv, final=True)
 
     def flush_open(self, now: float) -> None:
@@ -412,37 +444,36 @@ class UsageRecorder:
 
     def _add(self, lv: _Live, kernel: str, notebook: str, t0: float, t1: float, held: float, busy: float, mem: int) -> None:
         row = lv.row
-        out = lv.acc
+        # (tuples replaced rather than lists changed in place: see _Live)
         if self.keep_samples:
             p = lv.pending.get(kernel)
             if p is not None and t1 - p[1] <= self.sample_s:
-                p[0], p[2], p[3], p[4], p[5] = notebook or p[0], max(p[2], t1), p[3] + held, p[4] + busy, max(p[5], mem)
+                lv.pending[kernel] = (notebook or p[0], p[1], max(p[2], t1), p[3] + held, p[4] + busy, max(p[5], mem))
             else:
                 if p is not None:
-                    out.samples.append((row["lease_id"], kernel, *p))
-                lv.pending[kernel] = [notebook, t0, t1, held, busy, mem]
+                    lv.samples += ((row["lease_id"], kernel, *p),)
+                lv.pending[kernel] = (notebook, t0, t1, held, busy, mem)
         span = t1 - t0
-        parts = list(_hours(t0, t1)) if span > 0 else [(int(t0 // HOUR) * HOUR, 1.0)]
-        span = span if span > 0 else 1.0
+        if span > 0:
+            h = int(t0 // HOUR) * HOUR
+            parts = ((h, span),) if t1 <= h + HOUR else _hours(t0, t1)  # (most intervals lie in one hour)
+        else:
+            parts, span = ((int(t0 // HOUR) * HOUR, 1.0),), 1.0
+        hours, days = lv.hours, lv.days
         for h, part in parts:
             key = (h, row["lease_id"], kernel)
-            v = out.hours.get(key)
+            v = hours.get(key)
             if v is None:
-                v = out.hours[key] = [notebook, row["user"], row["team"], row["model"], row["tier"], 0.0, 0.0, 0]
-            elif notebook:
-                v[0] = notebook
-            v[5] += held * part / span
-            v[6] += busy * part / span
-            v[7] = max(v[7], mem)
+                hours[key] = (notebook, row["user"], row["team"], row["model"], row["tier"], 0.0 + held * part / span, 0.0 + busy * part / span,
+                              max(0, mem))
+            else:
+                hours[key] = (notebook or v[0], v[1], v[2], v[3], v[4], v[5] + held * part / span, v[6] + busy * part / span, max(v[7], mem))
             if not kernel:
                 dkey = (h - h % DAY, row["user"], row["team"], row["model"], row["tier"])
-                d = out.days.get(dkey)
-                if d is None:
-                    d = out.days[dkey] = [0.0, 0.0]
-                d[0] += held * part / span
-                d[1] += busy * part / span
+                d = days.get(dkey) or (0.0, 0.0)
+                days[dkey] = (d[0] + held * part / span, d[1] + busy * part / span)
         if not kernel and (held or busy):
-            t = out.totals
+            t = lv.totals
             labels = (row["team"], row["model"])
             t[("usage_held", labels)] = t.get(("usage_held", labels), 0.0) + held
             t[("usage_busy", labels)] = t.get(("usage_busy", labels), 0.0) + busy
@@ -453,29 +484,22 @@ class UsageRecorder:
 
     def _flush_samples(self, lv: _Live) -> None:
         for kernel, p in lv.pending.items():
-            lv.acc.samples.append((lv.row["lease_id"], kernel, *p))
+            lv.samples += ((lv.row["lease_id"], kernel, *p),)
         lv.pending.clear()
 
     def _merge(self, lv: _Live) -> None:
         """Hand a record's roll-up increments, samples and counters over to the next write."""
-        acc, out = lv.acc, self._out
-        out.samples.extend(acc.samples)
-        for key, v in acc.hours.items():
+        out = self._out
+        out.samples.extend(lv.samples)
+        for key, v in lv.hours.items():
             o = out.hours.get(key)
-            if o is None:
-                out.hours[key] = v
-            else:
-                o[0] = v[0] or o[0]
-                o[5] += v[5]
-                o[6] += v[6]
-                o[7] = max(o[7], v[7])
-        for key, v in acc.days.items():
-            o = out.days.setdefault(key, [0.0, 0.0])
-            o[0] += v[0]
-            o[1] += v[1]
-        for key, v in acc.totals.items():
+            out.hours[key] = v if o is None else (v[0] or o[0], o[1], o[2], o[3], o[4], o[5] + v[5], o[6] + v[6], max(o[7], v[7]))
+        for key, v in lv.days.items():
+            o = out.days.get(key) or (0.0, 0.0)
+            out.days[key] = (o[0] + v[0], o[1] + v[1])
+        for key, v in lv.totals.items():
             out.totals[key] = out.totals.get(key, 0.0) + v
-        lv.acc = UsageBatch()
+        lv.hours, lv.days, lv.totals, lv.samples = {}, {}, {}, ()
 
     def _emit(self, lv: _Live, final: bool = False, *, urgent: bool = False) -> None:
         lid = lv.row["lease_id"]
@@ -495,9 +519,9 @@ class UsageRecorder:
 def _row_copy(lv: _Live, final: bool = False) -> dict[str, Any]:
     """The accounting row as it is now, with the state a restarted broker goes on from (none once
     it ended); a copy: the writer thread serialises it while the loop goes on changing the live row."""
-    lv.row["state"] = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
-                                        "susp": sorted(lv.suspended)}
-    return {**lv.row, "devices": {k: dict(v) for k, v in lv.row["devices"].items()}, "state": _copy_state(lv.row["state"])}
+    state = {} if final else {"last_t": lv.last_t, "weights": lv.weights, "dev": lv.dev, "ker": lv.ker, "nb": lv.nb,
+                              "susp": sorted(lv.suspended or ())}
+    return {**lv.row, "devices": {k: dict(v) for k, v in lv.row["devices"].items()}, "state": _copy_state(state)}
 
 
 def _copy_state(st: dict[str, Any]) -> dict[str, Any]:

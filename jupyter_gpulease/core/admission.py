@@ -3,14 +3,15 @@
 Checked once, before anything is queued or moved, each failure with a message a person can act
 on and the field at fault: BadRequest (out of range), Forbidden (a tier the user may not use),
 Refused (can never be granted here, over a hard quota, or past a tier's limits), Conflict (the
-lease's state, or a lease waiting for its GPU, forbids it now; no field is at fault).
+lease's state, or a lease waiting for its GPU, forbids it now; no field is at fault),
+TooManyQueued (the user has ``max_queued_per_user`` requests waiting already; no field is at fault).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .model import BadRequest, Conflict, Forbidden, Lease, Refused
+from .model import BadRequest, Conflict, Forbidden, Lease, Refused, TooManyQueued
 from .policy import Policy, Tier
 from .pool import Pool
 from .quota import Quotas
@@ -18,8 +19,9 @@ from .request import Ask
 from .text import format_duration
 
 
-def check_ask(ask: Ask, now: float, *, policy: Policy, pool: Pool, quotas: Quotas, leases: Mapping[str, Lease]) -> tuple[Tier, float]:
-    """The tier and duration ``ask`` gets, or the error that says what to change."""
+def check_ask(ask: Ask, now: float, *, policy: Policy, pool: Pool, quotas: Quotas, leases: Mapping[str, Lease], queued: int = 0) -> tuple[Tier, float]:
+    """The tier and duration ``ask`` gets, or the error that says what to change. ``queued``:
+    how many requests ``ask.user`` has waiting now."""
     tname = ask.tier or policy.default_tier
     # only the tiers this user may use are named: the others are none of their business
     allowed = sorted(n for n, x in policy.tiers.items() if x.allows(ask.user, ask.groups))
@@ -48,6 +50,12 @@ def check_ask(ask: Ask, now: float, *, policy: Policy, pool: Pool, quotas: Quota
     if never:
         raise Refused(f"this request can never be granted: {never[1]}", field=never[0])
     quotas.check_hard(ask.user, ask.groups, pool.gpu_milli_of(ask.request), duration_s, now, leases, field=fld)
+    cap = policy.max_queued_per_user
+    if cap is not None and queued >= cap:
+        raise TooManyQueued(
+            f"{ask.user} has {queued} request{'s' if queued != 1 else ''} waiting in the queue, the most max_queued_per_user ({cap}) allows; "
+            "withdraw one, or wait until one starts, before asking for more"
+        )
     return t, float(duration_s)
 
 

@@ -111,6 +111,11 @@ def new_xids(before: Mapping[int, int] | None, now: Mapping[int, int]) -> dict[i
     return {c: n - before.get(c, 0) for c, n in now.items() if n > before.get(c, 0)}
 
 
+def is_hot(temperature_c: float | None, slowdown_c: float | None) -> bool:
+    """Whether a card is at or above its own slowdown threshold (what :func:`assess` watches)."""
+    return temperature_c is not None and slowdown_c is not None and temperature_c >= slowdown_c
+
+
 def assess(health: Mapping[str, Any], *, temperature_c: float | None = None, slowdown_c: float | None = None,
            xids: Mapping[int, int] | None = None, ecc_new: int = 0) -> list[Finding]:
     """What a device's health report calls for, strongest first.
@@ -135,7 +140,7 @@ def assess(health: Mapping[str, Any], *, temperature_c: float | None = None, slo
         out.append(Finding(Action.DRAIN_WHEN_IDLE, "a memory row remap is pending (it takes effect at the next reset)", "row_remap_pending"))
     if health.get("retired_pages_pending"):
         out.append(Finding(Action.DRAIN_WHEN_IDLE, "retired memory pages are pending (they take effect at the next reset)", "retired_pages_pending"))
-    if temperature_c is not None and slowdown_c is not None and temperature_c >= slowdown_c:
+    if is_hot(temperature_c, slowdown_c):
         out.append(Finding(Action.WATCH, f"{temperature_c:.0f} °C, at or above the card's slowdown threshold of {slowdown_c:.0f} °C", "hot"))
     for reason in health.get("throttle") or ():
         out.append(Finding(Action.WATCH, f"clocks throttled: {THROTTLE_WORDS.get(reason, reason)}", f"throttle:{reason}"))
@@ -166,4 +171,4 @@ def xid_table_markdown() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["HEALTH_META", "MOVED_META", "XID_TABLE", "Action", "Finding", "Xid", "assess", "new_xids", "strongest", "xid_action", "xid_table_markdown", "xid_words"]
+__all__ = ["HEALTH_META", "MOVED_META", "XID_TABLE", "Action", "Finding", "Xid", "assess", "is_hot", "new_xids", "strongest", "xid_action", "xid_table_markdown", "xid_words"]

@@ -67,6 +67,12 @@ class Conflict(LeaseError):
     status = 409
 
 
+class TooManyQueued(LeaseError):
+    """The user already has as many requests waiting as the policy allows (``max_queued_per_user``)."""
+
+    status = 429
+
+
 # --------------------------------------------------------------------------- inventory
 @dataclass(frozen=True)
 class MigInstance:

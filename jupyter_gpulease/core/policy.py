@@ -187,6 +187,13 @@ class Policy:
         unit="seconds", minimum=0, zero_is_off=True, renamed_from=("heartbeat_timeout",), kind=float,
     )  # fmt: skip
 
+    max_queued_per_user: int | None = setting(
+        100,
+        "Most requests one user may have waiting in the queue at once; one more is refused (HTTP 429) until one of them starts or "
+        "is withdrawn, so that no user can fill the queue (and every scheduling pass) with thousands of requests. 0: no limit. Example: 20.",
+        minimum=0, zero_is_off=True, kind=int,
+    )  # fmt: skip
+
     def __post_init__(self):
         for s in SETTINGS:
             object.__setattr__(self, s.name, s.check(getattr(self, s.name)))

@@ -46,6 +46,7 @@ class PolicyConfig(LoggingConfigurable):
     resume_priority = SETTING["resume_priority"].trait()
     confirm_timeout_s = SETTING["confirm_timeout_s"].trait()
     heartbeat_timeout_s = SETTING["heartbeat_timeout_s"].trait()
+    max_queued_per_user = SETTING["max_queued_per_user"].trait()
 
     @validate(*SETTING)
     def _check_setting(self, proposal):

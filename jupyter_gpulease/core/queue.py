@@ -49,6 +49,10 @@ class WaitQueue:
     def __contains__(self, lease: Lease) -> bool:
         return lease.state is LeaseState.QUEUED and self._members.get(lease.id) is lease
 
+    def queued_of(self, user: str) -> int:
+        """How many requests ``user`` has waiting (every tier)."""
+        return sum(len(per_user.get(user, ())) for per_user in self._by_tier.values())
+
     # ----------------------------------------------------------------- membership
     def add(self, lease: Lease, gpu_milli: int) -> None:
         shape = lease.request.shape()

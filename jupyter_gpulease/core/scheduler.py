@@ -90,7 +90,7 @@ class Scheduler:
     # ================================================================== requests
     def check_ask(self, ask: Ask, now: float) -> tuple[Tier, float]:
         """The tier and duration ``ask`` gets under this policy and pool; raises what is wrong (see :mod:`.admission`)."""
-        return check_ask(ask, now, policy=self.policy, pool=self.pool, quotas=self._quotas, leases=self.leases)
+        return check_ask(ask, now, policy=self.policy, pool=self.pool, quotas=self._quotas, leases=self.leases, queued=self._queued.queued_of(ask.user))
 
     def new_lease(self, ask: Ask, now: float, *, lease_id: str | None = None) -> Lease:
         """Check ``ask`` (see :meth:`check_ask`) and build its lease, queued but not yet submitted."""
@@ -488,6 +488,30 @@ class Scheduler:
             "gives_up_at": gives_up_at,
             "eta_after_wait_limit": eta is not None and gives_up_at is not None and eta > gives_up_at,
         }
+
+    def promised_holders(self, lease_id: str) -> list[Lease] | None:
+        """The active leases that hold the devices the last pass promised to waiting ``lease_id``
+        (a GPU promised: every lease with a slice of it; a MIG instance: its holder); None when
+        nothing is promised to it. Found through the pool's holders, so a queued lease's read
+        costs what it waits for, not a walk over every live lease."""
+        promised = [u for u, lid in self._found.promised_to.items() if lid == lease_id]
+        if not promised:
+            return None
+        pool, out, seen = self.pool, [], set()
+        for u in promised:
+            st = pool.gpus.get(u)
+            mig = st is None
+            if mig:
+                st = pool.mig_owner.get(u)
+            for holder in list(st.holders) if st is not None else ():
+                lease = self.leases.get(holder)
+                if holder in seen or lease is None or lease.state is not LeaseState.ACTIVE or lease.placement is None:
+                    continue
+                if mig and not any(sl.mig_uuid == u for sl in lease.placement.slices):
+                    continue
+                seen.add(holder)
+                out.append(lease)
+        return out
 
     def preempting_for(self, lease_id: str) -> list[str] | None:
         """The leases still in their grace, preempted to make room for ``lease_id`` ([] once they
