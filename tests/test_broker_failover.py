@@ -106,10 +106,14 @@ def test_a_lease_withdrawn_while_queued_is_no_usage_and_is_not_kept(tmp_path):
     h.store.close()
 
 
-def usage_after_start(store: LeaseStore, clock: Clock, past: PastLeases | None) -> dict:
+def usage_after_start(store: LeaseStore, clock: Clock, *, standby=None) -> dict:
+    """Each user's usage as a manager started on ``store`` counts it; ``standby(manager)``: what
+    happened while it stood by (before its start)."""
     async def main():
         sched = Scheduler(parse_inventory([{"node": "n1", "model": "L4", "count": 4, "memory_mib": 23034}]), Policy(confirm_timeout_s=None))
-        m = LeaseManager(sched, store, clock=clock, past=past)
+        m = LeaseManager(sched, store, clock=clock)
+        if standby is not None:
+            standby(m)
         await m.start()
         out = {u: m.usage(u, ("physics",)) for u in ("alice", "bob")}
         await m.close()
@@ -117,18 +121,21 @@ def usage_after_start(store: LeaseStore, clock: Clock, past: PastLeases | None) 
     return asyncio.run(main())
 
 
-def test_a_manager_started_from_a_past_read_ahead_counts_the_same_usage_as_one_that_reads_it_at_start(tmp_path):
+def test_a_manager_that_counted_the_past_while_it_stood_by_counts_the_same_usage_as_one_that_reads_it_at_start(tmp_path):
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     clock = Clock()
     h = History(db, clock)
     for i in range(6):
         h.lease("alice" if i % 2 else "bob", held_s=3600 * (i + 1))
-    ahead = PastLeases(h.store, keep_s=40 * DAY, now=clock.now)
-    ahead.catch_up()  # a standby's read…
-    h.lease("alice", held_s=1800)  # …and an end after it, read at take-over
-    clock.t += 60
-    read_ahead = usage_after_start(h.store, clock, ahead)
-    at_start = usage_after_start(LeaseStore(db, migrate=False), clock, None)
+
+    def standby(m):
+        ReadAhead(m.store, m.past, then=m.record_past, clock=lambda: 0.0)()  # the standby's first read, its use counted
+        assert m.past.loaded and m.usage("alice", ("physics",))["gpu_hours_used"] > 0
+        h.lease("alice", held_s=1800)  # an end after it, read and counted at take-over
+        clock.t += 60
+
+    read_ahead = usage_after_start(h.store, clock, standby=standby)
+    at_start = usage_after_start(LeaseStore(db, migrate=False), clock)
     assert read_ahead == at_start and read_ahead["alice"] != read_ahead["bob"]
 
 

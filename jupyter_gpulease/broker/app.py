@@ -194,13 +194,13 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         self.store = store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
         # the leases that ended lately: the usage window, and the hour the health keeper reads
         self.past = PastLeases(store, keep_s=max(usage_lookback(self.policy), HealthKeeper.MOVED_MEMORY_S), now=self.clock.now)
-        self.read_ahead = ReadAhead(store, self.past, logger=log)
         self.usage_settings = us = GPULeaseUsage(parent=self)
         recorder = UsageRecorder(us.accounting(), per_user_metrics=self.metrics_per_user, sample_s=us.sample_interval_s,
                                  write_s=us.write_interval_s) if us.record else None
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
         self.manager = manager = LeaseManager(self.scheduler, store, clock=self.clock, logger=log, feed=feed, show_preemptor_names=self.show_preemptor_names,
                                               count_totals=count_events, usage_recorder=recorder, on_fatal=self._lost_database, past=self.past)
+        self.read_ahead = ReadAhead(store, self.past, then=manager.record_past, logger=log)
         self.usage = UsageAPI(store, us.accounting(), offers=lambda: offers_of(manager.inventory()), clock=self.clock.now,
                               min_leases=us.suggestion_min_leases, suggestion_days=us.suggestion_days)
         self.hub_side = HubSide(manager, self.policy, hub=lambda: self.hub, tasks=self._tasks, logger=log, stop_servers_on_end=self.stop_servers_on_end,

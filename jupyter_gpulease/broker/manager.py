@@ -92,7 +92,7 @@ class LeaseManager:
         self.store = store
         self.clock = clock or SystemClock()
         self.log = logger or log
-        self.usage_lookback_s = usage_lookback_s
+        self.usage_lookback_s = usage_lookback_s if usage_lookback_s is not None else usage_lookback(scheduler.policy)
         self.feed = feed if feed is not None else Feed()
         self.usage_recorder = usage_recorder
         self.on_fatal = on_fatal
@@ -108,8 +108,7 @@ class LeaseManager:
                                 show_preemptor_names=show_preemptor_names)
         # idempotency keys: this process's, and the database's in its first minutes (see keys.py)
         self.keys = RequestKeys(lambda key: self.reads.in_reader(store.find_request_key, key), now=self.clock.now, window_s=request_key_window_s)
-        self.past = past if past is not None else PastLeases(store, keep_s=usage_lookback_s if usage_lookback_s is not None else usage_lookback(scheduler.policy),
-                                                             now=self.clock.now)
+        self.past = past if past is not None else PastLeases(store, keep_s=self.usage_lookback_s, now=self.clock.now)
         self.started_at = 0.0
         self.draining = False
         self._ids = random.Random(os.urandom(32))
@@ -202,20 +201,26 @@ class LeaseManager:
         live = await self.in_writer(self.store.load_live)
         self.scheduler.restore(live)
         self.reads.restore((lease.to_dict() for lease in live), await self.in_writer(self.store.load_totals))
-        lookback = self.usage_lookback_s if self.usage_lookback_s is not None else usage_lookback(self.scheduler.policy)
         await self.in_writer(self.past.catch_up)  # a standby read all but the last moment's ends ahead
-        past = self.past.since(now - lookback)
-        for lease in past:
-            self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
+        self.record_past()
         self.feed.last_id = await self.in_writer(self.store.last_event_id)
         if self.usage_recorder is not None:
             stale = self.usage_recorder.restore(await self.in_writer(self.store.load_live_usage), live=self.reads.committed)
             for lid in stale:  # ended while nothing was recorded (recording off): closed at its end
                 self.usage_recorder.close_stale(lid, await self.in_writer(self.store.get_lease, lid))
-        self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
+        self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), self.past.count_since(now - self.usage_lookback_s))
         self.commit.start()
         await self.commit.stage([], tick=True)
         return []
+
+    def record_past(self) -> None:
+        """Count the use of the leases that ended within the usage window and were read since the
+        last call (``past``): a standby as it reads them, on the thread that waits for the lock
+        (nothing else touches the scheduler before start), the broker that takes over for the
+        last ones. A lease counted ahead that leaves the window before the take-over stays
+        counted, as it would in a broker that had served all along."""
+        for p in self.past.take_new(self.now() - self.usage_lookback_s):
+            self.scheduler.record_usage(p.user, p.groups, p.granted_at, p.ended_at, p.gpu_milli)
 
     async def tick(self) -> None:
         """A scheduling pass (expiries, warnings, grants), committed."""

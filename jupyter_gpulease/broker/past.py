@@ -76,6 +76,7 @@ class PastLeases:
         self.cursor: int | None = None  # the newest event id read (None: nothing read yet)
         self.reads = 0  # reads of the store (the first one is the whole window)
         self._leases: dict[str, PastLease] = {}
+        self._new: list[PastLease] = []  # read since the last take_new()
         self._lock = threading.Lock()  # the standby's thread catches up; the loop's writer thread may too
 
     @property
@@ -105,7 +106,9 @@ class PastLeases:
 
     def _add(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:
-            self._leases[row["id"]] = PastLease.of(row)
+            if row["id"] not in self._leases:
+                self._leases[row["id"]] = p = PastLease.of(row)
+                self._new.append(p)
 
     def _forget(self, before: float) -> None:
         for lid in [lid for lid, p in self._leases.items() if p.ended_at < before]:
@@ -116,23 +119,38 @@ class PastLeases:
         with self._lock:
             return sorted((p for p in self._leases.values() if p.ended_at >= t), key=lambda p: p.granted_at)
 
+    def count_since(self, t: float) -> int:
+        """How many of the leases kept ended at or after ``t``."""
+        with self._lock:
+            return sum(1 for p in self._leases.values() if p.ended_at >= t)
+
+    def take_new(self, since: float) -> list[PastLease]:
+        """The leases read since the last call that ended at or after ``since``, in the order
+        they were granted (their use not counted yet); the others read since are dropped."""
+        with self._lock:
+            new, self._new = self._new, []
+        return sorted((p for p in new if p.ended_at >= since), key=lambda p: p.granted_at)
+
     def clear(self) -> None:
         """Forget everything (the broker that serves needs none of it once started)."""
         with self._lock:
             self._leases.clear()
+            self._new.clear()
 
 
 class ReadAhead:
     """What a broker that stands by does between its tries for the database's lock
     (``LeaseStore.acquire_leadership``'s ``idle``): at most every ``every_s`` seconds, read what
     ended since into ``past`` (the first time also the schema's revision, so that the check of
-    the schema at take-over finds its code loaded). Blocking: it runs on the waiting thread. A
-    failed read is logged once and tried again at the next turn: standing by goes on."""
+    the schema at take-over finds its code loaded), then ``then()`` (the manager counts their
+    use: ``LeaseManager.record_past``). Blocking: it runs on the waiting thread. A failed read
+    is logged once and tried again at the next turn: standing by goes on."""
 
-    def __init__(self, store, past: PastLeases, *, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 logger: logging.Logger | None = None):
+    def __init__(self, store, past: PastLeases, *, then: Callable[[], None] | None = None, every_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None):
         self.store = store
         self.past = past
+        self.then = then
         self.every_s = every_s
         self.clock = clock
         self.log = logger or log
@@ -159,3 +177,5 @@ class ReadAhead:
             self._failing = True
             return
         self._failing = False
+        if self.then is not None:
+            self.then()
