@@ -17,7 +17,7 @@ import pytest
 from tornado.httpserver import HTTPServer
 from tornado.web import Application, RequestHandler
 
-from hubharness import free_port
+from hubharness import free_port, wait_for
 from jupyter_gpulease.broker.keys import STORED_CHARS, RequestKeys, scoped_key
 from jupyter_gpulease.broker.manager import LeaseManager
 from jupyter_gpulease.broker.past import PastLeases, ReadAhead
@@ -307,3 +307,67 @@ def test_a_taken_address_leaves_each_broker_to_bind_its_own():
 @pytest.fixture(autouse=True)
 def _no_leftover_env(monkeypatch):
     monkeypatch.delenv(LISTEN_FDS, raising=False)
+
+
+# ---------------------------------------------------------------------- token checks
+def test_calls_that_bring_one_token_at_once_share_one_check_with_the_hub():
+    from jupyter_gpulease.broker.tokens import TokenChecks
+
+    asked = []
+
+    async def main():
+        checks = TokenChecks()
+        gate = asyncio.Event()
+
+        def check(name):
+            async def ask():
+                asked.append(name)
+                await gate.wait()
+                if name == "bad":
+                    raise RuntimeError("the hub did not answer")
+                return {"name": name}
+            return ask
+
+        calls = [asyncio.ensure_future(checks.check(f"token {n}", check(n))) for n in ("alice", "alice", "bob", "alice", "bad", "bad")]
+        await asyncio.sleep(0)
+        gate.set()
+        got = await asyncio.gather(*calls, return_exceptions=True)
+        again = await checks.check("token alice", check("alice"))  # answered checks are not kept
+        return got, again, len(checks)
+
+    got, again, pending = asyncio.run(main())
+    assert [g["name"] for g in got[:4]] == ["alice", "alice", "bob", "alice"] and all(isinstance(g, RuntimeError) for g in got[4:])
+    assert asked == ["alice", "bob", "bad", "alice"] and again == {"name": "alice"} and pending == 0
+
+
+def test_a_broker_that_died_is_replaced_after_a_pause_while_another_serves_and_at_once_when_none_does(tmp_path):
+    """The supervisor's own loop, with workers that only note when they started."""
+    import signal
+    import subprocess
+    import sys
+
+    starts = tmp_path / "starts"
+    worker = tmp_path / "worker.sh"
+    worker.write_text(f"#!/bin/sh\necho \"$$ $(date +%s.%N)\" >> {starts}\nexec sleep 60\n")
+    worker.chmod(0o755)
+    code = ("import logging, sys; from jupyter_gpulease.broker.supervisor import Supervisor; "
+            f"sys.exit(Supervisor([], standbys=1, python={str(worker)!r}, replace_delay_s=2.0, log=logging.getLogger()).run())")
+    sup = subprocess.Popen([sys.executable, "-c", code])
+
+    def started():
+        return [(int(p), float(t)) for p, t in (line.split() for line in starts.read_text().splitlines())] if starts.exists() else []
+
+    try:
+        first = wait_for(lambda: len(started()) == 2 and started(), 20, "the supervisor did not start two brokers")
+        t_kill = time.time()
+        os.kill(first[0][0], signal.SIGKILL)  # one dies, the other lives: its replacement waits
+        third = wait_for(lambda: len(started()) == 3 and started()[2], 20, "the broker that died was not replaced")
+        assert third[1] - t_kill >= 1.9
+        os.kill(first[1][0], signal.SIGKILL)
+        os.kill(third[0], signal.SIGKILL)  # none lives: replaced at once
+        t_kill = time.time()
+        fourth = wait_for(lambda: len(started()) >= 4 and started()[3], 20, "no broker was started again")
+        assert fourth[1] - t_kill < 1.5
+    finally:
+        sup.send_signal(signal.SIGTERM)
+        sup.wait(30)

@@ -56,6 +56,7 @@ from .manager import LeaseManager
 from .orphan import OrphanHandover
 from .settings import SERVICE_NAME, BrokerSettings
 from .supervisor import inherited_sockets
+from .tokens import TokenChecks
 from .unleased import BACKENDS_WITH_PROCESSES
 
 __all__ = ["EXIT_CONFIG", "EXIT_LOST_DB", "GC_GEN0_THRESHOLD", "SERVICE_NAME", "GPULeaseBroker", "load_openapi", "main", "tune_gc"]
@@ -296,6 +297,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
             "gpulease_limits": self.limits,
             "log_function": self._log_request,
             "gpulease_calls": set(),  # the API calls being answered (the stop lets them finish)
+            "gpulease_token_checks": TokenChecks(),
         }
         return WebApplication(self.api_routes() + page_handlers(self.base_url), **settings)
 

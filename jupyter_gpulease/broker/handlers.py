@@ -268,8 +268,12 @@ class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
 
     async def authenticate(self) -> dict | None:
         """The caller's hub model, or None. Unit tests override this in a subclass."""
+        checks = self.settings.get("gpulease_token_checks")  # one check with the hub per token at a time (tokens.py)
         try:
-            model = await self.hub_auth.get_user(self, sync=False)
+            if checks is None:
+                model = await self.hub_auth.get_user(self, sync=False)
+            else:
+                model = await checks.check(self.request.headers.get("Authorization", ""), lambda: self.hub_auth.get_user(self, sync=False))
         except web.HTTPError as e:
             if e.status_code >= 500:  # the hub did not answer the token check
                 raise HubUnavailable("cannot check the token with the hub right now; try again in a moment") from None

@@ -69,8 +69,8 @@ class LeaseManager:
     records fed from each batch and committed with it; ``on_fatal(exc)``: called once a commit
     failed (the broker process ends: see the module doc); ``past``: the leases that ended in
     the usage window, read ahead while the broker stood by (:class:`.past.PastLeases`; by
-    default read at start). The parts built after the manager,
-    which hold it, are handed to it by :meth:`wire`."""
+    default read at start). The parts built after the manager, which hold it, are handed to it
+    by :meth:`wire`."""
 
     def __init__(
         self,

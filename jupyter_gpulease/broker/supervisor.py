@@ -73,10 +73,13 @@ def inherited_sockets() -> list[socket.socket]:
 class Supervisor:
     """Runs the brokers (``argv``: their command line) and restarts them (see the module doc).
     ``listen``: the (host, port) the brokers serve on, whose socket the supervisor holds for
-    them; None: each broker binds its own."""
+    them; None: each broker binds its own. ``replace_delay_s``: how long after a broker died
+    its replacement starts while another broker lives (the standby that takes over has the
+    machine's CPU to itself meanwhile: a new broker's start and its reading ahead cost seconds
+    of it); at once when none does."""
 
     def __init__(self, argv: list[str], *, standbys: int = 1, log: logging.Logger | None = None, python: str = sys.executable,
-                 listen: tuple[str, int] | None = None):
+                 listen: tuple[str, int] | None = None, replace_delay_s: float = 3.0):
         self.cmd = [python, "-m", "jupyter_gpulease.broker", *argv, "--GPULeaseBroker.worker=True"]
         self.size = 1 + max(0, int(standbys))
         self.log = log or logging.getLogger(__name__)
@@ -87,6 +90,8 @@ class Supervisor:
         # when the supervisor dies, however, the workers read its end of file
         self._alive_r, self._alive_w = os.pipe()
         self.sockets = listening_sockets(*listen, log=self.log) if listen is not None else []
+        self.replace_delay_s = replace_delay_s
+        self.due: list[float] = []  # when the replacements of brokers that died start
 
     def _start_one(self) -> None:
         fds = [s.fileno() for s in self.sockets]
@@ -112,7 +117,10 @@ class Supervisor:
             self._start_one()
         rc = 0
         stop_deadline = None
-        while self.children:
+        while self.children or (self.due and not self.stopping):
+            while self.due and not self.stopping and (self.due[0] <= time.monotonic() or not self.children):
+                self.due.pop(0)
+                self._start_one()
             ended = [(pid, p.poll()) for pid, p in list(self.children.items()) if p.poll() is not None]
             if not ended:
                 if self.stopping:
@@ -143,7 +151,11 @@ class Supervisor:
                     rc = 1
                     self._on_signal(signal.SIGTERM, None)
                     continue
-                self.log.warning("Broker process %d ended (%s); a standby takes over, starting a new one", pid, how)
-                self._start_one()
+                if any(p.poll() is None for p in self.children.values()):  # a standby takes over
+                    self.log.warning("Broker process %d ended (%s); a standby takes over, a new one starts in %g s", pid, how, self.replace_delay_s)
+                    self.due.append(now + self.replace_delay_s)
+                else:
+                    self.log.warning("Broker process %d ended (%s); starting a new one", pid, how)
+                    self._start_one()
         self.log.info("Broker supervisor stopped")
         return rc
