@@ -122,13 +122,17 @@ if len(sys.argv) > 5 and sys.argv[5] == "--stalls":
     import gc, time
     started = {}
 
+    def note(line: str) -> None:  # one write per line: a collection may run on another thread mid-print
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
     def pause(phase, info):  # the collector's pauses, as they happen
         if phase == "start":
             started["t"] = time.perf_counter()
             return
         ms = (time.perf_counter() - started.get("t", time.perf_counter())) * 1000
         if ms > 5 or info["generation"] == 2:
-            print(f"GC {time.time() - ms / 1000:.3f} {ms:.1f} {info['generation']}", flush=True)
+            note(f"GC {time.time() - ms / 1000:.3f} {ms:.1f} {info['generation']}")
 
     gc.callbacks.append(pause)
 
@@ -139,7 +143,7 @@ if len(sys.argv) > 5 and sys.argv[5] == "--stalls":
             await asyncio.sleep(0.005)
             late = loop.time() - t - 0.005
             if late > 0.02:
-                print(f"STALL {time.time() - late:.3f} {late * 1000:.1f}", flush=True)
+                note(f"STALL {time.time() - late:.3f} {late * 1000:.1f}")
 
     started_async = app.start_async
 
@@ -599,7 +603,11 @@ def stall_figures(lines: list[str], start: float, end: float) -> dict:
         kind, _, rest = line.partition(" ")
         if kind not in ("STALL", "GC"):
             continue
-        at, ms, *gen = rest.split()
+        try:
+            at, ms, *gen = rest.split()
+            float(at), float(ms)
+        except ValueError:  # a line the broker's own output ran into
+            continue
         if not start <= float(at) <= end:
             continue
         (stalls if kind == "STALL" else pauses).append((round(float(at) - start, 2), float(ms)))

@@ -40,6 +40,9 @@ c.JupyterHub.bind_url = f"http://127.0.0.1:{port}"
 c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{hub_port}"
 c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
 c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+# configurable-http-proxy with an error target of its own: a program calling the broker's API
+# while it hands over to its standby gets JSON (503 Unavailable), not the hub's HTML page.
+c.JupyterHub.proxy_class = "jupyter_gpulease.hub.proxy.GPULeaseProxy"
 c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api_port}"
 c.ConfigurableHTTPProxy.pid_file = str(state / "jupyterhub-proxy.pid")
 if env("GPULEASE_CHP"):  # where configurable-http-proxy is, when it is not on PATH

@@ -5,12 +5,16 @@ broker itself (for its Hub-API calls). It does not import jupyterhub (single-use
 not have it); only tornado.
 
 Retries: a call that could not reach its server (connection refused or reset, a timeout) or
-got 502/503/504 (a proxy whose service is restarting) is tried again with exponential
-back-off (0.1 s, 0.2 s, 0.4 s … at most 5 s apart, with jitter) until its ``retry_for``
-deadline. That carries clients through a broker restart or a standby's take-over. Calls that
-change something are retried only when they carry an ``Idempotency-Key`` header, which every
-:class:`BrokerClient` write sends: the broker answers a repeated key with the result of the
-first call, so a retry after a lost answer never makes a second lease or a second extension.
+got 502/503/504 (a proxy whose service is restarting, the broker's own ``{"error":
+"Unavailable"}`` while it stops, the hub's proxy's JSON or HTML page) is tried again with
+exponential back-off (0.1 s, 0.2 s, 0.4 s … at most 5 s apart, with jitter; no sooner than a
+``Retry-After`` the answer asks for) until its ``retry_for`` deadline. That carries clients
+through a broker restart or a standby's take-over. Calls that change something are retried
+only when they carry an ``Idempotency-Key`` header, which every :class:`BrokerClient` write
+sends: the broker answers a repeated key with the result of the first call, so a retry after a
+lost answer never makes a second lease or a second extension. A caller that may send a create
+again itself, after the client gave up (the broker away longer than ``retry_for``), passes its
+own key (``request_lease(body, key=...)``) and sends the same one again.
 """
 
 from __future__ import annotations
@@ -138,17 +142,34 @@ async def fetch_json(
                 return e.code, None, dict(e.response.headers)
             retryable = e.code == 599 or e.code in RETRY_STATUSES
             error = _error(e, url, what)
+            wait = _retry_after(e.response, backoff.cap) if retryable else 0.0
         except OSError as e:
             retryable = True
             error = BrokerError(0, f"cannot reach {what} at {_base(url)}: {e}")
+            wait = 0.0
         # a timeout (599) of a call that changes something may have been carried out: retry
         # only with an idempotency key
         if not retryable or not (safe or error.status in (502, 503) or _refused(error)):
             raise error
-        delay = next(delays)
+        delay = max(next(delays), wait)
         if time.monotonic() + delay > deadline:
             raise error
         await asyncio.sleep(delay)
+
+
+def new_request_key(kind: str) -> str:
+    """A fresh ``Idempotency-Key`` for one create, naming its kind of caller (``"spawn"``,
+    ``"server"``): sent again with the same create, it gets the lease the first one made."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def _retry_after(resp, cap: float) -> float:
+    """The seconds an answer's ``Retry-After`` asks to wait (at most ``cap``; 0: none, or a date)."""
+    raw = resp.headers.get("Retry-After", "") if resp is not None else ""
+    try:
+        return min(cap, max(0.0, float(raw)))
+    except ValueError:
+        return 0.0
 
 
 def _refused(error: BrokerError) -> bool:
@@ -224,7 +245,7 @@ class BrokerClient:
         return f"BrokerClient({self.url!r})"
 
     async def _call(self, method: str, path: str, body: Any = None, *, query: dict | None = None, timeout: float | None = None,
-                    retry_for: float | None = None) -> Any:
+                    retry_for: float | None = None, key: str | None = None) -> Any:
         url = join_url(self.url, path)
         if query:
             q = {k: v for k, v in query.items() if v is not None}
@@ -232,7 +253,7 @@ class BrokerClient:
                 url += "?" + urlencode(q)
         headers = {}
         if method == "POST":
-            headers["Idempotency-Key"] = uuid.uuid4().hex  # one per call, the same for its retries
+            headers["Idempotency-Key"] = key or uuid.uuid4().hex  # one per call (or the caller's), the same for its retries
         status, data, resp_headers = await fetch_json(
             method, url, token=self.token, body=body, headers=headers, timeout=timeout or self.timeout,
             backoff=self.backoff if retry_for is None else replace(self.backoff, retry_for=min(retry_for, self.backoff.retry_for)), what="the lease broker",
@@ -268,8 +289,11 @@ class BrokerClient:
             query.append(("all", "true"))
         return await self._call("GET", "api/pool" + ("?" + urlencode(query) if query else ""))
 
-    async def request_lease(self, body: dict) -> dict:
-        return await self._call("POST", "api/leases", body)
+    async def request_lease(self, body: dict, *, key: str | None = None) -> dict:
+        """Ask for a lease (``body``: see ``POST api/leases``). ``key``: the call's
+        ``Idempotency-Key`` (1-64 letters, digits, ``-``, ``_``, ``.``; default: a new one);
+        sent again, the same key gets the lease the first call made, never a second one."""
+        return await self._call("POST", "api/leases", body, key=key)
 
     async def get_lease(self, lease_id: str) -> dict:
         return await self._call("GET", f"api/leases/{quote(lease_id, safe='')}")

@@ -28,6 +28,7 @@ the scheduler decided) and reads from others; it never blocks the event loop on 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import StaticPool
 
-from .core.events import Event
+from .core.events import ENDED, Event
 from .core.model import Lease, LeaseState
 
 log = logging.getLogger(__name__)
@@ -363,6 +364,16 @@ def _sqlite_path(db_url: str) -> Path | None:
     return Path(db).resolve() if db else None
 
 
+@functools.cache
+def _head_revision() -> str:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return ScriptDirectory.from_config(cfg).get_current_head()
+
+
 # --------------------------------------------------------------------------- the store
 class LeaseStore:
     """Leases and their event log in SQL. Synchronous; one writer (the broker that leads)."""
@@ -443,12 +454,9 @@ class LeaseStore:
 
     @staticmethod
     def head_revision() -> str:
-        from alembic.config import Config
-        from alembic.script import ScriptDirectory
-
-        cfg = Config()
-        cfg.set_main_option("script_location", str(MIGRATIONS))
-        return ScriptDirectory.from_config(cfg).get_current_head()
+        """The newest schema revision this package knows (read once per process: a standby
+        reads it while it waits, so that taking over does not)."""
+        return _head_revision()
 
     def upgrade(self) -> tuple[str | None, str]:
         """Bring the schema to the newest revision; returns (from, to). A SQLite file that had
@@ -563,9 +571,10 @@ class LeaseStore:
             self._mark_waiting(not got)
         return got
 
-    def acquire_leadership(self, stop: threading.Event | None = None, poll_s: float = 0.2, on_wait=None) -> bool:
+    def acquire_leadership(self, stop: threading.Event | None = None, poll_s: float = 0.2, on_wait=None, idle=None) -> bool:
         """Wait until this store leads (True), or ``stop`` is set (False). ``on_wait()`` is called
-        once when the lock is held by another broker."""
+        once when the lock is held by another broker; ``idle()`` after every try that found it
+        held (a standby's reading ahead), on this thread."""
         waited = False
         while not (stop is not None and stop.is_set()):
             if self.try_acquire_leadership():
@@ -573,6 +582,8 @@ class LeaseStore:
             if not waited and on_wait is not None:
                 on_wait()
             waited = True
+            if idle is not None:
+                idle()
             if stop is not None:
                 stop.wait(poll_s)
             else:
@@ -882,6 +893,30 @@ class LeaseStore:
             q = q.where(LEASES.c.granted_at <= until)
         with self.engine.connect() as conn:
             return [Lease.from_dict(d) for d in conn.scalars(q.order_by(LEASES.c.granted_at))]
+
+    # what a broker that takes over needs of a lease that ended (broker/past.py): columns, and two
+    # values read out of the lease's JSON, instead of the whole JSON decoded (five times faster)
+    _PAST = (LEASES.c.id, LEASES.c.user, LEASES.c.server, LEASES.c.state, LEASES.c.created_at, LEASES.c.granted_at, LEASES.c.ended_at,
+             LEASES.c.request, LEASES.c.placement, LEASES.c.data["groups"].label("groups"), LEASES.c.data["meta"]["health"].label("health"))
+
+    def past_rows(self, since: float) -> list[dict[str, Any]]:
+        """What :meth:`history` reads, as plain rows (id, user, server, state, created_at,
+        granted_at, ended_at, request, placement, groups, and the lease's ``meta.health``)."""
+        q = select(*self._PAST).where(LEASES.c.ended_at.is_not(None), LEASES.c.granted_at.is_not(None), LEASES.c.ended_at >= since)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def ended_after(self, event_id: int) -> tuple[int, list[dict[str, Any]]]:
+        """The newest event id, and (as :meth:`past_rows`) the leases whose end is an event after
+        ``event_id`` and up to it: a standby reading only what ended since its last read (event
+        ids grow in commit order, one broker writing at a time)."""
+        with self.engine.connect() as conn:
+            top = int(conn.scalar(select(func.max(EVENTS.c.id))) or 0)
+            if top <= event_id:
+                return top, []
+            ended = select(EVENTS.c.lease_id).where(EVENTS.c.id > event_id, EVENTS.c.id <= top, EVENTS.c.kind == ENDED)
+            q = select(*self._PAST).where(LEASES.c.id.in_(ended), LEASES.c.granted_at.is_not(None), LEASES.c.ended_at.is_not(None))
+            return top, [dict(r) for r in conn.execute(q).mappings()]
 
     def events_since(self, since: int = 0, lease_id: str | None = None, limit: int = 1000, *, user: str | None = None) -> list[dict[str, Any]]:
         """Events with id > ``since``, oldest first, at most ``limit``; of one lease, or of one user's leases."""

@@ -31,6 +31,9 @@ BROKER_SCOPES = ["read:users", "read:servers", "read:groups", "list:groups", "ad
 # README's c.Spawner.server_token_scopes: a server's own token reaches the broker (its extension, %gpu)
 SERVER_TOKEN_SCOPES = ["users:activity!user", "access:servers!server", BROKER_ACCESS]
 
+# the docs' c.JupyterHub.proxy_class: API paths the proxy cannot reach answered with JSON, not the hub's page
+JSON_ERRORS_PROXY = "c.JupyterHub.proxy_class = 'jupyter_gpulease.hub.proxy.GPULeaseProxy'"
+
 POOL = [
     {"node": "n1", "model": "A100-SXM4-80GB", "count": 2, "memory_mib": 81920},
     {"node": "n2", "model": "L4", "count": 4, "memory_mib": 23034},

@@ -21,22 +21,32 @@ A killed supervisor (the process the hub runs) costs no more than a killed broke
 clients, the broker that serves goes on serving (the standby stops), the hub restarts its
 service at its next poll, the broker serving hands over to the new supervisor's, and writes go
 on; the same checks of the database follow.
+
+Through the hub's proxy with the project's proxy class (``JSON_ERRORS_PROXY``), API clients see
+JSON and nothing else while the broker is killed again and again (calls made during a hand-over
+wait for the next broker on the supervisor's socket; a call cut by the kill gets the proxy's
+JSON error, and a page path still the hub's own page), and a create sent again with its
+Idempotency-Key after a kill is answered by the standby with the lease the first one made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
+import uuid
 
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from brokerhub import active_broker_pid, active_broker_pid_postgres, hub_for_broker, wait_for_broker
-from hubharness import pid_alive, wait_for
+from brokerhub import JSON_ERRORS_PROXY, active_broker_pid, active_broker_pid_postgres, hub_for_broker, wait_for_broker
+from hubharness import free_port, pid_alive, wait_for
 from jupyter_gpulease.client import BrokerClient, BrokerError
 from jupyter_gpulease.store import LeaseStore
 
@@ -330,3 +340,106 @@ def test_the_leader_sees_a_broker_that_waits_for_its_lock_on_either_database(db_
         for s in (leader, waiter, second):
             if s is not None:
                 s.close()
+
+
+# ---------------------------------------------------------------------- JSON only, one lease per key
+def raw_call(url: str, token: str, body: dict | None = None, key: str | None = None) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one call, as any HTTP client sees it; status 0: no answer."""
+    headers = {"Authorization": f"token {token}"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    if key:
+        headers["Idempotency-Key"] = key
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method="GET" if body is None else "POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+    except (urllib.error.URLError, OSError):
+        return 0, "", b""
+
+
+class RawClients:
+    """``n`` threads calling the API through the proxy without pause (reads, creates and
+    releases, each write with its key, sent again with it until answered); every answer kept."""
+
+    def __init__(self, url: str, token: str, n: int = 12):
+        self.url, self.token = url, token
+        self.answers: list[tuple[float, int, str, bytes]] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+
+    def _keep(self, got):
+        self.answers.append((time.monotonic(), *got))
+        return got
+
+    def _run(self, i: int) -> None:
+        lease, key = None, uuid.uuid4().hex
+        while not self.stop.is_set():
+            if i % 3 == 0:
+                self._keep(raw_call(self.url + "api/pool", self.token))
+                continue
+            if lease is None:
+                status, _, body = self._keep(raw_call(self.url + "api/leases", self.token, {"share": 0.25, "model": "L4"}, key))
+                if status == 201:
+                    lease, key = json.loads(body), uuid.uuid4().hex
+            else:
+                status, _, _ = self._keep(raw_call(self.url + f"api/leases/{lease['id']}/release", self.token, {"reason": "done"}, key))
+                if status in (200, 409):
+                    lease, key = None, uuid.uuid4().hex
+            if status == 0:
+                time.sleep(0.05)
+
+    def answered_after(self, t: float) -> int:
+        return sum(1 for a in self.answers if a[0] > t and a[1])
+
+
+def test_api_clients_see_only_json_while_the_broker_is_killed_and_a_create_sent_again_makes_one_lease(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'gpulease.sqlite'}"
+    gone = free_port()  # a service that never answers: the proxy's own error, on an API path and on a page
+    hub = hub_for_broker(tmp_path, db_url=db_url, extra_config="c.GPULeaseBroker.reconcile_interval = 0\n", log_level="INFO",
+                         config_lines=[JSON_ERRORS_PROXY, f"c.JupyterHub.services.append({{'name': 'gone', 'url': 'http://127.0.0.1:{gone}'}})"])
+    hub.start()
+    try:
+        token = hub.create_token("alice")
+        wait_for_broker(hub, token)
+        status, ctype, body = raw_call(hub.service_url("gone") + "api/leases", token)
+        assert (status, json.loads(body)["error"]) == (503, "Unavailable") and "application/json" in ctype
+        status, ctype, body = raw_call(hub.service_url("gone") + "admin", token)
+        assert status == 503 and "text/html" in ctype and b"<html" in body.lower(), "a page path keeps the hub's page"
+
+        clients = RawClients(hub.service_url("gpulease"), token)
+        for t in clients.threads:
+            t.start()
+        try:
+            wait_for(lambda: clients.answered_after(0) > 50, 60, "the clients never got going")
+            for _ in range(4):
+                pid = wait_for(lambda: active_broker_pid(hub), 60, "no broker holds the lock")
+                time.sleep(random.uniform(0.3, 1.0))
+                t_kill = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda pid=pid: (p := active_broker_pid(hub)) and p != pid, 30, "the standby did not take over")
+                wait_for(lambda t=t_kill: clients.answered_after(t) > 30, 60, "no answers after the hand-over")
+        finally:
+            clients.stop.set()
+            for t in clients.threads:
+                t.join(15)
+        not_json = [(status, ctype, body[:80]) for _, status, ctype, body in clients.answers if status and "application/json" not in ctype]
+        assert not not_json, f"{len(not_json)} of {len(clients.answers)} answers were not JSON, e.g. {not_json[:3]}"
+
+        # a create whose answer is lost is sent again with its key, after a kill: the standby has it
+        key = uuid.uuid4().hex
+        body = {"share": 0.25, "model": "L4", "meta": {"test": key}}
+        status, _, first = raw_call(hub.service_url("gpulease") + "api/leases", token, body, key)
+        assert status == 201
+        pid = active_broker_pid(hub)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: (p := active_broker_pid(hub)) and p != pid, 30, "the standby did not take over")
+        again = wait_for(lambda: (got := raw_call(hub.service_url("gpulease") + "api/leases", token, body, key))[0] == 201 and got, 30,
+                         "the create sent again was not answered")
+        assert json.loads(again[2])["id"] == json.loads(first)["id"]
+        status, _, listed = raw_call(hub.service_url("gpulease") + "api/leases?state=all", token)
+        assert [x["id"] for x in json.loads(listed)["leases"] if x.get("meta", {}).get("test") == key] == [json.loads(first)["id"]]
+    finally:
+        hub.stop()

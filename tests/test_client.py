@@ -121,6 +121,42 @@ def test_the_hub_root_given_as_the_broker_url_is_named_as_the_mistake(tmp_path):
     asyncio.run(main())
 
 
+def test_a_create_answered_unavailable_is_sent_again_with_its_key_after_what_retry_after_asks():
+    """The proxy's (or a stopping broker's) JSON 503 during a hand-over: the same create, with
+    the caller's key, once the wait the answer asks for is over."""
+    import json
+    import time
+
+    from tornado.httpserver import HTTPServer
+    from tornado.web import Application, RequestHandler
+
+    seen = []
+
+    class Broker(RequestHandler):
+        def post(self):
+            seen.append((time.monotonic(), self.request.headers.get("Idempotency-Key")))
+            if len(seen) == 1:
+                self.set_status(503)
+                self.set_header("Retry-After", "1")
+                self.finish(json.dumps({"error": "Unavailable", "message": "the broker is stopping; try again in a moment"}))
+                return
+            self.set_status(201)
+            self.finish(json.dumps({"id": "L1", "state": "active"}))
+
+    async def main():
+        port = free_port()
+        server = HTTPServer(Application([(r"/api/leases", Broker)]))
+        server.listen(port, "127.0.0.1")
+        try:
+            return await BrokerClient(f"http://127.0.0.1:{port}/", "t", retry_for=10).request_lease({"gpus": 1}, key="spawn-1")
+        finally:
+            server.stop()
+
+    assert asyncio.run(main())["id"] == "L1"
+    (t1, k1), (t2, k2) = seen
+    assert k1 == k2 == "spawn-1" and t2 - t1 >= 0.95, "sent again with the same key, after the second Retry-After asked for"
+
+
 def test_no_url_is_a_clear_error():
     with pytest.raises(BrokerError, match="GPULEASE_BROKER_URL"):
         BrokerClient("", "t")

@@ -147,6 +147,7 @@ class FakeBroker:
     def __init__(self, *, grant_at_once=False):
         self.leases: dict[str, dict] = {}
         self.calls: list[tuple] = []
+        self.keys: list[str | None] = []  # the Idempotency-Key of each create
         self.grant_at_once = grant_at_once
         self.events_log: list[dict] = []
         self.down = False
@@ -178,9 +179,10 @@ class FakeBroker:
         return [dict(lease) for lease in self.leases.values()
                 if user in (None, lease["user"]) and (not live or lease["state"] in ("queued", "active"))]
 
-    async def request_lease(self, body):
+    async def request_lease(self, body, *, key=None):
         self._check()
         self.calls.append(("request", body))
+        self.keys.append(key)
         if body.get("tier") == "production":
             raise BrokerError(403, "you may not use tier 'production'", "tier", "Forbidden")
         self._n += 1
@@ -395,6 +397,21 @@ def test_state_round_trip_and_stop_after_restart_releases():
     assert broker.leases["L1"]["state"] == "released"
     assert s2.lease_id == "" and "lease_id" not in s2.get_state()["gpulease"]
     assert s2.get_state()["gpulease"]["last_end"]["end_reason"] == "server stopped"
+
+
+def test_each_spawn_asks_for_its_lease_with_an_idempotency_key_of_its_own():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)
+        s.user_options = {"gpus": 1}
+        await s.start()
+        await s.stop()
+        await s.start()
+        s._unfollow()
+        return broker
+    broker = asyncio.run(main())
+    assert len(broker.keys) == 2 and all(k and k.startswith("spawn-") for k in broker.keys)
+    assert broker.keys[0] != broker.keys[1], "a new spawn is a new create; only the same create sent again shares its key"
 
 
 def test_cancel_while_queued_withdraws_the_lease_at_once_and_never_looks_ready():

@@ -55,6 +55,8 @@ from .jobs import PeriodicJobs
 from .manager import LeaseManager
 from .orphan import OrphanHandover
 from .settings import SERVICE_NAME, BrokerSettings
+from .supervisor import inherited_sockets
+from .tokens import TokenChecks
 from .unleased import BACKENDS_WITH_PROCESSES
 
 __all__ = ["EXIT_CONFIG", "EXIT_LOST_DB", "GC_GEN0_THRESHOLD", "SERVICE_NAME", "GPULeaseBroker", "load_openapi", "main", "tune_gc", "tune_switching"]
@@ -166,7 +168,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
             checks.build(self, self.build_parts, what="the pool and the database")
 
     # the parts (see build_parts)
-    backend = scheduler = store = manager = usage_settings = usage = hub_side = None
+    backend = scheduler = store = past = read_ahead = manager = usage_settings = usage = hub_side = None
     health = telemetry = unleased = metrics = alerts = dcgm = jobs = orphan = None
     hub_auth = hub_oauth = web_app = http_server = None
     _hub = None
@@ -180,7 +182,9 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         from ..store import LeaseStore
         from .feed import Feed
         from .health import HealthKeeper
+        from .manager import usage_lookback
         from .metrics import BrokerMetrics, count_events
+        from .past import PastLeases, ReadAhead
         from .usage import GPULeaseUsage, UsageAPI, UsageRecorder, offers_of
 
         log = self.log
@@ -189,19 +193,22 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         log.info("Pool: %d GPU(s) from the %r device backend", len(inventory), self.device_backend)
         self.scheduler = Scheduler(inventory, self.policy)
         self.store = store = LeaseStore(self.db_url, sqlite_synchronous=self.sqlite_synchronous, migrate=False)
+        # the leases that ended lately: the usage window, and the hour the health keeper reads
+        self.past = PastLeases(store, keep_s=max(usage_lookback(self.policy), HealthKeeper.MOVED_MEMORY_S), now=self.clock.now)
         self.usage_settings = us = GPULeaseUsage(parent=self)
         recorder = UsageRecorder(us.accounting(), per_user_metrics=self.metrics_per_user, sample_s=us.sample_interval_s,
                                  write_s=us.write_interval_s) if us.record else None
         feed = Feed(buffer=self.stream_buffer_events, max_per_user=self.max_streams_per_user, max_total=self.max_streams)
         self.manager = manager = LeaseManager(self.scheduler, store, clock=self.clock, logger=log, feed=feed, show_preemptor_names=self.show_preemptor_names,
-                                              count_totals=count_events, usage_recorder=recorder, on_fatal=self._lost_database)
+                                              count_totals=count_events, usage_recorder=recorder, on_fatal=self._lost_database, past=self.past)
+        self.read_ahead = ReadAhead(store, self.past, then=manager.record_past, logger=log)
         self.usage = UsageAPI(store, us.accounting(), offers=lambda: offers_of(manager.inventory()), clock=self.clock.now,
                               min_leases=us.suggestion_min_leases, suggestion_days=us.suggestion_days)
         self.hub_side = HubSide(manager, self.policy, hub=lambda: self.hub, tasks=self._tasks, logger=log, stop_servers_on_end=self.stop_servers_on_end,
                                 stop_server_states=self.stop_server_states, reconcile_grace=self.reconcile_grace,
                                 reconcile_interval=self.reconcile_interval, config_file=self.config_file)
         self.health = HealthKeeper(manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
-                                   drain_grace_s=self.health_drain_grace_s, logger=log)
+                                   drain_grace_s=self.health_drain_grace_s, logger=log, past=self.past)
         self._build_device_parts(manager)
         self.metrics = BrokerMetrics(manager, per_user=self.metrics_per_user, telemetry=self.telemetry, health=self.health, unleased=self.unleased)
         if self.alert_webhooks:
@@ -290,6 +297,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
             "gpulease_limits": self.limits,
             "log_function": self._log_request,
             "gpulease_calls": set(),  # the API calls being answered (the stop lets them finish)
+            "gpulease_token_checks": TokenChecks(),
         }
         return WebApplication(self.api_routes() + page_handlers(self.base_url), **settings)
 
@@ -325,22 +333,29 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         def waiting():
             self.log.info("Standing by (pid %d): another broker holds the lock of %s; taking over when it stops", os.getpid(), store.describe())
 
-        got = await loop.run_in_executor(None, lambda: store.acquire_leadership(self._stop_waiting, on_wait=waiting))
-        return got
+        # a file lock is one system call to try; a PostgreSQL lock a query. Between tries, a
+        # standby reads ahead what taking over would read (past.py)
+        poll_s = 0.05 if store.dialect == "sqlite" else 0.1
+        return await loop.run_in_executor(None, lambda: store.acquire_leadership(self._stop_waiting, poll_s=poll_s, on_wait=waiting, idle=self.read_ahead))
 
     async def start_async(self) -> bool:
         """Wait for the lock, upgrade the schema, restore, listen, tick. False if stopped while
-        standing by."""
+        standing by. What needs no lock is made before it (a standby has it ready)."""
+        self.web_app = self.make_web_app()
         if not await self.wait_for_leadership():
             return False
         await self.manager.start()
         await self.health.start()
-        self.web_app = self.make_web_app()
+        self.past.clear()  # read by both at start; the scheduler keeps the usage from here on
         url = urlsplit(self.bind_url)
         self._quiet_successes = self.log_level > logging.DEBUG
         # no xheaders: the broker never uses the client's address, and checking it costs a lookup per call
         self.http_server = HTTPServer(self.web_app, max_body_size=max(4 * self.max_body_bytes, 1 << 20))
-        await self._listen(url.port or 80, url.hostname or "127.0.0.1")
+        held = inherited_sockets()  # the supervisor's: connections waited there for this broker
+        if held:
+            self.http_server.add_sockets(held)
+        else:
+            await self._listen(url.port or 80, url.hostname or "127.0.0.1")
         self.backend.start()  # a backend that follows its source (the Kubernetes node watch) does it on this loop
         self.jobs.start()
         self.log.info("GPU lease broker %s active (pid %d), listening on %s%s", __version__, os.getpid(), self.bind_url.rstrip("/"), self.base_url)
@@ -495,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
             from .supervisor import Supervisor
 
             checks.check_declared_devices(app)
-            return Supervisor(argv, standbys=app.standbys, log=app.log).run()
+            url = urlsplit(app.bind_url)
+            return Supervisor(argv, standbys=app.standbys, log=app.log, listen=(url.hostname or "127.0.0.1", url.port or 80)).run()
         checks.build(app, app.build_parts, what="the pool and the database")
     except ConfigError as e:
         print(f"jupyter gpulease broker: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ from ..core.model import BadRequest, Conflict, Forbidden, LeaseError, LeaseState
 from ..core.request import Ask, parse_ask
 from . import inputs
 from .feed import TooManyStreams
+from .keys import KEY_CHARS, scoped_key
 from .listing import LIST_LIMIT, MAX_LIST_LIMIT, Cursor
 from .manager import STOPPING, Unavailable
 
@@ -276,8 +277,12 @@ class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
 
     async def authenticate(self) -> dict | None:
         """The caller's hub model, or None. Unit tests override this in a subclass."""
+        checks = self.settings.get("gpulease_token_checks")  # one check with the hub per token at a time (tokens.py)
         try:
-            model = await self.hub_auth.get_user(self, sync=False)
+            if checks is None:
+                model = await self.hub_auth.get_user(self, sync=False)
+            else:
+                model = await checks.check(self.request.headers.get("Authorization", ""), lambda: self.hub_auth.get_user(self, sync=False))
         except web.HTTPError as e:
             if e.status_code >= 500:  # the hub did not answer the token check
                 raise HubUnavailable("cannot check the token with the hub right now; try again in a moment") from None
@@ -307,6 +312,8 @@ class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
             elif status_code >= 500:
                 message = "the broker failed to answer; the error is in its log"
             body = {"error": ERROR_NAMES.get(status_code, "Error"), "message": message}
+        if status_code == 503:
+            self.set_header("Retry-After", "1")  # stopping: its standby or the restarted broker answers within a second or so
         self.set_header("Content-Type", "application/json; charset=utf-8")
         self.finish(json.dumps(body))
 
@@ -338,9 +345,9 @@ class APIHandler(BrokerHandler, HubAuthenticated, web.RequestHandler):
         if key is None:
             return None
         key = key.strip()
-        if not key or len(key) > 64 or not key.isascii() or not all(c.isalnum() or c in "-_." for c in key):
+        if not key or len(key) > KEY_CHARS or not key.isascii() or not all(c.isalnum() or c in "-_." for c in key):
             raise BadRequest("'Idempotency-Key' must be 1 to 64 letters, digits, '-', '_' or '.'", field="Idempotency-Key")
-        return f"{self.caller_name}:{key}"
+        return scoped_key(self.caller_name, key)
 
     def query_number(self, name: str, default: Any, **kw) -> Any:
         raw = self.get_argument(name, None)

@@ -53,10 +53,12 @@ def target_key(kind: str, name: str) -> str:
 class HealthKeeper:
     """See the module doc. One per broker: ``manager`` (the :class:`LeaseManager`) is handed it
     by the app (``LeaseManager.wire``), to mark cordoned GPUs, note them in the pool and warn
-    their holders."""
+    their holders. ``past``: the leases that ended lately, read ahead while the broker stood by
+    (:class:`.past.PastLeases`, kept for at least :attr:`MOVED_MEMORY_S`); None: read from the
+    store at start."""
 
     def __init__(self, manager, *, settle_s: float = 300.0, drain_action: str = "suspend", drain_grace_s: float = 60.0,
-                 logger: logging.Logger | None = None):
+                 logger: logging.Logger | None = None, past=None):
         if drain_action not in DRAIN_ACTIONS:
             raise ValueError(f"drain_action must be one of {', '.join(DRAIN_ACTIONS)}, got {drain_action!r}")
         self.manager = manager
@@ -64,6 +66,7 @@ class HealthKeeper:
         self.drain_action = drain_action
         self.drain_grace_s = float(drain_grace_s)
         self.log = logger or log
+        self.past = past
         self.cordons: dict[str, dict[str, Any]] = {}  # target -> row (see health_store.CORDONS)
         self.windows: dict[str, dict[str, Any]] = {}  # id -> row
         self.raw: list[GPU] = list(manager.inventory())  # the pool as the device backend reports it
@@ -93,7 +96,7 @@ class HealthKeeper:
         none since) still go first in their tier with their next request."""
         m = self.manager
         since = m.now() - self.MOVED_MEMORY_S
-        past = await m.in_writer(m.store.history, since)
+        past = self.past.since(since) if self.past is not None and self.past.loaded else await m.in_writer(m.store.history, since)
         latest: dict[tuple[str, str], Any] = {}
         for lease in sorted([*past, *m.scheduler.leases.values()], key=lambda x: x.created_at):
             latest[(lease.user, lease.server)] = lease

@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +37,8 @@ from ..store import Batch, LeaseStore
 from .commit import LIVE, STOPPING, TERMINAL, CountTotals, GroupCommit, Unavailable
 from .ends import end_message, ended_by
 from .feed import Feed
+from .keys import RequestKeys
+from .past import PastLeases
 from .reads import LeaseReads, WarningSource
 
 __all__ = ["LIVE", "STOPPING", "TERMINAL", "EventListener", "LeaseManager", "SystemClock", "Unavailable", "end_message", "ended_by"]
@@ -66,8 +67,10 @@ class LeaseManager:
     ``count_totals``: the increments of the durable counters a batch of events makes (the
     metrics' :func:`.metrics.count_events`), committed with them; ``usage_recorder``: usage
     records fed from each batch and committed with it; ``on_fatal(exc)``: called once a commit
-    failed (the broker process ends: see the module doc). The parts built after the manager,
-    which hold it, are handed to it by :meth:`wire`."""
+    failed (the broker process ends: see the module doc); ``past``: the leases that ended in
+    the usage window, read ahead while the broker stood by (:class:`.past.PastLeases`; by
+    default read at start). The parts built after the manager, which hold it, are handed to it
+    by :meth:`wire`."""
 
     def __init__(
         self,
@@ -83,12 +86,13 @@ class LeaseManager:
         count_totals: CountTotals | None = None,
         usage_recorder=None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        past: PastLeases | None = None,
     ):
         self.scheduler = scheduler
         self.store = store
         self.clock = clock or SystemClock()
         self.log = logger or log
-        self.usage_lookback_s = usage_lookback_s
+        self.usage_lookback_s = usage_lookback_s if usage_lookback_s is not None else usage_lookback(scheduler.policy)
         self.feed = feed if feed is not None else Feed()
         self.usage_recorder = usage_recorder
         self.on_fatal = on_fatal
@@ -102,9 +106,9 @@ class LeaseManager:
                                   count_totals=count_totals, usage_recorder=usage_recorder, logger=self.log)
         self.reads = LeaseReads(scheduler, store, readers=self._readers, feed=self.feed, flush=self.commit.flush, now=self.clock.now,
                                 show_preemptor_names=show_preemptor_names)
-        self._keys: OrderedDict[str, str] = OrderedDict()  # idempotency key -> lease id (this process)
-        self._keys_max = 200_000
-        self.request_key_window_s = request_key_window_s
+        # idempotency keys: this process's, and the database's in its first minutes (see keys.py)
+        self.keys = RequestKeys(lambda key: self.reads.in_reader(store.find_request_key, key), now=self.clock.now, window_s=request_key_window_s)
+        self.past = past if past is not None else PastLeases(store, keep_s=self.usage_lookback_s, now=self.clock.now)
         self.started_at = 0.0
         self.draining = False
         self._ids = random.Random(os.urandom(32))
@@ -193,22 +197,30 @@ class LeaseManager:
             self.log.info("Lease database %s at schema %s (was %s)", self.store.describe(), head, before or "empty")
         now = self.now()
         self.started_at = now
+        self.keys.start(now)
         live = await self.in_writer(self.store.load_live)
         self.scheduler.restore(live)
         self.reads.restore((lease.to_dict() for lease in live), await self.in_writer(self.store.load_totals))
-        lookback = self.usage_lookback_s if self.usage_lookback_s is not None else _usage_lookback(self.scheduler.policy)
-        past = await self.in_writer(self.store.history, now - lookback)
-        for lease in past:
-            self.scheduler.record_usage(lease.user, lease.groups, lease.granted_at, lease.ended_at, lease.gpu_milli)
+        await self.in_writer(self.past.catch_up)  # a standby read all but the last moment's ends ahead
+        self.record_past()
         self.feed.last_id = await self.in_writer(self.store.last_event_id)
         if self.usage_recorder is not None:
             stale = self.usage_recorder.restore(await self.in_writer(self.store.load_live_usage), live=self.reads.committed)
             for lid in stale:  # ended while nothing was recorded (recording off): closed at its end
                 self.usage_recorder.close_stale(lid, await self.in_writer(self.store.get_lease, lid))
-        self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), len(past))
+        self.log.info("Restored %d live lease(s) and %d past lease(s) of usage history", len(live), self.past.count_since(now - self.usage_lookback_s))
         self.commit.start()
         await self.commit.stage([], tick=True)
         return []
+
+    def record_past(self) -> None:
+        """Count the use of the leases that ended within the usage window and were read since the
+        last call (``past``): a standby as it reads them, on the thread that waits for the lock
+        (nothing else touches the scheduler before start), the broker that takes over for the
+        last ones. A lease counted ahead that leaves the window before the take-over stays
+        counted, as it would in a broker that had served all along."""
+        for p in self.past.take_new(self.now() - self.usage_lookback_s):
+            self.scheduler.record_usage(p.user, p.groups, p.granted_at, p.ended_at, p.gpu_milli)
 
     async def tick(self) -> None:
         """A scheduling pass (expiries, warnings, grants), committed."""
@@ -260,20 +272,9 @@ class LeaseManager:
         return total
 
     # ------------------------------------------------------------------ idempotency
-    def _remember_key(self, key: str | None, lease_id: str) -> None:
-        if not key:
-            return
-        self._keys[key] = lease_id
-        if len(self._keys) > self._keys_max:
-            self._keys.popitem(last=False)
-
     async def _replayed(self, key: str | None, user: str | None = None) -> str | None:
         """The lease an earlier call with ``key`` changed (a client retrying after a lost answer)."""
-        if not key:
-            return None
-        lid = self._keys.get(key)
-        if lid is None and self.now() - self.started_at < self.request_key_window_s:
-            lid = await self.reads.in_reader(self.store.find_request_key, key)  # answered before a restart?
+        lid = await self.keys.find(key)
         if lid is None:
             return None
         if user is not None:
@@ -305,7 +306,7 @@ class LeaseManager:
         except LeaseError:
             await self.commit.flush()
             raise
-        self._remember_key(key, lease.id)
+        self.keys.remember(key, lease.id)
         await self._run(lambda: self.scheduler.submit(lease, now, actor=actor or ask.user), leases=[lease], key=key)
         return self.reads.committed.get(lease.id) or await self.reads.get(lease.id)
 
@@ -313,7 +314,7 @@ class LeaseManager:
         if await self._replayed(key) == lease_id:
             return await self.reads.get(lease_id)
         lease = await self._live(lease_id)
-        self._remember_key(key, lease_id)
+        self.keys.remember(key, lease_id)
         await self._run(lambda: op(self.now()), leases=[lease], tick=tick, key=key)
         return await self.reads.get(lease_id)
 
@@ -452,7 +453,7 @@ class LeaseManager:
         return self.scheduler.user_usage(user, tuple(groups), self.now())
 
 
-def _usage_lookback(policy) -> float:
+def usage_lookback(policy) -> float:
     """How far back past usage still matters: the longest quota period, or 5 fair-share half-lives."""
     periods = [q.period_s for q in (policy.default_user_quota, *policy.user_quotas.values(), *policy.group_quotas.values()) if q.gpu_hours is not None]
     if policy.fair_share:

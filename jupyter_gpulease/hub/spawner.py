@@ -45,7 +45,7 @@ from tornado import web
 from traitlets import Any as AnyTrait
 from traitlets import Dict, Unicode, default
 
-from ..client import Backoff, BrokerError
+from ..client import Backoff, BrokerError, new_request_key
 from ..core.request import SPAWNER_META
 from ..core.text import format_duration
 from . import form as spawn_form
@@ -308,7 +308,8 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
         wait_limit = body.get("max_wait_s", self.lease_wait_timeout)
         what = choice.label if choice.preset else describe_request(choice.request, pool)
         self.emit_progress(f"Asking for {what}", 5)
-        request = asyncio.ensure_future(client.request_lease(body))
+        # one key for this spawn's create: however often it is sent, it makes one lease
+        request = asyncio.ensure_future(client.request_lease(body, key=new_request_key("spawn")))
         try:
             lease = await asyncio.shield(request)
         except BrokerError as e:

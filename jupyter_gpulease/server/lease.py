@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..client import BrokerClient, BrokerError
+from ..client import BrokerClient, BrokerError, new_request_key
 from ..core.request import SPAWNER_META
 from ..tasks import BackgroundTasks
 
@@ -183,13 +183,13 @@ class LeaseKeeper:
             meta = {**(body.get("meta") or {}), "spawner": SPAWNER_META, "taken_by": "server"}
             body = {**body, "server": self.server_name, "meta": meta}
             try:
-                lease = await self.client.request_lease(body)
+                lease = await self.client.request_lease(body, key=new_request_key("server"))
             except BrokerError as e:
                 if e.status == 400 and e.field in ("prefer_gpus", "require_gpus"):
-                    # a broker without GPU preferences: ask for the shape alone
+                    # a broker without GPU preferences: ask for the shape alone (another create: its own key)
                     log.info("The broker does not take %s; asking without a GPU preference", e.field)
                     body = {k: v for k, v in body.items() if k not in ("prefer_gpus", "require_gpus")}
-                    lease = await self.client.request_lease(body)
+                    lease = await self.client.request_lease(body, key=new_request_key("server"))
                 else:
                     raise
             self.origin = "server"
