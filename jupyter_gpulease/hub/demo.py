@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     config_dir, chp, port = checked
     backend, why = choose_backend(args.device_backend)
 
+    if backend == "simulated":
+        forget_last_run(state)
     env = _hub_env(args, state, port, chp, backend)
     env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
@@ -384,6 +386,20 @@ def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, 
         GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
     )
     return env
+
+
+def forget_last_run(state: Path) -> list[int]:
+    """The simulated GPUs as a new run finds them: the kernels of the last run stopped with it, so
+    their processes (and what the simulated cuda-checkpoint kept of them) are taken off the GPUs;
+    the pids taken off. Without this, an idle GPU would show a stopped kernel's memory as used."""
+    from ..devices.simulated import SimulatedBackend
+
+    state_file = state / "sim-gpus.json"
+    if not state_file.exists():
+        return []
+    gone = SimulatedBackend({"state_file": str(state_file)}).forget_dead_processes(untimed=True)
+    Path(str(state_file) + ".checkpoints.json").unlink(missing_ok=True)
+    return gone
 
 
 def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: Path, log_path: Path, backend: str,
