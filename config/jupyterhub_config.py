@@ -53,10 +53,13 @@ c.JupyterHub.cleanup_servers = True
 
 # ------------------------------------------------------------------ who may log in
 # The demo: any user name, one shared password. A real hub uses its site's authenticator.
-c.JupyterHub.authenticator_class = "dummy"
-c.DummyAuthenticator.password = env("GPULEASE_DEMO_PASSWORD", "gpulease")
+c.JupyterHub.authenticator_class = "jupyter_gpulease.hub.demo.DemoAuthenticator"
+c.DemoAuthenticator.password = env("GPULEASE_DEMO_PASSWORD", "gpulease")
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = {"admin"}
+if env("GPULEASE_DEMO_DIR"):
+    # the groups gpulease_config.py gives a tier and a quota to; a real hub has its own groups
+    c.JupyterHub.load_groups = {"staff": {"users": []}, "students": {"users": []}}
 
 # ------------------------------------------------------------------ the lease broker service
 broker_url = f"http://127.0.0.1:{broker_port}"

@@ -10,6 +10,7 @@ broker still runs (see :mod:`.lifecycle`), and makes sure no process it started 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import secrets
@@ -23,12 +24,31 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from jupyterhub.auth import Authenticator
+from traitlets import Unicode
+
 DEFAULT_STATE_DIR = "demo-state"
 DEFAULT_PASSWORD = "gpulease"
 #: The demo's idle reclaim, short enough to see the whole cycle in minutes: a kernel whose GPU sits
 #: idle is warned after IDLE_WARN_S and suspended (an unused lease goes back) after IDLE_RECLAIM_S.
 IDLE_RECLAIM_S = 60
 IDLE_WARN_S = 30
+
+
+class DemoAuthenticator(Authenticator):
+    """The demo's login: any user name with the one shared password, admins included (config:
+    ``c.JupyterHub.authenticator_class = "jupyter_gpulease.hub.demo.DemoAuthenticator"``).
+
+    What ``DummyAuthenticator.password`` did before JupyterHub 5.3 deprecated it; JupyterHub's
+    ``SharedPasswordAuthenticator`` would need a second, 32-character password for the admin."""
+
+    password = Unicode("", help="""The password every user logs in with; empty: nobody can log in.""").tag(config=True)
+
+    async def authenticate(self, handler, data):
+        password = str((data or {}).get("password") or "")
+        if self.password and hmac.compare_digest(password.encode(), self.password.encode()):
+            return data["username"]
+        return None
 
 
 def find_config_dir() -> Path | None:
@@ -370,6 +390,7 @@ def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, 
     """The hub's environment: the demo's ports, tokens, device backend and idle timeouts for its config."""
     env = dict(os.environ)
     env.pop("JUPYTERHUB_API_TOKEN", None)
+    env["PATH"] = path_with(Path(sys.executable).parent, env.get("PATH", ""))
     env.update(
         GPULEASE_DEMO_DIR=str(state),
         GPULEASE_DEMO_PORT=str(port),
@@ -400,6 +421,13 @@ def forget_last_run(state: Path) -> list[int]:
     gone = SimulatedBackend({"state_file": str(state_file)}).forget_dead_processes(untimed=True)
     Path(str(state_file) + ".checkpoints.json").unlink(missing_ok=True)
     return gone
+
+
+def path_with(bin_dir: Path, path: str) -> str:
+    """``path`` with ``bin_dir`` first: the hub, its servers and their kernels find this Python's
+    commands (``jupyter``, ``jupyter-gpulease``) though the virtual environment is not activated."""
+    rest = [p for p in path.split(os.pathsep) if p and p != str(bin_dir)]
+    return os.pathsep.join([str(bin_dir), *rest])
 
 
 def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: Path, log_path: Path, backend: str,
