@@ -9,6 +9,7 @@ I/O, no clock (``now`` is always given), nothing of the project outside ``core``
 from __future__ import annotations
 
 import fnmatch
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -59,8 +60,14 @@ def _view(lease: LeaseView | Mapping[str, Any]) -> LeaseView:
 
 
 def hhmm(t: float) -> str:
-    """POSIX seconds → '14:05' (local time)."""
+    """POSIX seconds → '14:05' (local time): the minute in which ``t`` falls ('at 14:05')."""
     return time.strftime("%H:%M", time.localtime(float(t)))
+
+
+def hhmm_by(t: float) -> str:
+    """POSIX seconds → the first minute at which ``t`` has passed: 14:05:56 → '14:06'. A time
+    something happens *by* never reads earlier than it comes."""
+    return hhmm(math.ceil(float(t) / 60) * 60)
 
 
 # --------------------------------------------------------------------------- what is asked for
@@ -168,8 +175,8 @@ def sooner_words(queue: QueueView | Mapping[str, Any] | None, now: float, *, lon
     if at is None or at <= now:
         return ""
     if long:
-        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm(at)} if it stays idle"
-    return f", or sooner: by {hhmm(at)}"
+        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm_by(at)} if it stays idle"
+    return f", or sooner: by {hhmm_by(at)}"
 
 
 def queue_place(lease: LeaseView | Mapping[str, Any]) -> str:

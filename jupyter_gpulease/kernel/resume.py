@@ -172,8 +172,10 @@ def status_lines(status: dict[str, Any], now: float, kernel_id: str | None = Non
     if lease.get("state") != "active" or not r:
         return out
     keep = r.get("keep_until")
-    if keep and float(keep) > now:
-        out.append(f"kept: idle reclaim leaves this server's GPU alone until {_clock(keep)} (in {format_duration(float(keep) - now)})")
+    kept = bool(keep and float(keep) > now)
+    if kept:
+        out.append(f"kept: idle reclaim leaves this server's GPU alone until {_clock(keep)} (in {format_duration(float(keep) - now)}); "
+                   "%gpu keep off ends the keep")
     if not r.get("enabled"):
         out.append("idle reclaim: off on this server")
         return out
@@ -191,7 +193,7 @@ def status_lines(status: dict[str, Any], now: float, kernel_id: str | None = Non
     at = r.get("lease_reclaim_at")
     if at:
         out.append(f"idle reclaim: the GPU lease goes back at {_clock(at)} (in {format_duration(max(0.0, float(at) - now))}) "
-                   "if no kernel uses it by then; %gpu keep 1h postpones it")
+                   "if no kernel uses it by then" + ("" if kept else "; %gpu keep 1h postpones it"))
     elif r.get("timeout_s"):
         out.append(f"idle reclaim: after {format_duration(float(r['timeout_s']))} without GPU use")
     return out

@@ -129,8 +129,12 @@ class ReclaimActions(LoggingConfigurable):
                 at = max(deadlines)
         return None if at is None else round(at, 1)
 
-    def keep(self, for_s: float) -> float:
-        """Postpone idle reclaim by ``for_s``; the time it is postponed until."""
+    def keep(self, for_s: float) -> float | None:
+        """Postpone idle reclaim by ``for_s``; the time it is postponed until. 0 ends the keep in
+        force (None): each kernel's idle deadline is its own again."""
+        if for_s <= 0:
+            self.tracker.end_keep()
+            return None
         if for_s > self.max_keep:
             raise BrokerError(400, f"a keep of {fmt_duration(for_s)} is longer than this server allows: "
                               f"it keeps an idle GPU for at most {fmt_duration(self.max_keep)}", "for_s")

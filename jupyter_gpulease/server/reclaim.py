@@ -110,6 +110,13 @@ class ReclaimTracker:
         self.lease_warned_for = None
         return self.keep_until
 
+    def end_keep(self) -> None:
+        """No keep in force any more: the deadlines are the idle periods' own (warned again before)."""
+        self.keep_until = None
+        for k in self.kernels.values():
+            k.warned_for = None
+        self.lease_warned_for = None
+
     # ------------------------------------------------------------------ decisions
     def _postponed(self, base: float) -> float:
         if self.keep_until is not None and self.keep_until > base:

@@ -1,6 +1,6 @@
 /**
  * jupyter-gpulease for JupyterLab 4: a status-bar item with the GPU lease at a glance
- * ("GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min"), a panel with per-device
+ * ("GPU A100 ×1 · 63% · 1 h 12 min left", "GPU queue #3 · ~14 min"), a panel with per-device
  * figures and the lease's actions, and notifications for its warnings.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
