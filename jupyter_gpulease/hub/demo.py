@@ -29,10 +29,13 @@ from traitlets import Unicode
 
 DEFAULT_STATE_DIR = "demo-state"
 DEFAULT_PASSWORD = "gpulease"
-#: The demo's idle reclaim, short enough to see the whole cycle in minutes: a kernel whose GPU sits
-#: idle is warned after IDLE_WARN_S and suspended (an unused lease goes back) after IDLE_RECLAIM_S.
-IDLE_RECLAIM_S = 60
-IDLE_WARN_S = 30
+#: The demo's idle reclaim, short enough to see the whole cycle in minutes and long enough to follow
+#: it at a reader's pace: a kernel whose GPU sits idle is warned after IDLE_WARN_S and suspended
+#: after IDLE_RECLAIM_S; a lease no kernel uses goes back after UNUSED_LEASE_S (time to open a
+#: notebook and write a first cell, or to read on while holding a GPU).
+IDLE_RECLAIM_S = 120
+IDLE_WARN_S = 60
+UNUSED_LEASE_S = 300
 
 
 class DemoAuthenticator(Authenticator):
@@ -294,8 +297,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="GPUs of the pool: auto (NVML when it finds GPUs, else 4 simulated GPUs), simulated, nvml, static")
     p.add_argument("--config-dir", default=None, help="folder with jupyterhub_config.py and gpulease_config.py (default: the examples in config/)")
     p.add_argument("--idle-timeout", type=_positive_int, default=IDLE_RECLAIM_S,
-                   help=f"seconds a kernel's GPU may sit idle before it is suspended (warned at half of it; an unused "
-                        f"lease goes back after it too; default: {IDLE_RECLAIM_S}, to see the cycle in minutes)")
+                   help=f"seconds a kernel's GPU may sit idle before it is suspended (warned at half of it; "
+                        f"default: {IDLE_RECLAIM_S}, to see the cycle in minutes)")
+    p.add_argument("--unused-timeout", type=_positive_int, default=None,
+                   help=f"seconds a lease no kernel uses may sit unused before it goes back (default: {UNUSED_LEASE_S}, "
+                        "or the idle timeout when that is longer)")
     p.add_argument("--fresh", action="store_true", help="delete the state folder first (users, leases, logs)")
     return p.parse_args(argv)
 
@@ -404,6 +410,7 @@ def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, 
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
         GPULEASE_DEMO_IDLE_TIMEOUT=str(args.idle_timeout),
+        GPULEASE_DEMO_UNUSED_TIMEOUT=str(unused_timeout(args)),
         GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
     )
     return env
@@ -430,6 +437,11 @@ def path_with(bin_dir: Path, path: str) -> str:
     return os.pathsep.join([str(bin_dir), *rest])
 
 
+def unused_timeout(args: argparse.Namespace) -> int:
+    """Seconds an unused lease stays: ``--unused-timeout``, else UNUSED_LEASE_S or the idle timeout if longer."""
+    return args.unused_timeout or max(UNUSED_LEASE_S, args.idle_timeout)
+
+
 def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: Path, log_path: Path, backend: str,
              stop_requested) -> int:
     """Wait for the hub to come up (banner), then until it exits or a stop is asked for; the exit status."""
@@ -449,8 +461,8 @@ def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: 
         time.sleep(0.3)
     else:
         _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
-        print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout),
-              flush=True)
+        print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout,
+                      unused_timeout=unused_timeout(args)), flush=True)
     while not stop_requested() and rc == 0:
         if hub.poll() is not None:
             print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
@@ -485,7 +497,9 @@ def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
 
 
 def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: list[str] = (), backend: str = "", *,
-            idle_timeout: int = IDLE_RECLAIM_S) -> str:
+            idle_timeout: int = IDLE_RECLAIM_S, unused_timeout: int = UNUSED_LEASE_S) -> str:
+    from ..core.text import format_duration
+
     warn = idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S
     gpus = []
     if pool_lines:
@@ -501,7 +515,7 @@ def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: li
         f"  Idle reclaim{' is short in the demo' if idle_timeout <= 600 else ''}: a kernel whose GPU sits idle is warned "
         f"after {warn} s and suspended after {idle_timeout} s",
         "  (its variables stay; its next cell gets a GPU back); a lease no kernel uses goes back after "
-        f"{idle_timeout} s.",
+        f"{format_duration(unused_timeout)} (the next cell asks for one again).",
         *(["  In a notebook, make simulated GPU work with:",
            "      from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=80, memory_gb=6, seconds=20)"]
           if backend == "simulated" else []),

@@ -148,6 +148,8 @@ class GPUController(LoggingConfigurable):
             self.actions.plan(now, self.sample_interval)
             self.actions.check_shares(snap, now)
         self.warnings.check(now)
+        if not self.actions.returning:
+            self.resumer.park(now)
         self.resumer.check(now)
         if self.announce.notice_of(NoticeKind.ENV_STALE):
             self.env_notice()  # a stale kernel restarted or went away: say so
@@ -333,6 +335,7 @@ class GPUController(LoggingConfigurable):
             "reclaim_busy": a.reclaim_busy,
             "timeout_s": timeout,
             "timeout_rule": self.idle.describe(a.effective_action()),
+            "unused_lease_timeout_s": a.lease_timeout(),
             "warn_before_s": a.warn_before,
             "keep_until": keep_until if keep_until and keep_until > now else None,
             "max_keep_s": a.max_keep,

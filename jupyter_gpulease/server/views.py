@@ -96,7 +96,8 @@ def kernel_json(rec: KernelRecord, *, now: float, idle: Any, reclaim_at: float |
         "env_stale": bool(sight),
         "sight": sight,
         "resume": {k: v for k, v in resume.items() if k != "kernel_id"} if resume and resume.get("kernel_id") == rec.id else None,
-        "suspended": {k: rec.suspended[k] for k in ("devices", "memory_mib", "at", "suspend_s")} if rec.suspended else None,
+        "suspended": ({k: rec.suspended[k] for k in ("devices", "memory_mib", "at", "suspend_s")} | {"parked": bool(rec.suspended.get("parked"))}
+                      if rec.suspended else None),
         "busy_s": round(rec.busy_s, 1), "idle_total_s": round(rec.idle_s, 1), "memory_peak_mib": rec.memory_peak_mib,
     }
     if history is not None:
