@@ -54,6 +54,11 @@ export function hhmmBy(t: number): string {
   return hhmm(Math.ceil(t / 60) * 60);
 }
 
+/** ' (or by 14:06 if idle GPUs go back)': the GPUs a wait is for sit idle and go back by then; '' otherwise. */
+function sooner(at: number | null | undefined, now: number): string {
+  return typeof at === 'number' && at > now ? ` (or by ${hhmmBy(at)} if idle GPUs go back)` : '';
+}
+
 /** Mean utilization over the lease's devices, or null when none reports it. */
 export function utilization(devices: IDevice[]): number | null {
   const vals = devices.map(d => d.utilization_pct).filter((v): v is number => typeof v === 'number');
@@ -86,7 +91,7 @@ export function statusLine(status: IStatus | null, now: number): string {
     }
     const pos = typeof r.position === 'number' ? ` · queue #${r.position}` : ' · asking for a GPU';
     const eta = typeof r.eta === 'number' ? ` · ${about(r.eta - now)}` : '';
-    return `GPU resuming${pos}${eta}`;
+    return `GPU resuming${pos}${eta}${sooner(r.may_start_sooner_at, now)}`;
   }
   if (suspended(status)) {
     return 'GPU suspended · resumes on next cell';
@@ -98,8 +103,7 @@ export function statusLine(status: IStatus | null, now: number): string {
     const q = lease.queue ?? {};
     const pos = q.position !== undefined && q.position !== null ? `#${q.position}` : '';
     const eta = typeof q.eta === 'number' ? ` · ${about(q.eta - now)}` : '';
-    const sooner = typeof q.may_start_sooner_at === 'number' && q.may_start_sooner_at > now ? ` (or by ${hhmmBy(q.may_start_sooner_at)} if idle GPUs go back)` : '';
-    return `GPU queue ${pos}${eta}${sooner}`.replace(/\s+$/, '');
+    return `GPU queue ${pos}${eta}${sooner(q.may_start_sooner_at, now)}`.replace(/\s+$/, '');
   }
   if (lease.state === 'active') {
     const parts = [`GPU ${lease.holding ?? ''}`.trim()];

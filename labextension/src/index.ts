@@ -4,10 +4,11 @@
  * figures and the lease's actions, and notifications for its warnings.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { Notification } from '@jupyterlab/apputils';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LeaseFeed } from './api';
-import { WarningNotifier } from './notify';
-import { LeaseStatusItem } from './panel';
+import { LeaseNotifier } from './notify';
+import { LeaseStatusItem, runAction } from './panel';
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-gpulease:status',
@@ -16,13 +17,22 @@ const plugin: JupyterFrontEndPlugin<void> = {
   optional: [IStatusBar],
   activate: (app: JupyterFrontEnd, statusBar: IStatusBar | null) => {
     const feed = new LeaseFeed();
-    new WarningNotifier(feed);
-    if (statusBar) {
-      statusBar.registerStatusItem('jupyter-gpulease:status', {
-        item: new LeaseStatusItem(feed),
-        align: 'left',
-        rank: 100
-      });
+    const item = statusBar ? new LeaseStatusItem(feed) : null;
+    const notifier = new LeaseNotifier({
+      get status() {
+        return feed.status;
+      },
+      now: () => feed.now(),
+      run: (name, body) => void runAction(feed, name, body),
+      openPanel: () => item?.open()
+    }, {
+      emit: (message, type, options) => Notification.emit(message, type, options),
+      update: args => Notification.update(args),
+      dismiss: id => Notification.dismiss(id)
+    });
+    feed.changed.connect(() => notifier.update());
+    if (statusBar && item) {
+      statusBar.registerStatusItem('jupyter-gpulease:status', { item, align: 'left', rank: 100 });
     }
     app.restored.then(() => feed.start());
   }

@@ -18,7 +18,9 @@ export async function runAction(feed: LeaseFeed, name: ActionName, body?: Record
   const a = ACTIONS[name];
   try {
     await act(a.path, body ?? a.body);
-    Notification.success(a.done, { autoClose: 4000 });
+    // news of a moment: gone from the notification centre too once it closed (the lease's own notification says what holds)
+    const id = Notification.success(a.done, { autoClose: 4000 });
+    setTimeout(() => Notification.dismiss(id), 5000);
   } catch (e: any) {
     Notification.error(`${a.doing} failed: ${e?.message ?? e}`, { autoClose: 8000 });
   }
@@ -48,6 +50,14 @@ export class LeaseStatusItem extends Widget {
     if (this._popup && !this._popup.isDisposed) {
       this._popup.dispose();
       this._popup = null;
+      return;
+    }
+    this.open();
+  }
+
+  /** Open the panel (a notification's "Details"); an open one stays. */
+  open(): void {
+    if (this._popup && !this._popup.isDisposed) {
       return;
     }
     this._popup = showPopup({ body: new LeasePanel(this.feed), anchor: this, align: 'left', hasDynamicSize: true });

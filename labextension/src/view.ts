@@ -57,7 +57,13 @@ export function panelView(s: IStatus | null, now: number): IPanelView {
       memText: `${mib(used)} / ${mib(total)}`
     };
   });
-  const messages = [...(s?.message ? [s.message] : []), ...currentWarnings(s, now).map(w => w.message)];
+  // everything in full that a notification's one line leaves out: warnings, what became of each kernel, the notices
+  const messages = [
+    ...(s?.message ? [s.message] : []),
+    ...currentWarnings(s, now).map(w => w.message),
+    ...(s?.kernels ?? []).map(k => k.message ?? '').filter(Boolean),
+    ...(s?.notices ?? []).map(n => n.message).filter(Boolean)
+  ];
   // the actions the server offers now (its one action table)
   const buttons = (s?.actions ?? []).map(a => ({ name: a.name, label: a.label, action: a.path, body: a.body }));
   return { title: statusLine(s, now), info: panelInfo(s, now), devices, messages, buttons };

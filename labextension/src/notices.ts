@@ -1,0 +1,152 @@
+/**
+ * Which notifications the lease's state calls for: a pure function of the server's status, `now`
+ * and the notifications shown before (a kernel that was suspended and runs again "has its GPU
+ * back"). One notification per topic (each kernel, the lease), whose line says the state the topic
+ * is in: a new state updates it in place, a state that is over takes it away. The line is short
+ * enough for JupyterLab (it cuts a notification after 140 characters); the rest is in the panel.
+ */
+import type { IKernel, IStatus, IWarning } from './api';
+import { currentWarnings, hhmm } from './format';
+import { ActionName, NOTIFICATION_LINES, RECLAIM_PARTICIPLES, WARNING_ACTIONS } from './kinds';
+
+/** JupyterLab cuts a notification's message after this many characters. */
+export const MAX_CHARS = 140;
+
+export type NoticeType = 'info' | 'success' | 'warning' | 'error';
+
+/** One notification as the state calls for it. */
+export interface INotice {
+  topic: string; // 'kernel:<id>' or 'lease'
+  state: string; // the state it says: a new state is a new line (e.g. 'suspended', 'waiting:2', 'warning:reclaim:<deadline>')
+  type: NoticeType;
+  text: string;
+  actions: ActionName[]; // from the action table; every notification also has "Details" (the panel)
+  kernelId?: string; // whose resume the Resume action asks for
+  autoClose: number | false;
+}
+
+const FOR_A_WHILE = 8000; // ms a piece of good news stays on screen (it stays in the notification centre)
+const LEFT_IDLE = ['suspended', 'asking', 'restoring']; // a kernel in these states (or waiting) has no GPU yet
+
+/** A line of NOTIFICATION_LINES filled in; a {reason} that would make it too long says "see the details." instead. */
+export function line(key: string, fill: Record<string, string>): string {
+  const template = NOTIFICATION_LINES[key] ?? NOTIFICATION_LINES.warning;
+  const make = (f: Record<string, string>) => template.replace(/\{(\w+)\}/g, (_, name: string) => f[name] ?? '');
+  const text = make(fill);
+  return text.length > MAX_CHARS && 'reason' in fill ? make({ ...fill, reason: 'see the details.' }) : text;
+}
+
+/** A message's first sentence (up to the first '.', '!' or '?' followed by a space or the end). */
+export function firstSentence(message: string | undefined): string {
+  const m = /^(.*?[.!?])(\s|$)/.exec((message ?? '').trim());
+  return m ? m[1] : (message ?? '').trim();
+}
+
+function at(deadline: number | null | undefined): string {
+  return typeof deadline === 'number' ? hhmm(deadline) : 'soon';
+}
+
+/** The warning that comes first (the earliest deadline), of those given. */
+function firstDue(warnings: IWarning[]): IWarning | undefined {
+  return [...warnings].sort((a, b) => (a.deadline ?? Infinity) - (b.deadline ?? Infinity))[0];
+}
+
+function warningNotice(topic: string, w: IWarning, kernel: string): INotice {
+  const text = line(w.kind, {
+    kernel,
+    at: at(w.deadline),
+    action: RECLAIM_PARTICIPLES[w.reclaim_action ?? ''] ?? RECLAIM_PARTICIPLES.suspend,
+    reason: firstSentence(w.message)
+  });
+  return { topic, state: `warning:${w.kind}:${w.deadline ?? ''}`, type: 'warning', text, actions: WARNING_ACTIONS[w.kind] ?? [], autoClose: false };
+}
+
+/** A kernel's notification: its idle warning, its suspend, its wait for a GPU, its GPU back. */
+function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefined): INotice | null {
+  const topic = `kernel:${k.id}`;
+  const kernel = k.id.slice(0, 8);
+  const notice = (state: string, type: NoticeType, text: string, actions: ActionName[] = [], autoClose: number | false = false): INotice =>
+    ({ topic, state, type, text, actions, kernelId: k.id, autoClose });
+  if (k.state === 'suspended') {
+    // a parked kernel (its lease went back unused) put nothing aside: the lease's notification says it
+    return k.suspended?.parked ? null : notice('suspended', 'warning', line('suspended', { kernel }), ['resume']);
+  }
+  if (k.state === 'resuming') {
+    const r = k.resume ?? {};
+    if (r.stage === 'restoring') {
+      return notice('restoring', 'info', line('restoring', { kernel }));
+    }
+    return typeof r.position === 'number'
+      ? notice(`waiting:${r.position}`, 'info', line('waiting', { kernel, position: String(r.position) }))
+      : notice('asking', 'info', line('asking', { kernel }));
+  }
+  if (k.state === 'reclaimed' && k.message) {
+    return notice('acted', 'warning', firstSentence(k.message).length <= MAX_CHARS ? firstSentence(k.message)
+      : line('not_back', { kernel, reason: 'see the details.' }));
+  }
+  const w = firstDue(warnings);
+  if (w) {
+    return { ...warningNotice(topic, w, kernel), kernelId: k.id };
+  }
+  const was = before?.state ?? '';
+  if (LEFT_IDLE.includes(was) || was.startsWith('waiting')) {
+    return k.message // a resume that did not work: the kernel runs on, and says why
+      ? notice('not_back', 'error', line('not_back', { kernel, reason: firstSentence(k.message.replace(/^Kernel \S+( \([^)]*\))? /, '')) }))
+      : notice('back', 'success', line('back', { kernel }), [], FOR_A_WHILE);
+  }
+  return was === 'back' || was === 'not_back' ? before! : null; // still true: it stays (updated by the next change)
+}
+
+/** The lease's notification: a warning about it, its end (unless a kernel's says it), a grant after one. */
+function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefined): INotice | null {
+  const topic = 'lease';
+  const w = firstDue(warnings);
+  if (w) {
+    return warningNotice(topic, w, '');
+  }
+  const kernels = s.kernels ?? [];
+  const busy = kernels.some(k => k.state === 'resuming' || (k.state === 'suspended' && !k.suspended?.parked));
+  const lease = s.lease;
+  const last = s.last_lease;
+  if (!lease && last && ['expired', 'preempted', 'revoked', 'failed', 'reclaimed'].includes(last.state)) {
+    if (busy) {
+      return null; // the kernels' notifications say what became of them
+    }
+    if (last.state === 'reclaimed') {
+      return { topic, state: 'given_back', type: 'info', text: line('given_back', {}), actions: [], autoClose: false };
+    }
+    const text = line('lease_ended', { state: last.state, reason: firstSentence(last.summary ?? last.end_message ?? '') || 'see the details.' });
+    return { topic, state: `ended:${last.state}`, type: 'warning', text, actions: [], autoClose: false };
+  }
+  const was = before?.state ?? '';
+  if (lease?.state === 'active' && (was === 'given_back' || was.startsWith('ended') || was === 'granted')) {
+    if (busy || kernels.some(k => k.state === 'ok' && k.resume)) {
+      return null; // a kernel's resume got it: its notification says so
+    }
+    return was === 'granted' ? before!
+      : { topic, state: 'granted', type: 'success', text: line('granted', { holding: lease.holding || 'a GPU' }), actions: [], autoClose: FOR_A_WHILE };
+  }
+  return null;
+}
+
+/** The notifications the status calls for, by topic (see the module). */
+export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<string, INotice> = new Map()): Map<string, INotice> {
+  const out = new Map<string, INotice>();
+  if (!s) {
+    return new Map(before);
+  }
+  const warnings = currentWarnings(s, now);
+  const kernels = s.kernels ?? [];
+  for (const k of kernels) {
+    const n = kernelNotice(k, warnings.filter(w => w.kernel_id === k.id), before.get(`kernel:${k.id}`));
+    if (n) {
+      out.set(n.topic, n);
+    }
+  }
+  const leaseWide = warnings.filter(w => !w.kernel_id || !kernels.some(k => k.id === w.kernel_id));
+  const n = leaseNotice(s, leaseWide, before.get('lease'));
+  if (n) {
+    out.set(n.topic, n);
+  }
+  return out;
+}
