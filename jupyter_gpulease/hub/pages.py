@@ -23,7 +23,7 @@ from ..core.lease import LeaseState, LeaseView
 from ..core.text import format_duration, format_time_left
 from ..core.words import NEXT_STEP, NEXT_STEP_DEFAULT, end_words, holding_words, request_words
 
-__all__ = ["NEXT_STEP", "TEMPLATE_PATH", "end_words", "holding_words", "lease_status", "leases_page"]
+__all__ = ["NEXT_STEP", "TEMPLATE_PATH", "end_words", "holding_words", "lease_status", "leases_page", "server_lease"]
 
 TEMPLATE_PATH = str(Path(__file__).resolve().parent / "templates")
 
@@ -43,6 +43,15 @@ def leases_page(broker_url: str) -> str:
     """The broker's pages as the browser reaches them through the hub: the path of its service URL."""
     path = urlparse(broker_url or "").path
     return path if path.startswith("/services/") else ""
+
+
+def server_lease(leases: list[dict], server: str) -> dict | None:
+    """Of a user's live leases (the broker's list), the one server ``server`` took itself (``%gpu
+    request`` in it: ``meta.taken_by == "server"``), active first; None when it took none."""
+    mine = [d for d in leases or [] if (d.get("server") or "") == (server or "") and (d.get("meta") or {}).get("taken_by") == "server"
+            and d.get("state") in (LeaseState.ACTIVE.value, LeaseState.QUEUED.value)]
+    mine.sort(key=lambda d: d.get("state") != LeaseState.ACTIVE.value)
+    return mine[0] if mine else None
 
 
 def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bool, server_ready: bool, cpu_only: bool,
