@@ -115,7 +115,7 @@ export const NOTIFICATION_LINES: Record<string, string> = {
   asking: 'Kernel {kernel} asks for a GPU.',
   waiting: 'Kernel {kernel} waits for a GPU: number {position} in the queue.',
   restoring: 'Kernel {kernel} has a GPU: its memory is being restored.',
-  back: 'Kernel {kernel} has its GPU back; its cell goes on.',
+  back: 'Kernel {kernel} has its GPU back.',
   not_back: 'Kernel {kernel}: {reason}',
   acted: 'Kernel {kernel} was {action} to free its GPU: {reason}',
   given_back: 'The unused GPU went back to the pool; the next cell you run asks for one again.',

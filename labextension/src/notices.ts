@@ -62,7 +62,7 @@ function warningNotice(topic: string, w: IWarning, kernel: string): INotice {
 }
 
 /** A kernel's notification: its idle warning, its suspend, its wait for a GPU, its GPU back. */
-function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefined): INotice | null {
+function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefined, leaseActive: boolean): INotice | null {
   const topic = `kernel:${k.id}`;
   const kernel = k.id.slice(0, 8);
   const notice = (state: string, type: NoticeType, text: string, actions: ActionName[] = [], autoClose: number | false = false): INotice =>
@@ -94,18 +94,24 @@ function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefi
       ? notice('not_back', 'error', line('not_back', { kernel, reason: firstSentence(k.message.replace(/^Kernel \S+( \([^)]*\))? /, '')) }))
       : notice('back', 'success', line('back', { kernel }), [], FOR_A_WHILE);
   }
-  return was === 'back' || was === 'not_back' ? before! : null; // still true: it stays (updated by the next change)
+  // still true, it stays (the next change updates it): the GPU back while the lease holds, or a GPU it could not get
+  return (was === 'back' && leaseActive) || (was === 'not_back' && !leaseActive) ? before! : null;
 }
 
-/** The lease's notification: a warning about it, its end (unless a kernel's says it), a grant after one. */
-function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefined): INotice | null {
+/**
+ * The lease's notification: a warning about it, its end (unless a kernel's says it), a grant
+ * (unless a kernel's resume got it). `was`: the lease's state at the status before (undefined: none seen yet).
+ */
+function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefined, wasLease: string | null | undefined,
+                     kernelsSay: INotice[]): INotice | null {
   const topic = 'lease';
   const w = firstDue(warnings);
   if (w) {
     return warningNotice(topic, w, '');
   }
   const kernels = s.kernels ?? [];
-  const busy = kernels.some(k => k.state === 'resuming' || (k.state === 'suspended' && !k.suspended?.parked));
+  const busy = kernels.some(k => k.state === 'resuming' || (k.state === 'suspended' && !k.suspended?.parked))
+    || kernelsSay.some(n => n.state === 'back');
   const lease = s.lease;
   const last = s.last_lease;
   if (!lease && last && ['expired', 'preempted', 'revoked', 'failed', 'reclaimed'].includes(last.state)) {
@@ -119,18 +125,24 @@ function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefin
     return { topic, state: `ended:${last.state}`, type: 'warning', text, actions: [], autoClose: false };
   }
   const was = before?.state ?? '';
-  if (lease?.state === 'active' && (was === 'given_back' || was.startsWith('ended') || was === 'granted')) {
-    if (busy || kernels.some(k => k.state === 'ok' && k.resume)) {
-      return null; // a kernel's resume got it: its notification says so
-    }
-    return was === 'granted' ? before!
-      : { topic, state: 'granted', type: 'success', text: line('granted', { holding: lease.holding || 'a GPU' }), actions: [], autoClose: FOR_A_WHILE };
+  if (lease?.state !== 'active' || busy) {
+    return null; // (a kernel's resume gets the lease: its notification says so)
+  }
+  if (was === 'granted') {
+    return before!; // still true: it stays until the next change
+  }
+  if (wasLease !== undefined && wasLease !== 'active') {
+    return { topic, state: 'granted', type: 'success', text: line('granted', { holding: lease.holding || 'a GPU' }), actions: [], autoClose: FOR_A_WHILE };
   }
   return null;
 }
 
-/** The notifications the status calls for, by topic (see the module). */
-export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<string, INotice> = new Map()): Map<string, INotice> {
+/**
+ * The notifications the status calls for, by topic (see the module). `before`: those shown;
+ * `wasLease`: the lease's state in the status before (null: none; undefined: this is the first).
+ */
+export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<string, INotice> = new Map(),
+                           wasLease?: string | null): Map<string, INotice> {
   const out = new Map<string, INotice>();
   if (!s) {
     return new Map(before);
@@ -138,13 +150,13 @@ export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<s
   const warnings = currentWarnings(s, now);
   const kernels = s.kernels ?? [];
   for (const k of kernels) {
-    const n = kernelNotice(k, warnings.filter(w => w.kernel_id === k.id), before.get(`kernel:${k.id}`));
+    const n = kernelNotice(k, warnings.filter(w => w.kernel_id === k.id), before.get(`kernel:${k.id}`), s.lease?.state === 'active');
     if (n) {
       out.set(n.topic, n);
     }
   }
   const leaseWide = warnings.filter(w => !w.kernel_id || !kernels.some(k => k.id === w.kernel_id));
-  const n = leaseNotice(s, leaseWide, before.get('lease'));
+  const n = leaseNotice(s, leaseWide, before.get('lease'), wasLease, [...out.values()]);
   if (n) {
     out.set(n.topic, n);
   }

@@ -31,6 +31,7 @@ function same(a: INotice, b: INotice): boolean {
 /** Keeps JupyterLab's notifications to what the lease's state calls for (see the module). */
 export class LeaseNotifier {
   private _shown = new Map<string, { id: string; notice: INotice }>(); // topic -> its notification
+  private _lease: string | null | undefined = undefined; // the lease's state at the last status (undefined: none yet)
 
   constructor(private host: INotifierHost, private notifications: INotifications) {}
 
@@ -41,7 +42,11 @@ export class LeaseNotifier {
 
   /** Bring the notifications in line with the status. */
   update(status: IStatus | null = this.host.status): void {
-    const next = noticesFor(status, this.host.now(), this.shown);
+    if (!status) {
+      return;
+    }
+    const next = noticesFor(status, this.host.now(), this.shown, this._lease);
+    this._lease = status.lease?.state ?? null;
     for (const [topic, notice] of next) {
       const shown = this._shown.get(topic);
       if (shown && same(shown.notice, notice)) {

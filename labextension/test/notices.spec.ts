@@ -91,7 +91,7 @@ describe('one cycle: warned, suspended, waiting, restored', () => {
     expect(messages(centre)).toEqual(['Kernel k1aaaaaa waits for a GPU: number 1 in the queue.']);
     expect(see(status(ACTIVE, [{ id: K, state: 'resuming', resume: { stage: 'restoring' } }]))).toBe(1);
     expect(see(status(ACTIVE, [{ id: K, state: 'ok' }]))).toBe(1);
-    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back; its cell goes on.']);
+    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back.']);
     expect([...centre.live.values()][0].type).toBe('success');
     // one notification in the centre, changed five times; nothing cut; nothing else
     expect(centre.emitted).toBe(1);
@@ -112,7 +112,7 @@ describe('one cycle: warned, suspended, waiting, restored', () => {
     expect(see(status(QUEUED, [{ id: K, state: 'resuming', resume: { stage: 'waiting', position: 2 } }]))).toBe(2);
     expect(messages(centre)).toEqual(['Kernel k1aaaaaa waits for a GPU: number 2 in the queue.']);
     expect(see(status(ACTIVE, [{ id: K, state: 'ok' }]))).toBe(1);
-    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back; its cell goes on.']);
+    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back.']);
   });
 
   it('takes a warning away when it stops being true, and shows anew what a click dismissed', () => {
@@ -126,6 +126,37 @@ describe('one cycle: warned, suspended, waiting, restored', () => {
     centre.live.clear(); // a click on one of its buttons dismissed it in JupyterLab
     see(status(ACTIVE, [{ id: K, state: 'ok' }], { warnings: [{ ...w, deadline: NOW + 3600 }] }));
     expect(centre.live.size).toBe(1);
+  });
+});
+
+describe('the lease', () => {
+  it('says a grant that came after none or a wait, not one the page found', () => {
+    const { centre, see } = rig();
+    expect(see(status(ACTIVE, []))).toBe(0); // JupyterLab opened on a lease: nothing new
+    const fresh = rig();
+    fresh.see({ now: NOW, lease: null, kernels: [] });
+    fresh.see(status(QUEUED, []));
+    expect(fresh.see(status(ACTIVE, []))).toBe(1);
+    expect(messages(fresh.centre)).toEqual(['GPU lease granted: L4 ×2.']);
+    expect([...fresh.centre.live.values()][0].type).toBe('success');
+    expect(centre.live.size).toBe(0);
+  });
+
+  it('says how it ended, unless a kernel of its says so', () => {
+    const { centre, see } = rig();
+    see(status(ACTIVE, [{ id: K, state: 'ok' }]));
+    const revoked = { id: 'L1', state: 'revoked' as const, summary: 'Revoked by admin: GPU maintenance on sim-node-1 at noon.' };
+    expect(see({ now: NOW, lease: null, last_lease: revoked, kernels: [{ id: K, state: 'ok' }] })).toBe(1);
+    expect(messages(centre)).toEqual(['GPU lease revoked: Revoked by admin: GPU maintenance on sim-node-1 at noon.']);
+  });
+
+  it('takes a kernel\'s "GPU back" away when the lease it came back on ends', () => {
+    const { centre, see } = rig();
+    see(status(QUEUED, [{ id: K, state: 'resuming', resume: { stage: 'waiting', position: 1 } }]));
+    see(status(ACTIVE, [{ id: K, state: 'ok' }]));
+    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back.']);
+    see({ now: NOW, lease: null, last_lease: { id: 'L1', state: 'expired', summary: 'It reached the end of its time.' }, kernels: [{ id: K, state: 'ok' }] });
+    expect(messages(centre)).toEqual(['GPU lease expired: It reached the end of its time.']);
   });
 });
 
