@@ -69,7 +69,7 @@ class Resumer(LoggingConfigurable):
             return
         for rec in self.kernels:
             if rec.state == OK and not rec.working and not rec.holds_gpu and rec.pid:
-                rec.state, rec.message = SUSPENDED, ""
+                rec.state = SUSPENDED  # (its message, what reclaim did to it, stays: the notebook says it)
                 rec.suspended = {"pids": [], "devices": [], "gpus": lease_gpus(former), "memory_mib": None, "at": now, "lease": former,
                                  "suspend_s": 0.0, "parked": True}
                 self.kernels.mark_suspended(rec, True)

@@ -61,15 +61,18 @@ function warningNotice(topic: string, w: IWarning, kernel: string): INotice {
   return { topic, state: `warning:${w.kind}:${w.deadline ?? ''}`, type: 'warning', text, actions: WARNING_ACTIONS[w.kind] ?? [], autoClose: false };
 }
 
-/** A kernel's notification: its idle warning, its suspend, its wait for a GPU, its GPU back. */
-function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefined, leaseActive: boolean): INotice | null {
+/**
+ * A kernel's notification: its idle warning, its suspend, its wait for a GPU, its GPU back, or what
+ * reclaim did to it (restarted, shut down, …) until its next cell. `over`: states already said and done.
+ */
+function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefined, leaseActive: boolean,
+                      over: ReadonlySet<string>): INotice | null {
   const topic = `kernel:${k.id}`;
   const kernel = k.id.slice(0, 8);
   const notice = (state: string, type: NoticeType, text: string, actions: ActionName[] = [], autoClose: number | false = false): INotice =>
     ({ topic, state, type, text, actions, kernelId: k.id, autoClose });
-  if (k.state === 'suspended') {
-    // a parked kernel (its lease went back unused) put nothing aside: the lease's notification says it
-    return k.suspended?.parked ? null : notice('suspended', 'warning', line('suspended', { kernel }), ['resume']);
+  if (k.state === 'suspended' && !k.suspended?.parked) {
+    return notice('suspended', 'warning', line('suspended', { kernel }), ['resume']);
   }
   if (k.state === 'resuming') {
     const r = k.resume ?? {};
@@ -79,10 +82,6 @@ function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefi
     return typeof r.position === 'number'
       ? notice(`waiting:${r.position}`, 'info', line('waiting', { kernel, position: String(r.position) }))
       : notice('asking', 'info', line('asking', { kernel }));
-  }
-  if (k.state === 'reclaimed' && k.message) {
-    return notice('acted', 'warning', firstSentence(k.message).length <= MAX_CHARS ? firstSentence(k.message)
-      : line('not_back', { kernel, reason: 'see the details.' }));
   }
   const w = firstDue(warnings);
   if (w) {
@@ -95,7 +94,16 @@ function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefi
       : notice('back', 'success', line('back', { kernel }), [], FOR_A_WHILE);
   }
   // still true, it stays (the next change updates it): the GPU back while the lease holds, or a GPU it could not get
-  return (was === 'back' && leaseActive) || (was === 'not_back' && !leaseActive) ? before! : null;
+  if ((was === 'back' && leaseActive) || (was === 'not_back' && !leaseActive)) {
+    return before!;
+  }
+  // what reclaim did to it (a parked kernel's lease's notification says the rest): said until its next cell
+  const acted = `acted:${k.message ?? ''}`;
+  if (!k.message || over.has(`${topic}|${acted}`) || (was === acted && k.execution_state === 'busy')) {
+    return null;
+  }
+  const said = firstSentence(k.message);
+  return notice(acted, 'warning', said.length <= MAX_CHARS ? said : line('not_back', { kernel, reason: 'see the details.' }));
 }
 
 /**
@@ -111,7 +119,7 @@ function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefin
   }
   const kernels = s.kernels ?? [];
   const busy = kernels.some(k => k.state === 'resuming' || (k.state === 'suspended' && !k.suspended?.parked))
-    || kernelsSay.some(n => n.state === 'back');
+    || kernelsSay.some(n => n.state === 'back' || n.state.startsWith('acted:'));
   const lease = s.lease;
   const last = s.last_lease;
   if (!lease && last && ['expired', 'preempted', 'revoked', 'failed', 'reclaimed'].includes(last.state)) {
@@ -139,10 +147,11 @@ function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefin
 
 /**
  * The notifications the status calls for, by topic (see the module). `before`: those shown;
- * `wasLease`: the lease's state in the status before (null: none; undefined: this is the first).
+ * `wasLease`: the lease's state in the status before (null: none; undefined: this is the first);
+ * `over`: what a topic said that is done with ('<topic>|<state>'), not to be said again.
  */
 export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<string, INotice> = new Map(),
-                           wasLease?: string | null): Map<string, INotice> {
+                           wasLease?: string | null, over: ReadonlySet<string> = new Set()): Map<string, INotice> {
   const out = new Map<string, INotice>();
   if (!s) {
     return new Map(before);
@@ -150,7 +159,7 @@ export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<s
   const warnings = currentWarnings(s, now);
   const kernels = s.kernels ?? [];
   for (const k of kernels) {
-    const n = kernelNotice(k, warnings.filter(w => w.kernel_id === k.id), before.get(`kernel:${k.id}`), s.lease?.state === 'active');
+    const n = kernelNotice(k, warnings.filter(w => w.kernel_id === k.id), before.get(`kernel:${k.id}`), s.lease?.state === 'active', over);
     if (n) {
       out.set(n.topic, n);
     }

@@ -32,6 +32,7 @@ function same(a: INotice, b: INotice): boolean {
 export class LeaseNotifier {
   private _shown = new Map<string, { id: string; notice: INotice }>(); // topic -> its notification
   private _lease: string | null | undefined = undefined; // the lease's state at the last status (undefined: none yet)
+  private _over = new Set<string>(); // what reclaim did to a kernel, once said and done with ('<topic>|<state>')
 
   constructor(private host: INotifierHost, private notifications: INotifications) {}
 
@@ -45,8 +46,13 @@ export class LeaseNotifier {
     if (!status) {
       return;
     }
-    const next = noticesFor(status, this.host.now(), this.shown, this._lease);
+    const next = noticesFor(status, this.host.now(), this.shown, this._lease, this._over);
     this._lease = status.lease?.state ?? null;
+    for (const [topic, shown] of this._shown) {
+      if (shown.notice.state.startsWith('acted:') && next.get(topic)?.state !== shown.notice.state) {
+        this._over.add(`${topic}|${shown.notice.state}`); // said; its kernel has moved on
+      }
+    }
     for (const [topic, notice] of next) {
       const shown = this._shown.get(topic);
       if (shown && same(shown.notice, notice)) {

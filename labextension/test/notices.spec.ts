@@ -129,6 +129,29 @@ describe('one cycle: warned, suspended, waiting, restored', () => {
   });
 });
 
+describe('what reclaim did to a kernel', () => {
+  it('is said once, until its next cell', () => {
+    const { centre, see } = rig();
+    see(status(ACTIVE, [{ id: K, state: 'ok' }]));
+    const msg = 'Kernel k1aaaaaa (python3) was restarted to free its GPU: its GPU sat idle for 2 min. Its variables are gone; run your notebook again.';
+    expect(see(status(null, [{ id: K, state: 'ok', execution_state: 'idle', message: msg }]))).toBe(1);
+    expect(messages(centre)).toEqual(['Kernel k1aaaaaa (python3) was restarted to free its GPU: its GPU sat idle for 2 min.']);
+    // parked afterwards (its lease went back unused): still said
+    expect(see(status(null, [{ id: K, state: 'suspended', suspended: { parked: true }, execution_state: 'idle', message: msg }]))).toBe(0);
+    expect(see(status(null, [{ id: K, state: 'resuming', resume: { stage: 'waiting', position: 1 }, execution_state: 'busy', message: msg }]))).toBe(1);
+    see(status(ACTIVE, [{ id: K, state: 'ok', execution_state: 'idle', message: '' }]));
+    expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back.']);
+    // a kernel that runs its next cell on the CPU: the news is over, and not said again
+    const other = rig();
+    other.see(status(ACTIVE, [{ id: K, state: 'ok', execution_state: 'idle', message: msg }]));
+    expect(other.centre.live.size).toBe(1);
+    other.see(status(ACTIVE, [{ id: K, state: 'ok', execution_state: 'busy', message: msg }]));
+    expect(other.centre.live.size).toBe(0);
+    other.see(status(ACTIVE, [{ id: K, state: 'ok', execution_state: 'idle', message: msg }]));
+    expect(other.centre.live.size).toBe(0);
+  });
+});
+
 describe('the lease', () => {
   it('says a grant that came after none or a wait, not one the page found', () => {
     const { centre, see } = rig();
