@@ -140,6 +140,11 @@ def test_an_end_remembered_from_the_feed_alone_still_says_who_ended_it():
     assert status(last_end=broker, server_active=False)["lines"][0] == "It was revoked by the broker: its server was gone."
 
 
+def test_a_server_being_stopped_is_not_said_to_be_starting():
+    s = status(server_ready=False, server_stopping=True)
+    assert s["kind"] == "stopping" and s["headline"] == "Your server is being stopped"
+
+
 def test_an_end_while_the_server_stops_says_it_is_being_stopped():
     ended = {"lease_id": "L1", "state": "revoked", "end_reason": "maintenance", "ended_at": NOW - 5, "ended_by": "admin:carol"}
     s = status(last_end=ended, server_active=True, server_stopping=True)

@@ -34,15 +34,17 @@ WARNING_TITLE_DEFAULT = "GPU lease"
 # A notification's one line, short enough for JupyterLab's (it cuts a notification after 140
 # characters); the rest is in the panel. The browser fills in {kernel} (a kernel's short id), {at}
 # (a deadline's time of day, the browser's clock), {action} (RECLAIM_PARTICIPLES), {position},
-# {state}, {reason}, {holding}; a line that would still be too long says "see the details" instead
-# of {reason}. One key per state the notifications show (warnings by their kind).
+# {state}, {pid}, {reason} (a message's first sentence), {holding}; a {reason} that would make the
+# line too long is cut at a clause and ends "see the details". One key per state the notifications
+# show (warnings by their kind).
 NOTIFICATION_LINES: dict[str, str] = {
     WarningKind.RECLAIM.value: "Idle GPU: kernel {kernel} is {action} at {at} unless it computes again.",
     WarningKind.LEASE_RECLAIM.value: "Unused GPU: the lease goes back at {at} unless a kernel uses it.",
     WarningKind.EXPIRING.value: "GPU lease ends at {at}.",
     WarningKind.PREEMPTION.value: "GPU lease preempted: it ends at {at}.",
     WarningKind.SHARE_MEMORY.value: "Kernel {kernel} uses more GPU memory than this server's share: free some by {at}.",
-    WarningKind.UNLEASED_USE.value: "GPU used without a lease: {reason}",
+    WarningKind.UNLEASED_USE.value: "GPU used without a lease: process {pid} is stopped at {at} unless it lets go of the GPU.",
+    "unleased_use_not_stopped": "GPU used without a lease: {reason}",
     WarningKind.GPU_UNHEALTHY.value: "Your GPU is failing or taken out: {reason}",
     WarningKind.MAINTENANCE.value: "GPU maintenance ahead: {reason}",
     WarningKind.ENDED.value: "GPU lease ended: {reason}",

@@ -61,7 +61,7 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
 
     ``lease``: the broker's JSON of the server's current lease (None: none); ``last_end``: the
     lease JSON of the last lease that ended without the user ending it (the spawner remembers
-    it). Returns ``{"kind": "active"|"queued"|"cpu"|"ended"|"none", "headline", "lines",
+    it). Returns ``{"kind": "active"|"queued"|"cpu"|"stopping"|"ended"|"none", "headline", "lines",
     "expires_at", "time_left", "until", "next_step", "leases_url", "lease_id"}``.
     """
     now = time.time() if now is None else now
@@ -105,6 +105,8 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
                    headline=f"Your GPU lease ({held}) ended{when}" if held else f"Your GPU lease ended{when}",
                    lines=[end_words(ended), server], next_step=NEXT_STEP.get(ended.state, NEXT_STEP_DEFAULT))
         return out
-    if server_active and (cpu_only or not lease):
+    if server_active and server_stopping:
+        out.update(kind="stopping", headline="Your server is being stopped")
+    elif server_active and (cpu_only or not lease):
         out.update(kind="cpu", headline="Your server runs without a GPU" if server_ready else "Your server is starting without a GPU")
     return out

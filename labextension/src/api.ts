@@ -73,6 +73,7 @@ export interface IWarning {
   at?: number | null;
   kernel_id?: string;
   reclaim_action?: string; // what happens to the idle kernel (suspend, restart, …)
+  pid?: number; // unleased use: the process
 }
 
 /** One event of the live feed (besides `status` and `sample`): `type` is the event's kind, `data` its JSON. */

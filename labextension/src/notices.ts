@@ -16,7 +16,7 @@ export type NoticeType = 'info' | 'success' | 'warning' | 'error';
 
 /** One notification as the state calls for it. */
 export interface INotice {
-  topic: string; // 'kernel:<id>' or 'lease'
+  topic: string; // 'kernel:<id>', 'lease' or 'warning:<kind>' (the GPU's health, maintenance, unleased use)
   state: string; // the state it says: a new state is a new line (e.g. 'suspended', 'waiting:2', 'warning:reclaim:<deadline>')
   type: NoticeType;
   text: string;
@@ -27,13 +27,34 @@ export interface INotice {
 
 const FOR_A_WHILE = 8000; // ms a piece of good news stays on screen (it stays in the notification centre)
 const LEFT_IDLE = ['suspended', 'asking', 'restoring']; // a kernel in these states (or waiting) has no GPU yet
+const LEASE_ENDS: string[] = ['expiring', 'preemption', 'lease_reclaim', 'ended']; // warnings of how the lease ends
 
-/** A line of NOTIFICATION_LINES filled in; a {reason} that would make it too long says "see the details." instead. */
+/**
+ * A line of NOTIFICATION_LINES filled in. A {reason} that would make it too long is cut after the
+ * last clause that fits ("…, before this lease ends: …" -> "…; see the details."), or said to be in
+ * the details: the line is never cut by JupyterLab.
+ */
 export function line(key: string, fill: Record<string, string>): string {
   const template = NOTIFICATION_LINES[key] ?? NOTIFICATION_LINES.warning;
   const make = (f: Record<string, string>) => template.replace(/\{(\w+)\}/g, (_, name: string) => f[name] ?? '');
   const text = make(fill);
-  return text.length > MAX_CHARS && 'reason' in fill ? make({ ...fill, reason: 'see the details.' }) : text;
+  if (text.length <= MAX_CHARS || !('reason' in fill)) {
+    return text;
+  }
+  const reason = fill.reason;
+  const cuts: number[] = [];
+  for (let i = reason.length - 2; i > 0; i--) {
+    if (',:;'.includes(reason[i]) && reason[i + 1] === ' ') {
+      cuts.push(i); // clause ends, last first
+    }
+  }
+  for (const at of cuts) {
+    const shorter = make({ ...fill, reason: `${reason.slice(0, at)}; see the details.` });
+    if (shorter.length <= MAX_CHARS) {
+      return shorter;
+    }
+  }
+  return make({ ...fill, reason: 'see the details.' });
 }
 
 /** A message's first sentence (up to the first '.', '!' or '?' followed by a space or the end). */
@@ -52,10 +73,12 @@ function firstDue(warnings: IWarning[]): IWarning | undefined {
 }
 
 function warningNotice(topic: string, w: IWarning, kernel: string): INotice {
-  const text = line(w.kind, {
+  const key = w.kind === 'unleased_use' && typeof w.deadline !== 'number' ? 'unleased_use_not_stopped' : w.kind;
+  const text = line(key, {
     kernel,
     at: at(w.deadline),
     action: RECLAIM_PARTICIPLES[w.reclaim_action ?? ''] ?? RECLAIM_PARTICIPLES.suspend,
+    pid: String(w.pid ?? ''),
     reason: firstSentence(w.message)
   });
   return { topic, state: `warning:${w.kind}:${w.deadline ?? ''}`, type: 'warning', text, actions: WARNING_ACTIONS[w.kind] ?? [], autoClose: false };
@@ -107,15 +130,15 @@ function kernelNotice(k: IKernel, warnings: IWarning[], before: INotice | undefi
 }
 
 /**
- * The lease's notification: a warning about it, its end (unless a kernel's says it), a grant
- * (unless a kernel's resume got it). `was`: the lease's state at the status before (undefined: none seen yet).
+ * The lease's notification: a warning of how it ends, then its end (unless a kernel's says it), a
+ * grant (unless a kernel's resume got it). `was`: the lease's state at the status before (undefined: none seen yet).
  */
 function leaseNotice(s: IStatus, warnings: IWarning[], before: INotice | undefined, wasLease: string | null | undefined,
                      kernelsSay: INotice[]): INotice | null {
   const topic = 'lease';
   const w = firstDue(warnings);
   if (w) {
-    return warningNotice(topic, w, '');
+    return warningNotice(topic, w, ''); // how the lease will end: the end itself takes its place
   }
   const kernels = s.kernels ?? [];
   const busy = kernels.some(k => k.state === 'resuming' || (k.state === 'suspended' && !k.suspended?.parked))
@@ -164,8 +187,16 @@ export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<s
       out.set(n.topic, n);
     }
   }
+  // warnings of how the lease ends go with the lease's notification; the others (its GPU's health, a
+  // maintenance window, unleased use, a kernel this server does not list) have one each, by kind
   const leaseWide = warnings.filter(w => !w.kernel_id || !kernels.some(k => k.id === w.kernel_id));
-  const n = leaseNotice(s, leaseWide, before.get('lease'), wasLease, [...out.values()]);
+  for (const w of leaseWide.filter(w => !LEASE_ENDS.includes(w.kind))) {
+    const topic = `warning:${w.kind}`;
+    if (!out.has(topic)) {
+      out.set(topic, warningNotice(topic, w, ''));
+    }
+  }
+  const n = leaseNotice(s, leaseWide.filter(w => LEASE_ENDS.includes(w.kind)), before.get('lease'), wasLease, [...out.values()]);
   if (n) {
     out.set(n.topic, n);
   }

@@ -186,8 +186,10 @@ describe('the lease', () => {
 describe('the lines', () => {
   it('fit in a notification: a long reason gives way to the panel', () => {
     const long = 'A process 4242 of user bob uses GPU-l0 (L4 #0), which bob does not lease, with 6144 MiB: it is stopped in 10 min unless bob asks for a lease.';
-    const text = line('unleased_use', { reason: firstSentence(long) });
-    expect(text).toBe('GPU used without a lease: see the details.');
+    expect(line('unleased_use_not_stopped', { reason: firstSentence(long) }))
+      .toBe('GPU used without a lease: A process 4242 of user bob uses GPU-l0 (L4 #0), which bob does not lease, with 6144 MiB; see the details.');
+    expect(line('unleased_use_not_stopped', { reason: long.replace(/[,:]/g, '') + long.replace(/[,:]/g, '') }))
+      .toBe('GPU used without a lease: see the details.'); // no clause to cut at
     expect(line('lease_ended', { state: 'preempted', reason: firstSentence("It was preempted for carol's 'production' request. (x)") }))
       .toBe("GPU lease preempted: It was preempted for carol's 'production' request.");
     const all = noticesFor(status(ACTIVE, [{ id: K, state: 'ok' }], {
@@ -198,6 +200,15 @@ describe('the lines', () => {
       expect(n.text.length).toBeLessThanOrEqual(MAX_CHARS);
       expect(n.text).not.toContain('…');
     }
-    expect(all.get('lease')?.text).toMatch(/^GPU lease ends at \d\d:\d\d\.$/); // the first due of the lease's warnings
+    expect(all.get('lease')?.text).toMatch(/^GPU lease ends at \d\d:\d\d\.$/); // the first due of how the lease ends
+    expect(all.get('warning:unleased_use')?.text).toMatch(/^GPU used without a lease: process  is stopped at \d\d:\d\d unless it lets go of the GPU\.$/);
+  });
+
+  it('cut a long reason after the last clause that fits, never in the middle', () => {
+    const maintenance = 'a maintenance window on your GPU begins in 1 h (BIOS update of the node), before this lease ends: save your work; the lease cannot be extended past it';
+    expect(line('maintenance', { reason: firstSentence(maintenance) }))
+      .toBe('GPU maintenance ahead: a maintenance window on your GPU begins in 1 h (BIOS update of the node), before this lease ends; see the details.');
+    const unhealthy = 'your GPU (0 on sim-node-1) is being drained: GPU has fallen off the bus';
+    expect(line('gpu_unhealthy', { reason: firstSentence(unhealthy) })).toBe(`Your GPU is failing or taken out: ${unhealthy}`);
   });
 });
