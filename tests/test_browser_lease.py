@@ -50,7 +50,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ARTIFACTS = ROOT / "test-artifacts" / "browser-lease"
 # every lease is within its warning time: the notification shows at once
-WARN_AT_ONCE = "c.GPULeaseBroker.warn_before = 12 * 3600\n"
+WARN_AT_ONCE = "c.GPULeaseBroker.warn_before_s = 12 * 3600\n"  # (the example config sets warn_before_s: the old name would lose)
 
 
 def lease_config(tmp_path: Path) -> Path:

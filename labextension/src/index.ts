@@ -24,7 +24,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       },
       now: () => feed.now(),
       run: (name, body) => void runAction(feed, name, body),
-      openPanel: () => item?.open()
+      // after the click that asked for it: the popup closes on a click that began outside it
+      openPanel: () => setTimeout(() => item?.open(), 0)
     }, {
       emit: (message, type, options) => Notification.emit(message, type, options),
       update: args => Notification.update(args),

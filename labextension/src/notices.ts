@@ -76,12 +76,12 @@ function warningNotice(topic: string, w: IWarning, kernel: string): INotice {
   const key = w.kind === 'unleased_use' && typeof w.deadline !== 'number' ? 'unleased_use_not_stopped' : w.kind;
   const text = line(key, {
     kernel,
-    at: at(w.deadline),
+    at: at(w.deadline ?? w.at), // (the broker's own warnings say when as `at`)
     action: RECLAIM_PARTICIPLES[w.reclaim_action ?? ''] ?? RECLAIM_PARTICIPLES.suspend,
     pid: String(w.pid ?? ''),
     reason: firstSentence(w.message)
   });
-  return { topic, state: `warning:${w.kind}:${w.deadline ?? ''}`, type: 'warning', text, actions: WARNING_ACTIONS[w.kind] ?? [], autoClose: false };
+  return { topic, state: `warning:${w.kind}:${w.deadline ?? w.at ?? ''}`, type: 'warning', text, actions: WARNING_ACTIONS[w.kind] ?? [], autoClose: false };
 }
 
 /**

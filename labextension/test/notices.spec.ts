@@ -183,6 +183,15 @@ describe('the lease', () => {
   });
 });
 
+describe('the broker\'s own warnings', () => {
+  it('say their time as `at`, and the status\'s copy of the feed\'s warning is the same state', () => {
+    const w = { kind: 'expiring' as const, at: NOW + 3600, message: 'this lease expires in 1 h' };
+    const n = noticesFor(status(ACTIVE, [], { warnings: [w] }), NOW).get('lease');
+    expect(n?.text).toMatch(/^GPU lease ends at \d\d:\d\d\.$/);
+    expect(n?.state).toBe(noticesFor(status(ACTIVE, [], { warnings: [{ ...w, at: undefined, deadline: NOW + 3600 }] }), NOW).get('lease')?.state);
+  });
+});
+
 describe('the lines', () => {
   it('fit in a notification: a long reason gives way to the panel', () => {
     const long = 'A process 4242 of user bob uses GPU-l0 (L4 #0), which bob does not lease, with 6144 MiB: it is stopped in 10 min unless bob asks for a lease.';
