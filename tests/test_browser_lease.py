@@ -135,9 +135,9 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
 
 # ---------------------------------------------------------------------- the live feed, with XSRF checks on
 def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
-    """The demo's configs as above, but a fast idle reclaim by suspend (idle kernels are warned after
-    3 s and suspended after 6 s; cuda-checkpoint is the tests' stand-in) and servers that keep
-    running when their lease ends. Nothing about XSRF: the hub and the single-user servers check it
+    """The demo's configs with fast heartbeats (the broker warns of expiry as it usually does, not
+    at once), a fast idle reclaim by suspend (idle kernels are warned after 3 s and suspended after
+    6 s; cuda-checkpoint is the tests' stand-in) and servers that keep running when their lease ends. Nothing about XSRF: the hub and the single-user servers check it
     as a default deployment does."""
     return demo_config(
         tmp_path,
@@ -147,7 +147,6 @@ def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
                               "STANDIN_CUDA_CHECKPOINT_REMAP": "1"}})
 c.GPULeaseSpawner.on_lease_end = "keep"
 """,
-        broker=WARN_AT_ONCE,
     )
 
 

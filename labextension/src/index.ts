@@ -8,7 +8,7 @@ import { Notification } from '@jupyterlab/apputils';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LeaseFeed } from './api';
 import { LeaseNotifier } from './notify';
-import { LeaseStatusItem, runAction } from './panel';
+import { LeaseStatusItem, RunAction, runAction } from './panel';
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-gpulease:status',
@@ -17,13 +17,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
   optional: [IStatusBar],
   activate: (app: JupyterFrontEnd, statusBar: IStatusBar | null) => {
     const feed = new LeaseFeed();
-    const item = statusBar ? new LeaseStatusItem(feed) : null;
-    const notifier = new LeaseNotifier({
+    const run: RunAction = (name, body) => void runAction(feed, name, body, (text, type) => notifier.say(text, type));
+    const item = statusBar ? new LeaseStatusItem(feed, run) : null;
+    const notifier: LeaseNotifier = new LeaseNotifier({
       get status() {
         return feed.status;
       },
       now: () => feed.now(),
-      run: (name, body) => void runAction(feed, name, body),
+      run,
       // after the click that asked for it: the popup closes on a click that began outside it
       openPanel: () => setTimeout(() => item?.open(), 0)
     }, {

@@ -27,7 +27,7 @@ export interface INotice {
 
 const FOR_A_WHILE = 8000; // ms a piece of good news stays on screen (it stays in the notification centre)
 const LEFT_IDLE = ['suspended', 'asking', 'restoring']; // a kernel in these states (or waiting) has no GPU yet
-const LEASE_ENDS: string[] = ['expiring', 'preemption', 'lease_reclaim', 'ended']; // warnings of how the lease ends
+const LEASE_ENDS: string[] = ['expiring', 'preemption', 'lease_reclaim']; // warnings of how the lease ends
 
 /**
  * A line of NOTIFICATION_LINES filled in. A {reason} that would make it too long is cut after the
@@ -189,7 +189,8 @@ export function noticesFor(s: IStatus | null, now: number, before: ReadonlyMap<s
   }
   // warnings of how the lease ends go with the lease's notification; the others (its GPU's health, a
   // maintenance window, unleased use, a kernel this server does not list) have one each, by kind
-  const leaseWide = warnings.filter(w => !w.kernel_id || !kernels.some(k => k.id === w.kernel_id));
+  // (the broker's `ended` warning: the lease's notification says the end, from the last lease)
+  const leaseWide = warnings.filter(w => w.kind !== 'ended' && (!w.kernel_id || !kernels.some(k => k.id === w.kernel_id)));
   for (const w of leaseWide.filter(w => !LEASE_ENDS.includes(w.kind))) {
     const topic = `warning:${w.kind}`;
     if (!out.has(topic)) {

@@ -24,6 +24,9 @@ export interface INotifierHost {
   openPanel(): void;
 }
 
+const MOMENT = 4000; // ms an action's success is shown
+const ERROR_SHOWN = 8000; // ms an action's failure is shown (it stays in the notification centre)
+
 function same(a: INotice, b: INotice): boolean {
   return a.state === b.state && a.text === b.text && a.type === b.type;
 }
@@ -33,6 +36,7 @@ export class LeaseNotifier {
   private _shown = new Map<string, { id: string; notice: INotice }>(); // topic -> its notification
   private _lease: string | null | undefined = undefined; // the lease's state at the last status (undefined: none yet)
   private _over = new Set<string>(); // what reclaim did to a kernel, once said and done with ('<topic>|<state>')
+  private _moments: { id: string; until: number }[] = []; // news of a moment: dismissed once its time is over
 
   constructor(private host: INotifierHost, private notifications: INotifications) {}
 
@@ -41,8 +45,22 @@ export class LeaseNotifier {
     return new Map([...this._shown].map(([topic, s]) => [topic, s.notice]));
   }
 
+  /**
+   * How an action went: a success closes after a few seconds and leaves the notification centre at
+   * the next status after that (an error stays until closed); the clock is the browser's.
+   */
+  say(text: string, type: 'success' | 'error', clock: () => number = Date.now): void {
+    const id = this.notifications.emit(text, type, { autoClose: type === 'success' ? MOMENT : ERROR_SHOWN, actions: [] });
+    if (type === 'success') {
+      this._moments.push({ id, until: clock() + MOMENT + 1000 });
+    }
+  }
+
   /** Bring the notifications in line with the status. */
-  update(status: IStatus | null = this.host.status): void {
+  update(status: IStatus | null = this.host.status, clock: () => number = Date.now): void {
+    const over = this._moments.filter(m => m.until <= clock());
+    over.forEach(m => this.notifications.dismiss(m.id));
+    this._moments = this._moments.filter(m => m.until > clock());
     if (!status) {
       return;
     }

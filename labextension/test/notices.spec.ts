@@ -165,6 +165,14 @@ describe('the lease', () => {
     expect(centre.live.size).toBe(0);
   });
 
+  it('says how it ended once, though the broker\'s answer warns of the end too', () => {
+    const { centre, see } = rig();
+    see(status(ACTIVE, []));
+    const revoked = { id: 'L1', state: 'revoked' as const, summary: 'Revoked by admin (admin): GPU maintenance on sim-node-1 at noon.' };
+    see({ now: NOW, lease: null, last_lease: revoked, kernels: [], warnings: [{ kind: 'ended', at: NOW, message: revoked.summary }] });
+    expect(messages(centre)).toEqual(['GPU lease revoked: Revoked by admin (admin): GPU maintenance on sim-node-1 at noon.']);
+  });
+
   it('says how it ended, unless a kernel of its says so', () => {
     const { centre, see } = rig();
     see(status(ACTIVE, [{ id: K, state: 'ok' }]));
@@ -180,6 +188,22 @@ describe('the lease', () => {
     expect(messages(centre)).toEqual(['Kernel k1aaaaaa has its GPU back.']);
     see({ now: NOW, lease: null, last_lease: { id: 'L1', state: 'expired', summary: 'It reached the end of its time.' }, kernels: [{ id: K, state: 'ok' }] });
     expect(messages(centre)).toEqual(['GPU lease expired: It reached the end of its time.']);
+  });
+});
+
+describe('an action\'s outcome', () => {
+  it('is news of a moment: a success leaves the centre once its time is over, an error stays', () => {
+    const { centre, notifier } = rig();
+    let t = 1000;
+    notifier.say('Idle reclaim postponed', 'success', () => t);
+    notifier.say('Keeping the idle GPU failed: no', 'error', () => t);
+    expect(centre.live.size).toBe(2);
+    t += 3000;
+    notifier.update(status(ACTIVE, []), () => t);
+    expect(centre.live.size).toBe(2);
+    t += 3000;
+    notifier.update(status(ACTIVE, []), () => t);
+    expect(messages(centre)).toEqual(['Keeping the idle GPU failed: no']);
   });
 });
 
