@@ -41,6 +41,7 @@ from browserutil import (
     open_lab,
     open_notebook_and_run,
     server_status,
+    slid_in,
     start_demo,
     toast,
 )
@@ -67,6 +68,10 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
             item = open_lab(alice, "alice", "gpu:2:L4")  # both L4s
             wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · \d+% · \d+ h( \d+ min)? left", item.inner_text().strip()) is not None, 90,
                      "the status bar did not show alice's lease", interval=0.5)
+            alice.locator(".jp-LauncherCard").first.wait_for(timeout=60_000)
+            expiring = toast(alice, "GPU lease ends at")  # (warned at once in this config)
+            expiring.wait_for(timeout=90_000)
+            slid_in(alice, expiring)
             alice.screenshot(path=str(ARTIFACTS / "01-status-bar-shows-the-lease.png"))
 
             # the status bar item opens the panel: per-device figures and the actions
@@ -96,8 +101,8 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
 
             # the expiry warning (12 h ahead in this config) is a notification; its Extend button extends the lease
             # (a replaced notification lingers in the page while it slides out: take a standing one)
-            expiring = toast(alice, "GPU lease ends at")
             expiring.wait_for(timeout=90_000)
+            slid_in(alice, expiring)
             assert re.match(r"GPU lease ends at \d\d:\d\d\.", expiring.inner_text()), expiring.inner_text()
             alice.screenshot(path=str(ARTIFACTS / "03-expiry-warning-notification.png"))
             before = server_status(alice, "alice")["lease"]["expires_at"]
