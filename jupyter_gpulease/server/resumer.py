@@ -6,8 +6,8 @@ or required when cuda-checkpoint cannot restore onto another GPU), reports queue
 ETA meanwhile, then restores the kernel's processes; a resume that cannot work restarts the
 kernel and says why.
 
-A server whose lease went back unused (reclaimed while no kernel held GPU memory) *parks* its
-kernels (:meth:`Resumer.park`): they are suspended with nothing to restore, so a cell that
+A server whose lease went back unused (reclaimed while no kernel held GPU memory) *parks* the
+kernels that saw its GPUs (:meth:`Resumer.park`): they are suspended with nothing to restore, so a cell that
 finds the lease gone waits for a GPU of the same shape, as a suspended kernel's cell does,
 instead of running without one; the kernel then takes the new lease's environment itself
 (``kernel/resume.py``). A parked kernel that cannot get a GPU runs on without one (no restart:
@@ -62,13 +62,14 @@ class Resumer(LoggingConfigurable):
 
     def park(self, now: float) -> None:
         """At each sample: while the server's last lease went back unused and no other is held or
-        asked for, its kernels that hold no GPU memory wait for a GPU at their next cell (see the module)."""
+        asked for, its kernels that saw GPUs and hold no GPU memory wait for a GPU at their next cell (see the module)."""
         former = self.keeper.ended or {}
         if (not self.resume_on_execute or self.keeper.lease is not None or former.get("state") != "reclaimed"
                 or not former.get("request") or former.get("id") == self._given_up):
             return
         for rec in self.kernels:
-            if rec.state == OK and not rec.working and not rec.holds_gpu and rec.pid:
+            # those that saw the lease's GPUs: a kernel started since runs without a GPU, as it was told
+            if rec.state == OK and not rec.working and not rec.holds_gpu and rec.pid and self.kernels.env_of(rec):
                 rec.state = SUSPENDED  # (its message, what reclaim did to it, stays: the notebook says it)
                 rec.suspended = {"pids": [], "devices": [], "gpus": lease_gpus(former), "memory_mib": None, "at": now, "lease": former,
                                  "suspend_s": 0.0, "parked": True}

@@ -44,8 +44,8 @@ def _backend_and_devices(environ=None):
                                 "so no other process would see this work")
     devices = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if not devices or devices == ["-1"] or not any(d.startswith(("GPU-", "MIG-")) for d in devices):
-        raise SimulatedGPUError("this kernel has no leased GPU (CUDA_VISIBLE_DEVICES names none): "
-                                "ask for one (%gpu request) and restart the kernel, or start the server with a GPU")
+        raise SimulatedGPUError("this kernel has no leased GPU (CUDA_VISIBLE_DEVICES names none): ask for one with "
+                                "%gpu request --wait in this kernel (it takes the GPU at once), then run this again")
     from ..devices.simulated import SimulatedBackend
 
     return SimulatedBackend({**config, "state_file": state_file}), devices
