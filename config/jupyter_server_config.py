@@ -52,8 +52,10 @@ c.ReclaimActions.fallback_action = "restart"  # restart | interrupt | shutdown |
 # On simulated GPUs (the demo) the suspend is simulated (jupyter_gpulease.devices.simcheckpoint)
 # unless cuda_checkpoint is set; the status and the messages say so. Never used with real GPUs.
 c.ReclaimActions.warn_before = 300  # seconds of warning in the notebook before the action
-# When no kernel holds GPU memory, the lease goes back to the pool as "reclaimed"; the server
-# keeps running without a GPU ("keep"), or stops ("stop").
+# When no kernel holds GPU memory, the lease goes back to the pool as "reclaimed" after this long
+# without GPU use (0: the kernels' idle timeout); the server keeps running without a GPU ("keep"),
+# or stops ("stop"). Its kernels' next cell then asks for a GPU again and waits its turn.
+c.ReclaimActions.unused_lease_timeout = 0
 c.ReclaimActions.on_reclaim = "keep"
 # Users may postpone reclaim ("%gpu keep 2h", the widget's Keep button) by at most this much.
 c.ReclaimActions.max_keep = 4 * 3600

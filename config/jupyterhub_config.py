@@ -56,10 +56,13 @@ c.JupyterHub.cleanup_servers = True
 
 # ------------------------------------------------------------------ who may log in
 # The demo: any user name, one shared password. A real hub uses its site's authenticator.
-c.JupyterHub.authenticator_class = "dummy"
-c.DummyAuthenticator.password = env("GPULEASE_DEMO_PASSWORD", "gpulease")
+c.JupyterHub.authenticator_class = "jupyter_gpulease.hub.demo.DemoAuthenticator"
+c.DemoAuthenticator.password = env("GPULEASE_DEMO_PASSWORD", "gpulease")
 c.Authenticator.allow_all = True
 c.Authenticator.admin_users = {"admin"}
+if env("GPULEASE_DEMO_DIR"):
+    # the groups gpulease_config.py gives a tier and a quota to; a real hub has its own groups
+    c.JupyterHub.load_groups = {"staff": {"users": []}, "students": {"users": []}}
 
 # ------------------------------------------------------------------ the lease broker service
 broker_url = f"http://127.0.0.1:{broker_port}"
@@ -191,9 +194,10 @@ if os.getuid() == 0:
 if env("GPULEASE_DEMO_DIR"):
     # The demo shows the idle cycle within minutes (a real hub keeps the extension's defaults, or
     # sets its own in the servers' jupyter_server_config.py): a kernel whose GPU sits idle is
-    # warned after 30 s and suspended after 60 s (on simulated GPUs by the simulated
-    # cuda-checkpoint: its variables stay); an unused lease goes back after 60 s.
-    c.Spawner.args.extend([f"--GPUIdleRule.gpu_idle_timeout={env('GPULEASE_DEMO_IDLE_TIMEOUT', '60')}",
+    # warned after 1 min and suspended after 2 min (on simulated GPUs by the simulated
+    # cuda-checkpoint: its variables stay); a lease no kernel uses goes back after 5 min.
+    c.Spawner.args.extend([f"--GPUIdleRule.gpu_idle_timeout={env('GPULEASE_DEMO_IDLE_TIMEOUT', '120')}",
                            "--GPUIdleRule.gpu_idle_timeout_learn=False",  # the same cycle every time
-                           f"--ReclaimActions.warn_before={env('GPULEASE_DEMO_IDLE_WARN_BEFORE', '30')}"])
+                           f"--ReclaimActions.warn_before={env('GPULEASE_DEMO_IDLE_WARN_BEFORE', '60')}",
+                           f"--ReclaimActions.unused_lease_timeout={env('GPULEASE_DEMO_UNUSED_TIMEOUT', '300')}"])
 c.SimpleLocalProcessSpawner.home_dir_template = str(state / "home" / "{username}")

@@ -9,6 +9,7 @@ CI) and driven by the Python package playwright (its own browser download is nev
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator, Sequence
@@ -50,6 +51,9 @@ def demo_config(tmp_path: Path, *, server_args: Sequence[str] = (), hub: str = "
         labconf.mkdir(parents=True)
         (labconf / "page_config.json").write_text(json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
         added.append(f"c.Spawner.environment.update({{'JUPYTER_CONFIG_PATH': {str(tmp_path / 'labconf')!r}}})  # no news question")
+    if os.environ.get("JUPYTER_PATH"):
+        # a test run whose JupyterLab loads an extension build of its own: the servers look there too
+        added.append(f"c.Spawner.environment.update({{'JUPYTER_PATH': {os.environ['JUPYTER_PATH']!r}}})")
     with open(conf / "jupyterhub_config.py", "a") as f:
         f.write("\n".join([*added, hub]) + "\n")
     (conf / "gpulease_config.py").write_text(

@@ -2,15 +2,17 @@
 
 alice logs in and spawns with a GPU: the status bar shows her lease; in a notebook `%gpu watch`
 draws the widget, which changes as the (simulated) GPU's utilization changes; the broker's
-expiry warning appears as a JupyterLab notification whose Extend button extends the lease. bob,
+expiry warning appears as a JupyterLab notification (one line: when it ends) whose Extend button
+extends the lease. bob,
 whose server runs without a GPU, asks for one with `%gpu request` and sees his place in the
 queue in the status bar. Screenshots go to test-artifacts/browser-lease/ (the README's
 walkthrough shows them).
 
 A second test follows bob's JupyterLab through the live feed, with the hub and servers checking
 XSRF as a default deployment does: a grant, an idle reclaim (suspend), a resume from the
-notification and an admin's revoke each arrive as a notification carrying the message of an event
-that the event stream delivered (read from Chromium's DevTools protocol), the stream is answered
+notification and an admin's revoke, each an event that the event stream delivered (read from
+Chromium's DevTools protocol), each change the one notification of the lease or of the kernel
+(one line; its Details button opens the panel with the events' messages in full), the stream is answered
 200 and the server's log has no 403 for the gpulease API; when the stream cannot be opened the
 status bar polls, and goes back to the stream when it can. Its screenshots go to
 test-artifacts/browser/feed-*.png.
@@ -39,6 +41,7 @@ from browserutil import (
     open_lab,
     open_notebook_and_run,
     server_status,
+    slid_in,
     start_demo,
     toast,
 )
@@ -48,7 +51,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ARTIFACTS = ROOT / "test-artifacts" / "browser-lease"
 # every lease is within its warning time: the notification shows at once
-WARN_AT_ONCE = "c.GPULeaseBroker.warn_before_s = 12 * 3600\n"
+WARN_AT_ONCE = "c.GPULeaseBroker.warn_before_s = 12 * 3600\n"  # (the example config sets warn_before_s: the old name would lose)
 
 
 def lease_config(tmp_path: Path) -> Path:
@@ -63,8 +66,12 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
         with chromium_browser(playwright_sync_api, chromium, failed=ARTIFACTS / "failed") as browser:
             alice = browser.login(demo, "alice")
             item = open_lab(alice, "alice", "gpu:2:L4")  # both L4s
-            wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · \d+% · \d+:\d\d left", item.inner_text().strip()) is not None, 90,
+            wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · \d+% · \d+ h( \d+ min)? left", item.inner_text().strip()) is not None, 90,
                      "the status bar did not show alice's lease", interval=0.5)
+            alice.locator(".jp-LauncherCard").first.wait_for(timeout=60_000)
+            expiring = toast(alice, "GPU lease ends at")  # (warned at once in this config)
+            expiring.wait_for(timeout=90_000)
+            slid_in(alice, expiring)
             alice.screenshot(path=str(ARTIFACTS / "01-status-bar-shows-the-lease.png"))
 
             # the status bar item opens the panel: per-device figures and the actions
@@ -94,8 +101,9 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
 
             # the expiry warning (12 h ahead in this config) is a notification; its Extend button extends the lease
             # (a replaced notification lingers in the page while it slides out: take a standing one)
-            expiring = toast(alice, "GPU lease ends soon")
             expiring.wait_for(timeout=90_000)
+            slid_in(alice, expiring)
+            assert re.match(r"GPU lease ends at \d\d:\d\d\.", expiring.inner_text()), expiring.inner_text()
             alice.screenshot(path=str(ARTIFACTS / "03-expiry-warning-notification.png"))
             before = server_status(alice, "alice")["lease"]["expires_at"]
             expiring.get_by_role("button", name="Extend 30 min").click()
@@ -132,9 +140,9 @@ def test_the_lease_in_jupyterlab_status_bar_widget_notification_and_queue(tmp_pa
 
 # ---------------------------------------------------------------------- the live feed, with XSRF checks on
 def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
-    """The demo's configs as above, but a fast idle reclaim by suspend (idle kernels are warned after
-    3 s and suspended after 6 s; cuda-checkpoint is the tests' stand-in) and servers that keep
-    running when their lease ends. Nothing about XSRF: the hub and the single-user servers check it
+    """The demo's configs with fast heartbeats (the broker warns of expiry as it usually does, not
+    at once), a fast idle reclaim by suspend (idle kernels are warned after 3 s and suspended after
+    6 s; cuda-checkpoint is the tests' stand-in) and servers that keep running when their lease ends. Nothing about XSRF: the hub and the single-user servers check it
     as a default deployment does."""
     return demo_config(
         tmp_path,
@@ -144,7 +152,6 @@ def feed_config(tmp_path: Path, standin_dir: Path, sim_state: Path) -> Path:
                               "STANDIN_CUDA_CHECKPOINT_REMAP": "1"}})
 c.GPULeaseSpawner.on_lease_end = "keep"
 """,
-        broker=WARN_AT_ONCE,
     )
 
 
@@ -220,24 +227,30 @@ def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_p
                      "the cell did not print the kernel's process id", interval=0.2)
             pid = int(output.inner_text().strip().split("\n")[0])
             sim.add_process(grants[0]["lease"]["placement"]["slices"][0]["gpu_uuid"], pid, 4096, sm_util_pct=0.0)  # idle
-            granted = toast(bob, "is active:")
+            granted = toast(bob, "GPU lease granted:")
             granted.wait_for(timeout=60_000)
             bob.screenshot(path=str(shots / "feed-01-grant-notification.png"))
-            text = granted.inner_text()
-            assert shown(grants[0]["message"], text), (text, grants)
+            assert granted.inner_text().startswith(f"GPU lease granted: {grants[0]['lease']['holding']}."), granted.inner_text()
             lease_id = grants[0]["lease"]["id"]
 
-            # idle reclaim: warned, then suspended; the notification offers Resume
+            # idle reclaim: warned, then suspended; the kernel's notification says so (the lease's end with it) and offers Resume
             suspended = bob.locator(TOAST, has=bob.get_by_role("button", name="Resume")).first
             suspended.wait_for(timeout=60_000)
             wait_for(lambda: feed.find("lease", event="reclaimed"), 30, "the lease did not go back as reclaimed", interval=0.5)
-            toast(bob, "GPU lease reclaimed").wait_for(timeout=30_000)
-            bob.screenshot(path=str(shots / "feed-02-idle-reclaim-notifications.png"))
             suspends = feed.find("reclaim", action="suspend", outcome="done")
-            assert suspends and shown(suspends[0]["message"], suspended.inner_text()), (suspended.inner_text(), suspends)
+            assert suspends and suspended.inner_text().startswith(f"Kernel {suspends[0]['kernel_id'][:8]} is suspended:"), suspended.inner_text()
             assert feed.find("warning", kind="reclaim"), "no reclaim warning came first"
-            reclaimed = feed.find("lease", event="reclaimed")[0]
-            assert reclaimed["lease"]["id"] == lease_id and shown(reclaimed["message"], toast(bob, "GPU lease reclaimed").inner_text())
+            assert feed.find("lease", event="reclaimed")[0]["lease"]["id"] == lease_id
+            wait_for(lambda: bob.locator(TOAST).count() == 1, 15, f"more than the kernel's notification: {bob.locator(TOAST).all_inner_texts()}",
+                     interval=0.2)
+            bob.screenshot(path=str(shots / "feed-02-idle-reclaim-notifications.png"))
+            # Details: the panel says it in full
+            suspended.get_by_role("button", name="Details").click()
+            panel = bob.locator("#jp-gpulease-panel")
+            panel.wait_for(state="visible")
+            assert shown(suspends[0]["message"], panel.inner_text()), (panel.inner_text(), suspends)
+            item.click()
+            panel.wait_for(state="detached", timeout=10_000)
 
             # resume: the notification's button (a POST with the XSRF header) gets the kernel a GPU back
             suspended.get_by_role("button", name="Resume").click()
@@ -245,7 +258,7 @@ def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_p
             resumed.wait_for(timeout=90_000)
             bob.screenshot(path=str(shots / "feed-03-resume-notification.png"))
             done = feed.find("resume", stage="done")
-            assert done and shown(done[0]["message"], resumed.inner_text()), (resumed.inner_text(), done)
+            assert done and resumed.inner_text().startswith(f"Kernel {done[0]['kernel_id'][:8]} has its GPU back."), (resumed.inner_text(), done)
             assert next(d["stage"] for d in feed.find("resume")) == "waiting"
             regrants = [g for g in feed.find("lease", event="granted") if g["lease"]["id"] != lease_id]
             assert regrants, "the resume's lease was not announced"
@@ -272,8 +285,12 @@ def test_grant_reclaim_resume_and_revoke_reach_jupyterlab_through_the_feed(tmp_p
             ended.wait_for(timeout=60_000)
             bob.screenshot(path=str(shots / "feed-04-revoke-notification.png"))
             ends = feed.find("lease", event="ended")
-            assert ends and ends[-1]["lease"]["id"] == new_lease["id"] and shown(ends[-1]["message"], ended.inner_text()), (ended.inner_text(), ends)
-            assert "GPU maintenance on sim-node-1 at noon" in ended.inner_text()
+            assert ends and ends[-1]["lease"]["id"] == new_lease["id"], ends
+            ended.get_by_role("button", name="Details").click()  # the reason, in full, in the panel
+            panel.wait_for(state="visible")
+            assert "GPU maintenance on sim-node-1 at noon" in panel.inner_text(), panel.inner_text()
+            item.click()
+            panel.wait_for(state="detached", timeout=10_000)
             wait_for(lambda: not item.inner_text().startswith("GPU L4"), 30, "the status bar still shows the revoked lease", interval=0.5)
 
             # the events came in order on the stream, each once

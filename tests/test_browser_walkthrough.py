@@ -1,7 +1,7 @@
 """README's walkthrough, "The cycle in five minutes", run in headless Chromium against the demo as a
-user gets it (its own idle timeouts: warned after 30 s of GPU idleness, suspended after 60 s; the
+user gets it (its own idle timeouts: warned after 1 min of GPU idleness, suspended after 2 min; the
 simulated cuda-checkpoint): it asserts each step on what the users see and saves the screenshots
-README shows (docs/images/walkthrough-*.png).
+README shows (docs/images/walkthrough-*.png). At each step one notification says what changed.
 
 alice takes both L4s and runs a cell that uses the GPU (``use_gpu``) and sets a variable; bob
 asks for an L4 and waits in the queue; alice's GPU sits idle: she is warned, then her kernel is
@@ -16,7 +16,18 @@ import re
 
 import pytest
 
-from browserutil import ROOT, chromium_browser, demo_config, open_lab, open_notebook_and_run, server_status, slid_in, start_from_form, toast
+from browserutil import (
+    ROOT,
+    TOAST,
+    chromium_browser,
+    demo_config,
+    open_lab,
+    open_notebook_and_run,
+    server_status,
+    slid_in,
+    start_from_form,
+    toast,
+)
 from hubharness import wait_for
 from jupyter_gpulease.hub.demo import IDLE_RECLAIM_S, IDLE_WARN_S
 from test_demo import Demo
@@ -29,8 +40,10 @@ VIEWPORT = {"width": 1280, "height": 760}
 
 
 def shot(page, name: str, *toasts) -> None:
-    """A screenshot for README, once the notifications ``toasts`` have slid fully into view."""
+    """A screenshot for README, once the notifications ``toasts`` have slid fully into view (and no other is on screen)."""
     slid_in(page, *toasts)
+    wait_for(lambda: page.locator(TOAST).count() == len(toasts), 15, f"{name}: other notifications on screen: "
+             f"{page.locator(TOAST).all_inner_texts()}", interval=0.2)
     page.screenshot(path=str(IMAGES / f"walkthrough-{name}.png"))
 
 
@@ -67,7 +80,7 @@ def test_the_cycle_in_five_minutes_warning_suspend_handover_and_resume_with_the_
             open_notebook_and_run(alice, "from jupyter_gpulease.sim.gpu import use_gpu\n"
                                          "use_gpu(util=80, memory_gb=6, seconds=4)\n"
                                          "work = 'the weights of 42 epochs'")
-            wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · [1-9]\d*% · \d+:\d\d left", item.inner_text().strip()), 60,
+            wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · [1-9]\d*% · \d+ h( \d+ min)? left", item.inner_text().strip()), 60,
                      "the status bar did not show alice's GPUs at work", interval=0.3)
             shot(alice, "01-alice-computes")
             wait_for(lambda: "Done: the GPU is idle now" in cell_output(alice, 0), 60, "use_gpu did not finish", interval=0.5)
@@ -85,15 +98,15 @@ def test_the_cycle_in_five_minutes_warning_suspend_handover_and_resume_with_the_
             shot(bob, "02-bob-waits-in-the-queue")
 
             # 3. alice's GPUs sit idle: she is warned (the status bar still shows the lease)
-            warning = toast(alice, "Idle GPU will be reclaimed")
+            warning = toast(alice, "Idle GPU: kernel")
             warning.wait_for(timeout=(IDLE_WARN_S + 60) * 1000)
-            assert "has not used its GPU for" in warning.inner_text()
+            assert re.search(r"is suspended at \d\d:\d\d unless it computes again\.", warning.inner_text()), warning.inner_text()
             shot(alice, "03-alice-is-warned", warning)
 
             # 4. then her kernel is suspended (simulated), the lease goes back, and bob is granted at once
             wait_for(lambda: item.inner_text().strip() == "GPU suspended · resumes on next cell", IDLE_RECLAIM_S + 60,
                      "alice's status bar never said the kernel was suspended", interval=0.5)
-            suspended = toast(alice, "was suspended")
+            suspended = toast(alice, "is suspended: its next cell gets a GPU back")
             suspended.wait_for(timeout=30_000)
             st = server_status(alice, "alice")
             assert any("nothing is lost (simulated" in (k.get("message") or "") for k in st["kernels"]), st["kernels"]
@@ -114,7 +127,9 @@ def test_the_cycle_in_five_minutes_warning_suspend_handover_and_resume_with_the_
                      interval=0.5)
             assert "the weights" not in cell_output(alice, 1), "the cell ran before the kernel had its GPU back"
             assert alice.locator(".jp-NotebookPanel .jp-Cell").nth(1).locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
-            shot(alice, "06-alice-waits-in-the-queue")
+            waiting = toast(alice, "waits for a GPU: number 1 in the queue")
+            waiting.wait_for(timeout=30_000)
+            shot(alice, "06-alice-waits-in-the-queue", waiting)
 
             # 6. bob stops his server; alice's kernel gets the GPUs back and the cell prints her variable
             bob.goto(f"{demo.url}/hub/home")

@@ -355,6 +355,8 @@ def test_the_demo_says_the_gpus_are_simulated_and_why_and_its_start_logs_no_erro
         # waiting for the hub must not look like failures: no 404s through the proxy, no 401s at the broker
         assert " 404 GET /hub/api" not in log and "Failed to get custom error page" not in log
         assert " 401 " not in log
+        # the demo's own config: no deprecated login option, every group its tiers and quotas name exists
+        assert "is deprecated" not in log and "the hub has no group" not in log
     finally:
         assert demo.interrupt() == 0
 
@@ -387,3 +389,52 @@ def test_the_banner_says_the_short_idle_reclaim_how_to_make_gpu_work_and_where_a
     assert "http://127.0.0.1:8000/services/gpulease/admin" in text
     assert "use_gpu" not in demo._banner("http://127.0.0.1:8000", "gpulease", tmp_path, tmp_path / "x.log", ["4 × H100"], "nvml")
     assert "warned after 900 s and suspended after 1800 s" in demo._banner("u", "p", tmp_path, tmp_path / "x.log", idle_timeout=1800)
+
+
+def test_the_demo_puts_its_pythons_commands_first_on_the_path_of_the_hub_its_servers_and_kernels(tmp_path, monkeypatch):
+    """`!jupyter gpulease leases` in a demo kernel finds the command though the venv is not activated."""
+    import shutil
+
+    from jupyter_gpulease.hub import demo
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    args = demo.parse_args(["--state-dir", str(tmp_path)])
+    env = demo._hub_env(args, tmp_path, 8000, "/x/configurable-http-proxy", "simulated")
+    bin_dir = str(Path(sys.executable).parent)
+    assert env["PATH"].split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
+    assert shutil.which("jupyter-gpulease", path=env["PATH"]) == str(Path(bin_dir) / "jupyter-gpulease")
+    assert demo.path_with(Path(bin_dir), env["PATH"]) == env["PATH"]  # once, however often
+
+
+def test_the_demo_config_logs_in_without_a_deprecated_option_and_makes_the_groups_its_tiers_and_quotas_name(tmp_path, monkeypatch):
+    from traitlets.config.loader import PyFileConfigLoader
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("GPULEASE_DEMO_DIR", str(tmp_path))
+    hub = PyFileConfigLoader("jupyterhub_config.py", path=str(root / "config")).load_config()
+    broker = PyFileConfigLoader("gpulease_config.py", path=str(root / "config")).load_config()
+    assert "password" not in hub.get("DummyAuthenticator", {})  # deprecated in JupyterHub 5.3
+    assert hub.JupyterHub.authenticator_class == "jupyter_gpulease.hub.demo.DemoAuthenticator" and hub.DemoAuthenticator.password
+    named = {g for t in broker.GPULeaseBroker.tiers.values() for g in t.get("groups", [])} | set(broker.GPULeaseBroker.group_quotas)
+    assert named == {"staff", "students"} and named <= set(hub.JupyterHub.load_groups)
+
+
+def test_the_demo_login_takes_the_one_password_for_every_user_admins_included():
+    import asyncio
+
+    from jupyter_gpulease.hub.demo import DemoAuthenticator
+
+    auth = DemoAuthenticator(password="gpulease", admin_users={"admin"})
+    login = lambda user, pw: asyncio.run(auth.authenticate(None, {"username": user, "password": pw}))  # noqa: E731
+    assert login("alice", "gpulease") == "alice" and login("admin", "gpulease") == "admin"
+    assert login("alice", "wrong") is None and login("alice", "") is None
+    assert asyncio.run(DemoAuthenticator().authenticate(None, {"username": "alice", "password": ""})) is None
+
+
+def test_the_demo_tutorial_says_the_silent_extension_build_on_the_line_before_its_command():
+    """pip shows nothing of npm's build (about a minute): the words right before the command say it comes."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tutorials" / "demo.md").read_text()
+    before, command = text.split("```bash", 1)
+    lead = before.strip().split("\n\n")[-1]  # the paragraph that introduces the command
+    assert "pip install -e ." in command.split("```", 1)[0]
+    assert "JupyterLab extension builds with npm, about a minute" in " ".join(lead.split()) and "shows nothing" in lead, lead

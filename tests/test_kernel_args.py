@@ -42,6 +42,7 @@ def test_each_subcommand_reads_its_arguments():
     assert args.parse("") == args.Command("status")
     assert args.parse("extend 30m").duration_s == 1800
     assert args.parse("keep 1h").duration_s == 3600
+    assert args.parse("keep off") == args.Command("keep", duration_s=0.0)  # ends the keep in force
     cmd = args.parse("request --gpus 2 --model A100* --tier experiment --for 1h30m --wait")
     assert cmd.name == "request" and cmd.wait
     assert cmd.request == {"kind": "gpu", "gpus": 2, "model": ["A100*"], "tier": "experiment", "duration_s": 5400}
@@ -59,7 +60,7 @@ def test_each_subcommand_reads_its_arguments():
     ("extend", "say for how long, e.g. %gpu extend 30m", "%gpu extend DURATION"),
     ("extend soon", "not a duration: 'soon'", "%gpu extend DURATION"),
     ("extend 30m 1h", "one duration only", "%gpu extend DURATION"),
-    ("keep 0m", "longer than 0", "%gpu keep DURATION"),
+    ("keep 0m", "longer than 0, not '0m'; %gpu keep off ends a keep", "%gpu keep DURATION | off"),
     ("extend -30m", "cannot be negative", "%gpu extend DURATION"),
     ("request --gpus 2 --share 0.5", "not allowed with argument", "%gpu request [--gpus N | --share F"),
     ("request --gpus zero", "--gpus wants a whole number of GPUs, not 'zero'", "%gpu request"),

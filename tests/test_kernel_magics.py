@@ -92,6 +92,37 @@ def test_every_subcommand_against_a_real_broker_and_server(stack):
         k.stop()
 
 
+def test_status_says_what_this_kernel_sees_after_it_took_the_gpu_kept_it_and_gave_it_back(stack):
+    """One truth per kernel: the server follows what the kernel itself took or dropped, and a keep
+    in force is said as such, with the way to end it."""
+    _broker, server, _clock = stack
+    k = server.start_kernel()
+    try:
+        r = k.execute("%gpu request --gpus 1 --model L4 --for 1h")
+        assert "This kernel uses it from now on" in r["stdout"], r
+        r = k.execute("%gpu status")
+        assert "restart" not in r["stdout"] and "%gpu keep 1h postpones it" in r["stdout"], r
+        r = k.execute("%gpu keep 1h")
+        assert "kept: idle reclaim leaves this server's GPU alone for 1 h" in r["stdout"], r
+        r = k.execute("%gpu status")
+        assert "%gpu keep off ends the keep" in r["stdout"] and "postpones it" not in r["stdout"], r
+        assert "reclaim coming" not in r["stdout"]
+        r = k.execute("%gpu keep off")
+        assert r["stdout"].startswith("keep ended: idle reclaim watches this server's GPU again"), r
+        assert server.status()["reclaim"]["keep_until"] is None
+        r = k.execute("%gpu status")
+        assert "kept:" not in r["stdout"] and "%gpu keep 1h postpones it" in r["stdout"], r
+        r = k.execute("%gpu release --force")
+        assert "This kernel runs without a GPU from now on" in r["stdout"], r
+        r = k.execute("import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+        assert r["stdout"].strip() == "''", r
+        r = k.execute("%gpu status")
+        assert "restart" not in r["stdout"] and "sees" not in r["stdout"], r
+        assert not any(x["env_stale"] for x in server.status()["kernels"])
+    finally:
+        k.stop()
+
+
 def test_a_waiting_request_shows_its_place_and_an_interrupt_withdraws_it(stack):
     broker, server, _clock = stack
     asyncio.run(as_user(broker, "bob").request_lease({"gpus": 2, "model": ["A100*"]}))

@@ -140,7 +140,33 @@ def test_an_end_remembered_from_the_feed_alone_still_says_who_ended_it():
     assert status(last_end=broker, server_active=False)["lines"][0] == "It was revoked by the broker: its server was gone."
 
 
+def test_a_server_being_stopped_is_not_said_to_be_starting():
+    s = status(server_ready=False, server_stopping=True)
+    assert s["kind"] == "stopping" and s["headline"] == "Your server is being stopped"
+
+
 def test_an_end_while_the_server_stops_says_it_is_being_stopped():
     ended = {"lease_id": "L1", "state": "revoked", "end_reason": "maintenance", "ended_at": NOW - 5, "ended_by": "admin:carol"}
     s = status(last_end=ended, server_active=True, server_stopping=True)
     assert s["lines"][1] == "Your server is being stopped."
+
+
+def test_a_lease_the_server_took_itself_shows_on_the_home_page_not_a_server_without_a_gpu():
+    """%gpu request in a server started without a GPU: the spawner holds no lease of its own, the broker knows it."""
+    from test_spawner_unit import FakeBroker, make_spawner
+
+    async def main():
+        broker = FakeBroker()
+        s = make_spawner(broker)
+        s.running = s.up = True  # a CPU-only server that runs
+        assert (await s.lease_status())["headline"] == "Your server runs without a GPU"
+        other = await broker.request_lease({"user": "alice", "server": "other", "gpus": 1, "meta": {"taken_by": "server"}})
+        mine = await broker.request_lease({"user": "alice", "server": "", "gpus": 1, "model": "L4", "meta": {"taken_by": "server"}})
+        broker.grant(other["id"])
+        assert (await s.lease_status())["kind"] == "queued"  # its own request waits
+        broker.grant(mine["id"])
+        st = await s.lease_status()
+        assert st["kind"] == "active" and st["headline"] == "Your server holds 1 × L4 on n1" and st["lease_id"] == mine["id"]
+
+    asyncio.run(main())
+

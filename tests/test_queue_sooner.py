@@ -4,6 +4,7 @@ A real broker; the holders' heartbeats are sent as a server extension sends them
 
 from __future__ import annotations
 
+import math
 import time
 
 from brokerutil import broker_in_thread, broker_url, patch_auth
@@ -12,6 +13,11 @@ from jupyter_gpulease.hub.placement import queue_message
 from serverutil import broker_call
 
 POOL = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034}]
+
+
+def by_minute(t: float) -> str:
+    """The clock time a "by" says for ``t``: the minute after it (never earlier than it comes)."""
+    return time.strftime("%H:%M", time.localtime(math.ceil(t / 60) * 60))
 
 
 def test_the_eta_says_it_may_come_sooner_when_every_holder_it_waits_for_is_idle(tmp_path, monkeypatch):
@@ -40,7 +46,7 @@ def test_the_eta_says_it_may_come_sooner_when_every_holder_it_waits_for_is_idle(
         _, listed = broker_call(url, "GET", "api/queue", token="bob")
         assert listed["queue"][0]["queue"]["may_start_sooner_at"] == soon
         words = queue_message(got, now=time.time())
-        assert f", or sooner: the GPU it waits for is idle and goes back by {time.strftime('%H:%M', time.localtime(soon))} if it stays idle" in words
+        assert f", or sooner: the GPU it waits for is idle and goes back by {by_minute(soon)} if it stays idle" in words
         # carol computes again: no deadline in her heartbeat, no "sooner"
         broker_call(url, "POST", f"api/leases/{carol['id']}/heartbeat", {"usage": {"gpu_busy": True, "lease_reclaim_at": None}},
                     token="carol")
@@ -56,9 +62,18 @@ def test_gpu_queue_and_status_say_the_sooner_start():
     soon = now + 600
     entry = {"user": "bob", "tier": "default", "request": {"kind": "gpu", "gpus": 1}, "state": "queued",
              "queue": {"position": 1, "length": 1, "eta": now + 5760, "may_start_sooner_at": soon}}
-    hhmm = time.strftime("%H:%M", time.localtime(soon))
+    hhmm = by_minute(soon)
     assert f"~1 h 36 min, or sooner: by {hhmm}" in queue_text([entry], now)
     assert queue_words(entry, now).endswith(f"about 1 h 36 min, or sooner: the GPU it waits for is idle and goes back by {hhmm} "
                                             "if it stays idle")
     entry["queue"]["may_start_sooner_at"] = None
     assert "sooner" not in queue_text([entry], now) + queue_words(entry, now)
+
+
+def test_a_sooner_start_by_a_time_is_rounded_up_to_the_minute_never_earlier_than_it_comes():
+    from jupyter_gpulease.core.words import sooner_words
+
+    at = 60 * round(time.time() / 60) + 3600 + 56  # hh:mm:56
+    now = at - 600
+    assert sooner_words({"may_start_sooner_at": at}, now, long=False) == f", or sooner: by {time.strftime('%H:%M', time.localtime(at + 4))}"
+    assert sooner_words({"may_start_sooner_at": at - 56}, now, long=False) == f", or sooner: by {time.strftime('%H:%M', time.localtime(at - 56))}"

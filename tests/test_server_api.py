@@ -127,7 +127,8 @@ async def test_another_users_token_and_no_token_are_refused(server, jp_fetch):
     (("lease", "extend"), '{"by_s": NaN}', "body", 400),
     (("lease", "release"), '{"force": "yes"}', "force", 400),
     (("resume",), '{"kernel_id": "nope"}', "kernel_id", 404),
-    (("keep",), '{"for_s": 0}', "for_s", 400),
+    (("keep",), '{"for_s": -60}', "for_s", 400),
+    (("kernels", "nope", "devices"), '{"cuda_visible_devices": ""}', "kernel_id", 404),
 ])
 async def test_bad_requests_get_a_clear_error_and_change_nothing(server, jp_fetch, broker, lease, path, body, field, code):
     await active_lease(jp_fetch)
@@ -203,6 +204,35 @@ async def test_release_and_request_from_the_server_change_what_new_kernels_get_a
     # the server stops: the lease it asked for itself goes back
     await server.extension_manager.stop_all_extensions()
     assert await lease_state(broker, new["id"]) == "released"
+
+
+@pytest.mark.parametrize("ext_config", [{"gpu_idle_timeout": 0}], indirect=True)
+async def test_a_kernel_says_which_devices_it_uses_now_and_a_keep_ends_with_zero(server, jp_fetch, sim, broker, lease, ext_config):
+    await active_lease(jp_fetch)
+    k = await start_kernel(server, jp_fetch)
+    gpu = lease["placement"]["slices"][0]["gpu_uuid"]
+    await wait_for(lambda: (kernel_status_sync_env(server, k.id) or "") == gpu, message="the kernel's devices are read")
+    await jp_fetch("gpulease", "api", "lease", "release", method="POST", body=json.dumps({"force": True}))
+    st = await status(jp_fetch)
+    ks = kernel_status(st, k.id)
+    assert ks["env_stale"] and ks["sight"] == "still sees a GPU this server no longer leases: restart it to drop it"
+    # the kernel dropped the GPU itself (as %gpu release does where CUDA never started): the server follows it
+    r = await jp_fetch("gpulease", "api", "kernels", k.id, "devices", method="POST", body=json.dumps({"cuda_visible_devices": ""}))
+    assert json.loads(r.body) == {"kernel_id": k.id, "cuda_visible_devices": ""}
+    ks = kernel_status(await status(jp_fetch), k.id)
+    assert ks["cuda_visible_devices"] == "" and not ks["env_stale"] and ks["sight"] == ""
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("gpulease", "api", "kernels", k.id, "devices", method="POST", body=json.dumps({"cuda_visible_devices": 3}))
+    assert err.value.code == 400 and json.loads(err.value.response.body)["field"] == "cuda_visible_devices"
+    r = await jp_fetch("gpulease", "api", "keep", method="POST", body=json.dumps({"for_s": 0}))
+    assert json.loads(r.body)["keep_until"] is None
+    k.close()
+
+
+def kernel_status_sync_env(server, kid):
+    controller = server.web_app.settings["gpulease_controller"]
+    rec = controller.kernels.get(kid)
+    return controller.kernels.env_of(rec) if rec is not None else None
 
 
 def kernel_status_sync(server, kid, what):

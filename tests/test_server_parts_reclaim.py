@@ -106,6 +106,60 @@ async def test_a_kernel_that_computes_is_not_reclaimed_and_keep_postpones(tmp_pa
 
 
 @run
+async def test_a_keep_is_said_as_such_in_the_status_and_in_gpu_status_and_ends_with_keep_off(tmp_path, proc):
+    from jupyter_gpulease.kernel.resume import status_lines
+    from jupyter_gpulease.kernel.text import status_text
+
+    r = rig(tmp_path)
+    rec = await idle_kernel(r, proc.pid)
+    await r.tick(45)  # warned: the reclaim is 15 s ahead
+    st = r.ctrl.status(history=False)
+    text = status_text(st, r.clock()) + "\n".join(status_lines(st, r.clock()))
+    assert "(reclaim at " in text and "kept" not in text
+    until = r.ctrl.keep(3600)
+    st = r.ctrl.status(history=False)
+    [k] = st["kernels"]
+    assert k["idle"]["kept_until"] == until and not k["idle"]["warned"] and st["warnings"] == []
+    text = status_text(st, r.clock()) + "\n".join(status_lines(st, r.clock()))
+    assert "(kept until " in text and "(reclaim" not in text and "%gpu keep off ends the keep" in text and "postpones it" not in text
+    # keep off: the kernel's own deadline again (60 s after it fell idle): warned again, then reclaimed
+    assert r.ctrl.keep(0) is None and r.ctrl.tracker.keep_until is None
+    assert [n for n in r.events("notice") if n["kind"] == "keep"][-1]["message"] == "Idle reclaim is no longer postponed."
+    st = r.ctrl.status(history=False)
+    assert st["reclaim"]["keep_until"] is None and st["kernels"][0]["idle"]["kept_until"] is None
+    warned = len([w for w in r.events("warning") if w["kind"] == "reclaim"])
+    await r.tick()
+    assert len([w for w in r.events("warning") if w["kind"] == "reclaim"]) == warned + 1 and rec.state == "ok"
+    await r.tick(15)
+    assert rec.state == "suspended"
+
+
+@run
+async def test_what_a_kernel_sees_is_what_it_says_it_took_or_dropped(tmp_path, proc):
+    from jupyter_gpulease.kernel.text import status_text
+
+    r = rig(tmp_path, environ={"GPULEASE_LEASE_ID": "", "CUDA_VISIBLE_DEVICES": "", "GPULEASE_BROKER_URL": "http://broker/"}, lease={})
+    r.km.add("k-sees-0001", proc.pid)
+    await r.tick()
+    rec = r.ctrl.kernels["k-sees-0001"]
+    rec.env_devices = ""  # started without a GPU (what /proc says of a kernel started on a server without a lease)
+    r.keeper.grant = lease_json("L2", r.uuid, now=r.clock())
+    await r.ctrl.request({"gpus": 1})
+    [k] = r.ctrl.status(history=False)["kernels"]
+    assert k["env_stale"] and k["sight"] == "started without a GPU: restart it to see the new GPU"
+    r.ctrl.kernel_sees(rec.id, r.uuid)  # %gpu request in that kernel took the lease's environment itself
+    st = r.ctrl.status(history=False)
+    assert not st["kernels"][0]["env_stale"] and "restart" not in status_text(st, r.clock())
+    assert not [n for n in st["notices"] if n["kind"] == "env_stale"]
+    await r.ctrl.release(force=True)
+    st = r.ctrl.status(history=False)
+    assert st["kernels"][0]["sight"] == "still sees a GPU this server no longer leases: restart it to drop it"
+    assert "restart it to drop it" in status_text(st, r.clock()) and "new GPU" not in status_text(st, r.clock())
+    r.ctrl.kernel_sees(rec.id, "")  # %gpu release in that kernel dropped it
+    assert not r.ctrl.status(history=False)["kernels"][0]["env_stale"]
+
+
+@run
 async def test_a_share_s_memory_overrun_is_warned_then_acted_on_without_returning_the_lease(tmp_path, proc):
     r = rig(tmp_path, {"ReclaimActions": {"reclaim_action": "restart", "share_grace": 10.0}})
     lease = lease_json("L1", r.uuid, share=0.5, memory_mib=1000, now=r.clock())

@@ -71,3 +71,81 @@ async def test_resume_of_a_server_whose_unused_lease_was_reclaimed_asks_for_the_
     got = await r.ctrl.resume_lease()
     assert got["id"] == "L3" and r.keeper.requested[-1]["meta"] == {"resume_of": "L1"}
     assert await r.ctrl.resume_lease() is None  # a lease is held now: nothing to resume
+
+
+@run
+async def test_an_unused_lease_stays_for_its_own_timeout_longer_than_the_kernels(tmp_path):
+    r = rig(tmp_path, {"ReclaimActions": {"unused_lease_timeout": 300.0}})
+    granted = r.clock()
+    await r.tick(62)  # a kernel idle this long would be reclaimed; an unused lease is not yet
+    st = r.ctrl.status(history=False)
+    assert not r.keeper.released and st["reclaim"]["unused_lease_timeout_s"] == 300.0 and st["reclaim"]["timeout_s"] == 60.0
+    assert st["reclaim"]["lease_reclaim_at"] == round(granted + 300, 1)
+    await r.tick(215)
+    assert not [w for w in r.events("warning") if w["kind"] == "lease_reclaim"]
+    await r.tick(5)  # 20 s before the end: warned
+    assert [w for w in r.events("warning") if w["kind"] == "lease_reclaim"]
+    await r.tick(20)
+    assert r.keeper.released and r.keeper.ended["state"] == "reclaimed"
+
+
+@run
+async def test_kernels_of_a_server_whose_lease_went_back_unused_wait_for_a_gpu_at_their_next_cell(tmp_path, proc):
+    """Parked: suspended with nothing to restore; a cell asks for a GPU of the same shape and goes on, no restore, no restart."""
+    import json
+    import os
+    from pathlib import Path
+
+    from jupyter_gpulease.kernel.resume import marker_path
+
+    r = rig(tmp_path)
+    cf = tmp_path / "kernel-k-parked-01.json"
+    k = r.km.add("k-parked-01", proc.pid, connection_file=str(cf))
+    await r.tick()
+    rec = r.ctrl.kernels["k-parked-01"]
+    rec.env_devices = r.uuid  # started with the lease's GPU (what /proc says of a kernel of a server with a lease)
+    await r.tick(61)  # it never used the GPU: the lease goes back unused
+    assert r.keeper.ended["state"] == "reclaimed" and rec.state == "suspended" and rec.suspended["parked"]
+    assert json.loads(Path(marker_path(str(cf))).read_text())["parked"] is True
+    st = r.ctrl.status(history=False)
+    assert st["kernels"][0]["state"] == "suspended" and not st["kernels"][0]["env_stale"]
+    # a notebook opened now starts without a GPU, as new kernels are told: it is not parked
+    r.km.add("k-parked-02", proc.pid + 1)
+    await r.tick()
+    assert r.ctrl.kernels["k-parked-02"].state == "ok"
+    other = r.sim.inventory()[1].uuid
+    r.keeper.grant = lease_json("L2", other, now=r.clock())
+    k.execution_state = "busy"
+    await r.tick(3)
+    body = r.keeper.requested[0]
+    assert body["gpus"] == 1 and body["prefer_gpus"] == [r.uuid] and "require_gpus" not in body
+    assert rec.state == "ok" and rec.suspended is None and not r.checkpoint.calls  # nothing to restore
+    assert not os.path.exists(marker_path(str(cf)))
+    done = r.events("resume")[-1]
+    assert done["stage"] == "done" and "has a GPU again" in done["message"] and other in done["message"]
+    assert r.km.calls == []  # no restart
+    assert len(r.keeper.requested) == 1
+
+
+@run
+async def test_a_parked_kernel_that_cannot_get_a_gpu_runs_on_without_one_and_is_not_parked_again(tmp_path, proc):
+    from jupyter_gpulease.client import BrokerError
+
+    r = rig(tmp_path)
+    r.km.add("k-parked-03", proc.pid)
+    await r.tick()
+    rec = r.ctrl.kernels["k-parked-03"]
+    rec.env_devices = r.uuid
+    await r.tick(61)
+    assert rec.state == "suspended"
+
+    async def refuse(body):
+        raise BrokerError(400, "over your quota", "gpus")
+
+    r.keeper.request = refuse
+    assert await r.ctrl.resume_now(rec.id) == [rec.id]
+    await r.tick(2)
+    assert rec.state == "ok" and r.km.calls == [] and "could not get a GPU again (over your quota)" in rec.message
+    assert r.events("resume")[-1]["stage"] == "failed"
+    await r.tick(3)
+    assert rec.state == "ok"  # not parked again for that lease

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -59,10 +60,37 @@ def test_use_gpu_works_then_leaves_the_memory_held_and_the_gpu_idle_and_the_chec
         assert asyncio.run(ck.supports_device_map())
         asyncio.run(ck.restore([kernel.pid], {l4a: l4b}))
         assert held(sim, kernel.pid) == {l4b: (6144, 0.0)}
+        assert sim.started_at(kernel.pid) is not None  # restored as it was: it leaves the GPU when it exits
         assert asyncio.run(ck.state(kernel.pid)) == "running"
     finally:
         kernel.kill()
         kernel.wait()
+
+
+def test_a_stopped_kernel_leaves_the_simulated_gpu_and_a_new_demo_run_forgets_the_last_ones_processes(sim, tmp_path):
+    from jupyter_gpulease.hub.demo import forget_last_run
+
+    l4a, l4b = [g.uuid for g in sim.inventory() if g.model == "L4"]
+    code = ("from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=50, memory_gb=6, seconds=0, quiet=True)\n"
+            "import sys; print('done', flush=True); sys.stdin.read()")
+    kernel = subprocess.Popen([sys.executable, "-c", code], env=sim_env(sim, l4a), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert kernel.stdout.readline().strip() == "done"
+        assert held(sim, kernel.pid) == {l4a: (6144, 0.0)}
+    finally:
+        kernel.kill()
+        kernel.wait()
+    # the kernel stopped: its memory is no longer on the GPU, for any reader, and the next write drops it
+    assert held(sim, kernel.pid) == {} and held(SimulatedBackend({"state_file": sim.state_file}), kernel.pid) == {}
+    assert sim.sample()[l4a].memory_used_mib == 0
+    sim.add_process(l4b, os.getpid(), 512)  # a process given without its start time stays while it is there
+    saved = json.loads(Path(sim.state_file).read_text())
+    assert kernel.pid not in [p["pid"] for procs in saved["processes"].values() for p in procs]
+    assert str(kernel.pid) not in saved.get("started", {})
+    # a new demo run: nothing of the last one runs, so pids that do not exist now go too, timed or not
+    sim.add_process(l4a, 3_999_999, 6144)
+    assert (tmp_path / "sim-gpus.json").exists() and forget_last_run(tmp_path) == [3_999_999]
+    assert {p.pid for s in SimulatedBackend({"state_file": sim.state_file}).sample().values() for p in s.processes} == {os.getpid()}
 
 
 def test_the_simulated_tools_refuse_real_gpus_and_kernels_without_a_lease(sim):

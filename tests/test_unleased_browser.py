@@ -13,6 +13,7 @@ Screenshots go to test-artifacts/browser/unleased-*.png.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 
@@ -82,9 +83,14 @@ def test_unleased_use_on_the_admin_page_and_in_the_users_jupyterlab_then_stopped
             warned = toast(bob, "GPU used without a lease")
             warned.wait_for(timeout=60_000)
             words = warned.inner_text()
-            assert f"Process {bob_proc.pid} (sleep) uses L4 #" in words and "another user's GPU" in words and "it is stopped in" in words
+            assert re.search(rf"process {bob_proc.pid} is stopped at \d\d:\d\d unless it lets go of the GPU\.", words), words
             slid_in(bob, warned)
             bob.screenshot(path=str(ARTIFACTS / "unleased-02-bobs-jupyterlab-warned.png"))
+            warned.get_by_role("button", name="Details").click()  # the panel says it in full
+            panel = bob.locator("#jp-gpulease-panel")
+            panel.wait_for(state="visible")
+            text = panel.inner_text()
+            assert f"Process {bob_proc.pid} (sleep) uses L4 #" in text and "another user's GPU" in text and "it is stopped in" in text, text
 
             # after the grace: bob's process is stopped, alice's runs on, her lease too
             bob_proc.wait(timeout=GRACE_S + 60)

@@ -9,6 +9,7 @@ I/O, no clock (``now`` is always given), nothing of the project outside ``core``
 from __future__ import annotations
 
 import fnmatch
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,39 @@ WARNING_TITLES: dict[WarningKind, str] = {
     WarningKind.MAINTENANCE: "GPU maintenance ahead",
 }
 WARNING_TITLE_DEFAULT = "GPU lease"
+
+# A notification's one line, short enough for JupyterLab's (it cuts a notification after 140
+# characters); the rest is in the panel. The browser fills in {kernel} (a kernel's short id), {at}
+# (a deadline's time of day, the browser's clock), {action} (RECLAIM_PARTICIPLES), {position},
+# {state}, {pid}, {reason} (a message's first sentence), {holding}; a {reason} that would make the
+# line too long is cut at a clause and ends "see the details". One key per state the notifications
+# show (warnings by their kind).
+NOTIFICATION_LINES: dict[str, str] = {
+    WarningKind.RECLAIM.value: "Idle GPU: kernel {kernel} is {action} at {at} unless it computes again.",
+    WarningKind.LEASE_RECLAIM.value: "Unused GPU: the lease goes back at {at} unless a kernel uses it.",
+    WarningKind.EXPIRING.value: "GPU lease ends at {at}.",
+    WarningKind.PREEMPTION.value: "GPU lease preempted: it ends at {at}.",
+    WarningKind.SHARE_MEMORY.value: "Kernel {kernel} uses more GPU memory than this server's share: free some by {at}.",
+    WarningKind.UNLEASED_USE.value: "GPU used without a lease: process {pid} is stopped at {at} unless it lets go of the GPU.",
+    "unleased_use_not_stopped": "GPU used without a lease: {reason}",
+    WarningKind.GPU_UNHEALTHY.value: "Your GPU is failing or taken out: {reason}",
+    WarningKind.MAINTENANCE.value: "GPU maintenance ahead: {reason}",
+    WarningKind.ENDED.value: "GPU lease ended: {reason}",
+    "warning": "GPU lease: {reason}",
+    "suspended": "Kernel {kernel} is suspended: its next cell gets a GPU back, its variables kept.",
+    "asking": "Kernel {kernel} asks for a GPU.",
+    "waiting": "Kernel {kernel} waits for a GPU: number {position} in the queue.",
+    "restoring": "Kernel {kernel} has a GPU: its memory is being restored.",
+    "back": "Kernel {kernel} has its GPU back.",
+    "not_back": "Kernel {kernel}: {reason}",
+    "acted": "Kernel {kernel} was {action} to free its GPU: {reason}",
+    "given_back": "The unused GPU went back to the pool; the next cell you run asks for one again.",
+    "lease_ended": "GPU lease {state}: {reason}",
+    "granted": "GPU lease granted: {holding}.",
+}
+# what happens to an idle kernel, as NOTIFICATION_LINES say it ('is suspended at 14:05')
+RECLAIM_PARTICIPLES: dict[str, str] = {"suspend": "suspended", "restart": "restarted", "interrupt": "interrupted",
+                                       "shutdown": "shut down", "notify": "asked to free it"}
 
 # what a suspended kernel means for the user (the status line, the widget)
 SUSPENDED_WORDS = "suspended: the GPU state of an idle kernel was put aside; its next cell resumes it"
@@ -59,8 +93,14 @@ def _view(lease: LeaseView | Mapping[str, Any]) -> LeaseView:
 
 
 def hhmm(t: float) -> str:
-    """POSIX seconds → '14:05' (local time)."""
+    """POSIX seconds → '14:05' (local time): the minute in which ``t`` falls ('at 14:05')."""
     return time.strftime("%H:%M", time.localtime(float(t)))
+
+
+def hhmm_by(t: float) -> str:
+    """POSIX seconds → the first minute at which ``t`` has passed: 14:05:56 → '14:06'. A time
+    something happens *by* never reads earlier than it comes."""
+    return hhmm(math.ceil(float(t) / 60) * 60)
 
 
 # --------------------------------------------------------------------------- what is asked for
@@ -168,8 +208,8 @@ def sooner_words(queue: QueueView | Mapping[str, Any] | None, now: float, *, lon
     if at is None or at <= now:
         return ""
     if long:
-        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm(at)} if it stays idle"
-    return f", or sooner: by {hhmm(at)}"
+        return f", or sooner: the GPU it waits for is idle and goes back by {hhmm_by(at)} if it stays idle"
+    return f", or sooner: by {hhmm_by(at)}"
 
 
 def queue_place(lease: LeaseView | Mapping[str, Any]) -> str:

@@ -113,13 +113,16 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
                 entry["memory"] = [{"device": uuid, "used_memory_mib": p.used_memory_mib}
                                    for uuid, s in sim.sample().items() for p in s.processes
                                    if p.pid == pid and (p.device_uuid or uuid) == uuid]
+                entry["started"] = sim.started_at(pid)  # back with it: the restored process leaves the GPU when it exits
                 sim.remove_process(pid)
             else:
                 mapping = dict(kv.split("=", 1) for kv in args.get("--device-map", "").split(",") if "=" in kv)
                 for m in entry["memory"]:
                     # back on its (mapped) device, idle: the process's next CUDA call goes on from here
-                    sim.add_process(mapping.get(m["device"], m["device"]), pid, m["used_memory_mib"], sm_util_pct=0.0)
+                    sim.add_process(mapping.get(m["device"], m["device"]), pid, m["used_memory_mib"], sm_util_pct=0.0,
+                                    started=entry.get("started"))
                 entry["memory"] = []
+                entry.pop("started", None)
         entry["state"] = _NEXT[action]
         if entry["state"] == "running" and not entry["memory"]:
             store.pop(str(pid), None)

@@ -16,8 +16,14 @@ The file looks like::
 
     {"utilization": {"GPU-sim-…": 85.0},
      "processes": {"GPU-sim-…": [{"pid": 4242, "used_memory_mib": 10240, "sm_util_pct": 80}]},
+     "started": {"4242": 1767225600.25},
      "devices": {"GPU-sim-…": {"temperature_c": 71, "power_w": 250, "power_limit_w": 400,
                                "temperature_slowdown_c": 90, "health": {"xid": 79, "xid_count": 1, "ecc_uncorrected": 0, "lost": false}}}}
+
+A process put on a GPU with its start time (``started``: as ``use_gpu`` does from a notebook's
+kernel) is on it only while that process runs: once it exited (or its pid is another process's),
+samples leave it out and the next write drops it, so a stopped kernel's memory does not stay on
+an idle GPU. A process given without a start time (a test's made-up pid) stays until removed.
 
 A device whose utilization is not set reports the sum of its processes' ``sm_util_pct``
 (at most 100); temperature and power not set follow utilization (an idle GPU is cool and
@@ -38,6 +44,8 @@ import os
 import threading
 import time
 from typing import Any
+
+import psutil
 
 from ..core.model import GPU
 from ..files import write_atomically
@@ -89,6 +97,7 @@ class SimulatedBackend(DeviceBackend):
         self._util: dict[str, float] = {}
         self._procs: dict[str, dict[int, tuple[int | None, float | None]]] = {}  # device uuid -> pid -> (MiB, SM %)
         self._devices: dict[str, dict[str, Any]] = {}  # device uuid -> driven temperature/power/health
+        self._started: dict[int, float] = {}  # pid -> its process's start time (there only while that process runs)
         state_file = config.get("state_file")
         if state_file is not None and (not isinstance(state_file, (str, os.PathLike)) or not str(state_file)):
             raise ValueError(f"simulated device backend: 'state_file' must be a file path, got {state_file!r}")
@@ -105,11 +114,12 @@ class SimulatedBackend(DeviceBackend):
         with self._lock:
             self._reload()
             now = self._clock()
+            gone = self._gone()
             out: dict[str, DeviceSample] = {}
             for g in self._gpus:
                 devices = [g.uuid, *(m.uuid for m in g.mig)]
                 procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
-                              for dev in devices for pid, (mib, sm) in sorted(self._procs.get(dev, {}).items()))
+                              for dev in devices for pid, (mib, sm) in sorted(self._procs.get(dev, {}).items()) if pid not in gone)
                 util = self._utilization(g.uuid, procs)
                 figures = self._figures(g.uuid, util, self._model[g.uuid])
                 out[g.uuid] = DeviceSample(
@@ -168,9 +178,11 @@ class SimulatedBackend(DeviceBackend):
             self._util[uuid] = float(pct)
             self._save()
 
-    def add_process(self, uuid: str, pid: int, used_memory_mib: int | None, sm_util_pct: float | None = None) -> None:
+    def add_process(self, uuid: str, pid: int, used_memory_mib: int | None, sm_util_pct: float | None = None, *,
+                    started: float | None = None) -> None:
         """Put process ``pid`` on a GPU or MIG instance, holding ``used_memory_mib`` and keeping
-        ``sm_util_pct`` (0–100) of its compute busy (replaces an earlier entry)."""
+        ``sm_util_pct`` (0–100) of its compute busy (replaces an earlier entry). ``started``: the
+        process's start time (:func:`process_started`): it is then on the GPU only while it runs."""
         self._check_uuid(uuid)
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise ValueError(f"pid must be a positive whole number, got {pid!r}")
@@ -178,10 +190,20 @@ class SimulatedBackend(DeviceBackend):
             raise ValueError(f"used_memory_mib must be a whole number of MiB (or None), got {used_memory_mib!r}")
         if sm_util_pct is not None and not _is_pct(sm_util_pct):
             raise ValueError(f"sm_util_pct must be a number from 0 to 100 (or None), got {sm_util_pct!r}")
+        if started is not None and not _is_number(started):
+            raise ValueError(f"started must be a process's start time in POSIX seconds (or None), got {started!r}")
         with self._lock:
             self._reload()
             self._procs.setdefault(uuid, {})[pid] = (used_memory_mib, None if sm_util_pct is None else float(sm_util_pct))
+            if started is not None:
+                self._started[pid] = float(started)
             self._save()
+
+    def started_at(self, pid: int) -> float | None:
+        """The start time ``pid`` was put on a GPU with (None: none given)."""
+        with self._lock:
+            self._reload()
+            return self._started.get(pid)
 
     def remove_process(self, pid: int, uuid: str | None = None) -> bool:
         """Take process ``pid`` off ``uuid`` (or off every device). True when something was removed."""
@@ -192,8 +214,26 @@ class SimulatedBackend(DeviceBackend):
                 if (uuid is None or dev == uuid) and pid in procs:
                     del procs[pid]
                     removed = True
+            if not any(pid in procs for procs in self._procs.values()):
+                self._started.pop(pid, None)
             self._save()
             return removed
+
+    def forget_dead_processes(self, *, untimed: bool = False) -> list[int]:
+        """Take the processes that no longer run off every device (those put on one with a start
+        time; with ``untimed``, also those without one whose pid does not exist now), as a demo
+        does at its start: nothing of its last run runs any more. The pids taken off."""
+        with self._lock:
+            self._reload()
+            gone = self._gone()
+            if untimed:
+                gone |= {pid for procs in self._procs.values() for pid in procs if pid not in self._started and not psutil.pid_exists(pid)}
+            for procs in self._procs.values():
+                for pid in gone & set(procs):
+                    del procs[pid]
+            if gone:
+                self._save()
+            return sorted(gone)
 
     def set_device(self, uuid: str, *, temperature_c: float | None = None, power_w: float | None = None,
                    power_limit_w: float | None = None, health: DeviceHealth | dict | None = None,
@@ -260,6 +300,7 @@ class SimulatedBackend(DeviceBackend):
         with self._lock:
             self._util.clear()
             self._procs.clear()
+            self._started.clear()
             self._devices.clear()
             self._save()
 
@@ -281,7 +322,7 @@ class SimulatedBackend(DeviceBackend):
         try:
             with open(self.state_file, encoding="utf-8") as f:
                 data = json.load(f)
-            util, procs, devices = self._parse_state(data)
+            util, procs, devices, started = self._parse_state(data)
         except OSError as e:
             # not readable (yet): tried again at the next sample, said once until it is readable
             if self._unreadable != str(e):
@@ -293,9 +334,10 @@ class SimulatedBackend(DeviceBackend):
             self._file_sig = sig
             return
         self._unreadable = ""
-        self._util, self._procs, self._devices, self._file_sig = util, procs, devices, sig
+        self._util, self._procs, self._devices, self._started, self._file_sig = util, procs, devices, started, sig
 
-    def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, tuple[int | None, float | None]]], dict[str, dict[str, Any]]]:
+    def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, tuple[int | None, float | None]]],
+                                               dict[str, dict[str, Any]], dict[int, float]]:
         if not isinstance(data, dict):
             raise ValueError("it must hold a JSON object with 'utilization' and 'processes'")
         for key in ("utilization", "processes", "devices"):
@@ -322,9 +364,21 @@ class SimulatedBackend(DeviceBackend):
             if isinstance(d.get("health"), dict):
                 figures["health"] = DeviceHealth.from_dict(d["health"])
             devices[uuid] = figures
-        return util, procs, devices
+        started: dict[int, float] = {}
+        for pid, t in (data.get("started") or {}).items() if isinstance(data.get("started"), dict) else ():
+            if str(pid).isdigit() and _is_number(t):
+                started[int(pid)] = float(t)
+        return util, procs, devices, started
+
+    def _gone(self) -> set[int]:
+        """The pids put on a GPU with a start time whose process no longer runs."""
+        return {pid for pid, t in self._started.items() if not _runs(pid, t)}
 
     def _save(self) -> None:
+        for pid in self._gone():  # a writer drops the processes that exited
+            self._started.pop(pid, None)
+            for procs in self._procs.values():
+                procs.pop(pid, None)
         if not self.state_file:
             return
         data: dict[str, Any] = {
@@ -335,10 +389,28 @@ class SimulatedBackend(DeviceBackend):
         devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self._devices.items() if d}
         if devices:
             data["devices"] = devices
+        if self._started:
+            data["started"] = {str(pid): t for pid, t in sorted(self._started.items())}
         # readable by all: servers of other users read the same GPUs
         write_atomically(self.state_file, json.dumps(data, indent=1), mode=0o644)
         st = os.stat(self.state_file)
         self._file_sig = (st.st_mtime_ns, st.st_size)
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (POSIX seconds), None when there is no such process: what
+    :meth:`SimulatedBackend.add_process` takes as ``started``."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()  # a zombie has exited
+    except (psutil.Error, OSError):
+        return None
+
+
+def _runs(pid: int, started: float) -> bool:
+    """Process ``pid`` runs and is the one that started at ``started`` (not a later one given its pid)."""
+    t = process_started(pid)
+    return t is not None and abs(t - started) < 1.0
 
 
 def _is_number(v: Any) -> bool:

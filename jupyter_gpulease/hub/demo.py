@@ -10,6 +10,7 @@ broker still runs (see :mod:`.lifecycle`), and makes sure no process it started 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import secrets
@@ -23,12 +24,34 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from jupyterhub.auth import Authenticator
+from traitlets import Unicode
+
 DEFAULT_STATE_DIR = "demo-state"
 DEFAULT_PASSWORD = "gpulease"
-#: The demo's idle reclaim, short enough to see the whole cycle in minutes: a kernel whose GPU sits
-#: idle is warned after IDLE_WARN_S and suspended (an unused lease goes back) after IDLE_RECLAIM_S.
-IDLE_RECLAIM_S = 60
-IDLE_WARN_S = 30
+#: The demo's idle reclaim, short enough to see the whole cycle in minutes and long enough to follow
+#: it at a reader's pace: a kernel whose GPU sits idle is warned after IDLE_WARN_S and suspended
+#: after IDLE_RECLAIM_S; a lease no kernel uses goes back after UNUSED_LEASE_S (time to open a
+#: notebook and write a first cell, or to read on while holding a GPU).
+IDLE_RECLAIM_S = 120
+IDLE_WARN_S = 60
+UNUSED_LEASE_S = 300
+
+
+class DemoAuthenticator(Authenticator):
+    """The demo's login: any user name with the one shared password, admins included (config:
+    ``c.JupyterHub.authenticator_class = "jupyter_gpulease.hub.demo.DemoAuthenticator"``).
+
+    What ``DummyAuthenticator.password`` did before JupyterHub 5.3 deprecated it; JupyterHub's
+    ``SharedPasswordAuthenticator`` would need a second, 32-character password for the admin."""
+
+    password = Unicode("", help="""The password every user logs in with; empty: nobody can log in.""").tag(config=True)
+
+    async def authenticate(self, handler, data):
+        password = str((data or {}).get("password") or "")
+        if self.password and hmac.compare_digest(password.encode(), self.password.encode()):
+            return data["username"]
+        return None
 
 
 def find_config_dir() -> Path | None:
@@ -274,8 +297,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="GPUs of the pool: auto (NVML when it finds GPUs, else 4 simulated GPUs), simulated, nvml, static")
     p.add_argument("--config-dir", default=None, help="folder with jupyterhub_config.py and gpulease_config.py (default: the examples in config/)")
     p.add_argument("--idle-timeout", type=_positive_int, default=IDLE_RECLAIM_S,
-                   help=f"seconds a kernel's GPU may sit idle before it is suspended (warned at half of it; an unused "
-                        f"lease goes back after it too; default: {IDLE_RECLAIM_S}, to see the cycle in minutes)")
+                   help=f"seconds a kernel's GPU may sit idle before it is suspended (warned at half of it; "
+                        f"default: {IDLE_RECLAIM_S}, to see the cycle in minutes)")
+    p.add_argument("--unused-timeout", type=_positive_int, default=None,
+                   help=f"seconds a lease no kernel uses may sit unused before it goes back (default: {UNUSED_LEASE_S}, "
+                        "or the idle timeout when that is longer)")
     p.add_argument("--fresh", action="store_true", help="delete the state folder first (users, leases, logs)")
     return p.parse_args(argv)
 
@@ -293,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     config_dir, chp, port = checked
     backend, why = choose_backend(args.device_backend)
 
+    if backend == "simulated":
+        forget_last_run(state)
     env = _hub_env(args, state, port, chp, backend)
     env["GPULEASE_BROKER_CONFIG"] = str(write_broker_config(state, config_dir, backend))
     # the hub's own command-line entry in this Python's environment
@@ -368,6 +396,7 @@ def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, 
     """The hub's environment: the demo's ports, tokens, device backend and idle timeouts for its config."""
     env = dict(os.environ)
     env.pop("JUPYTERHUB_API_TOKEN", None)
+    env["PATH"] = path_with(Path(sys.executable).parent, env.get("PATH", ""))
     env.update(
         GPULEASE_DEMO_DIR=str(state),
         GPULEASE_DEMO_PORT=str(port),
@@ -381,9 +410,36 @@ def _hub_env(args, state: Path, port: int, chp: str, backend: str) -> dict[str, 
         CONFIGPROXY_AUTH_TOKEN=_token(state / "proxy-token"),
         GPULEASE_DEMO_ADMIN_TOKEN=_token(state / "demo-token"),
         GPULEASE_DEMO_IDLE_TIMEOUT=str(args.idle_timeout),
+        GPULEASE_DEMO_UNUSED_TIMEOUT=str(unused_timeout(args)),
         GPULEASE_DEMO_IDLE_WARN_BEFORE=str(args.idle_timeout - args.idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S),
     )
     return env
+
+
+def forget_last_run(state: Path) -> list[int]:
+    """The simulated GPUs as a new run finds them: the kernels of the last run stopped with it, so
+    their processes (and what the simulated cuda-checkpoint kept of them) are taken off the GPUs;
+    the pids taken off. Without this, an idle GPU would show a stopped kernel's memory as used."""
+    from ..devices.simulated import SimulatedBackend
+
+    state_file = state / "sim-gpus.json"
+    if not state_file.exists():
+        return []
+    gone = SimulatedBackend({"state_file": str(state_file)}).forget_dead_processes(untimed=True)
+    Path(str(state_file) + ".checkpoints.json").unlink(missing_ok=True)
+    return gone
+
+
+def path_with(bin_dir: Path, path: str) -> str:
+    """``path`` with ``bin_dir`` first: the hub, its servers and their kernels find this Python's
+    commands (``jupyter``, ``jupyter-gpulease``) though the virtual environment is not activated."""
+    rest = [p for p in path.split(os.pathsep) if p and p != str(bin_dir)]
+    return os.pathsep.join([str(bin_dir), *rest])
+
+
+def unused_timeout(args: argparse.Namespace) -> int:
+    """Seconds an unused lease stays: ``--unused-timeout``, else UNUSED_LEASE_S or the idle timeout if longer."""
+    return args.unused_timeout or max(UNUSED_LEASE_S, args.idle_timeout)
 
 
 def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: Path, log_path: Path, backend: str,
@@ -405,8 +461,8 @@ def _run_hub(hub: subprocess.Popen, env: dict[str, str], args, url: str, state: 
         time.sleep(0.3)
     else:
         _, pool = _get(f"http://127.0.0.1:{env['GPULEASE_DEMO_BROKER_PORT']}/services/gpulease/api/pool", env["GPULEASE_HUB_TOKEN"])
-        print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout),
-              flush=True)
+        print(_banner(url, args.password, state, log_path, describe_pool(pool), backend, idle_timeout=args.idle_timeout,
+                      unused_timeout=unused_timeout(args)), flush=True)
     while not stop_requested() and rc == 0:
         if hub.poll() is not None:
             print(f"JupyterHub exited with status {hub.returncode}; see {log_path}", file=sys.stderr)
@@ -441,7 +497,9 @@ def write_broker_config(state: Path, config_dir: Path, backend: str) -> Path:
 
 
 def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: list[str] = (), backend: str = "", *,
-            idle_timeout: int = IDLE_RECLAIM_S) -> str:
+            idle_timeout: int = IDLE_RECLAIM_S, unused_timeout: int = UNUSED_LEASE_S) -> str:
+    from ..core.text import format_duration
+
     warn = idle_timeout * IDLE_WARN_S // IDLE_RECLAIM_S
     gpus = []
     if pool_lines:
@@ -457,7 +515,7 @@ def _banner(url: str, password: str, state: Path, log_path: Path, pool_lines: li
         f"  Idle reclaim{' is short in the demo' if idle_timeout <= 600 else ''}: a kernel whose GPU sits idle is warned "
         f"after {warn} s and suspended after {idle_timeout} s",
         "  (its variables stay; its next cell gets a GPU back); a lease no kernel uses goes back after "
-        f"{idle_timeout} s.",
+        f"{format_duration(unused_timeout)} (the next cell asks for one again).",
         *(["  In a notebook, make simulated GPU work with:",
            "      from jupyter_gpulease.sim.gpu import use_gpu; use_gpu(util=80, memory_gb=6, seconds=20)"]
           if backend == "simulated" else []),

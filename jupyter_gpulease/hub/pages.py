@@ -23,7 +23,7 @@ from ..core.lease import LeaseState, LeaseView
 from ..core.text import format_duration, format_time_left
 from ..core.words import NEXT_STEP, NEXT_STEP_DEFAULT, end_words, holding_words, request_words
 
-__all__ = ["NEXT_STEP", "TEMPLATE_PATH", "end_words", "holding_words", "lease_status", "leases_page"]
+__all__ = ["NEXT_STEP", "TEMPLATE_PATH", "end_words", "holding_words", "lease_status", "leases_page", "server_lease"]
 
 TEMPLATE_PATH = str(Path(__file__).resolve().parent / "templates")
 
@@ -45,6 +45,15 @@ def leases_page(broker_url: str) -> str:
     return path if path.startswith("/services/") else ""
 
 
+def server_lease(leases: list[dict], server: str) -> dict | None:
+    """Of a user's live leases (the broker's list), the one server ``server`` took itself (``%gpu
+    request`` in it: ``meta.taken_by == "server"``), active first; None when it took none."""
+    mine = [d for d in leases or [] if (d.get("server") or "") == (server or "") and (d.get("meta") or {}).get("taken_by") == "server"
+            and d.get("state") in (LeaseState.ACTIVE.value, LeaseState.QUEUED.value)]
+    mine.sort(key=lambda d: d.get("state") != LeaseState.ACTIVE.value)
+    return mine[0] if mine else None
+
+
 def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bool, server_ready: bool, cpu_only: bool,
                  broker_url: str = "", warning: dict | None = None, now: float | None = None,
                  server_stopping: bool = False) -> dict[str, Any]:
@@ -52,7 +61,7 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
 
     ``lease``: the broker's JSON of the server's current lease (None: none); ``last_end``: the
     lease JSON of the last lease that ended without the user ending it (the spawner remembers
-    it). Returns ``{"kind": "active"|"queued"|"cpu"|"ended"|"none", "headline", "lines",
+    it). Returns ``{"kind": "active"|"queued"|"cpu"|"stopping"|"ended"|"none", "headline", "lines",
     "expires_at", "time_left", "until", "next_step", "leases_url", "lease_id"}``.
     """
     now = time.time() if now is None else now
@@ -96,6 +105,8 @@ def lease_status(*, lease: dict | None, last_end: dict | None, server_active: bo
                    headline=f"Your GPU lease ({held}) ended{when}" if held else f"Your GPU lease ended{when}",
                    lines=[end_words(ended), server], next_step=NEXT_STEP.get(ended.state, NEXT_STEP_DEFAULT))
         return out
-    if server_active and (cpu_only or not lease):
+    if server_active and server_stopping:
+        out.update(kind="stopping", headline="Your server is being stopped")
+    elif server_active and (cpu_only or not lease):
         out.update(kind="cpu", headline="Your server runs without a GPU" if server_ready else "Your server is starting without a GPU")
     return out

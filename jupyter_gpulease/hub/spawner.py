@@ -206,12 +206,18 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
                     lease = self.lease = await self.broker.get_lease(self.lease_id)
             except (TimeoutError, BrokerError) as e:
                 self.log.debug("Lease %s of %s for the home page: %s", self.lease_id, self._log_name, e)
+        elif self.active and self.broker_url:  # a lease the server took itself (%gpu request in it): only the broker knows it
+            try:
+                async with asyncio.timeout(3):
+                    lease = pages.server_lease(await self.broker.list_leases(user=self.user.name), self.name)
+            except (TimeoutError, BrokerError) as e:
+                self.log.debug("Leases of %s for the home page: %s", self._log_name, e)
         last_end = self.last_lease_end or None
         if not last_end and not self.lease_id and (self.lease or {}).get("state") not in (None, "active", "queued"):
             last_end = self.lease  # the ended lease poll() found
         stopping = bool(self._stopping or self._stop_pending)
         return pages.lease_status(lease=lease, last_end=last_end, server_active=self.active, server_ready=self.ready,
-                                  cpu_only=not self.lease_id, broker_url=self.broker_url, warning=self.last_warning,
+                                  cpu_only=not (self.lease_id or lease), broker_url=self.broker_url, warning=self.last_warning,
                                   server_stopping=stopping)
 
     def lease_choice(self, user_options: dict | None, pool: dict | None = None) -> LeaseChoice:

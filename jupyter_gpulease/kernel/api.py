@@ -57,6 +57,10 @@ class ServerLease:
     def release(self, reason: str = "released from the notebook", *, force: bool = False) -> dict[str, Any]:
         return self.api.post("lease/release", {"reason": reason, "force": force})
 
+    def kernel_sees(self, kernel_id: str, devices: str) -> dict[str, Any]:
+        """Tell the server which devices this kernel uses now (its CUDA_VISIBLE_DEVICES, "" for none)."""
+        return self.api.post(f"kernels/{kernel_id}/devices", {"cuda_visible_devices": devices})
+
     def queue(self) -> list[dict[str, Any]]:
         d = self.api.get("queue")
         return d.get("queue", d) if isinstance(d, dict) else d
@@ -124,6 +128,9 @@ class BrokerLease:
 
     def release(self, reason: str = "released from IPython", *, force: bool = False) -> dict[str, Any]:
         return self._call("release", self._lease_id(), reason)
+
+    def kernel_sees(self, kernel_id: str, devices: str) -> dict[str, Any]:
+        return {}  # no server follows this kernel's devices
 
     def queue(self) -> list[dict[str, Any]]:
         return self._call("queue")

@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "request": ("[--gpus N | --share F | --mig PROFILE] [--model M] [--tier T] [--for 2h] [--wait]",
                 "ask for a lease for this server; --wait waits until it is granted (Ctrl-C/interrupt withdraws)"),
     "extend": ("DURATION", "ask for more time, e.g. %gpu extend 30m"),
-    "keep": ("DURATION", "keep the GPU although it sits idle (no idle reclaim) for a while, e.g. %gpu keep 1h"),
+    "keep": ("DURATION | off", "keep the GPU although it sits idle (no idle reclaim) for a while, e.g. %gpu keep 1h; off ends a keep"),
     "resume": ("", "bring a suspended or reclaimed kernel back onto a GPU now"),
     "release": ("[--force]", "give the GPU back now (a queued request is withdrawn); --force even while kernels hold GPU memory"),
     "queue": ("", "the queue: positions, ETAs, who waits for what"),
@@ -189,10 +189,12 @@ def parse(line: str) -> Command:
             raise UsageError(f"say for how long, e.g. %gpu {name} {'30m' if name == 'extend' else '1h'}", u)
         if len(rest) > 1:
             raise UsageError(f"one duration only, got {' '.join(rest)!r}", u)
+        if name == "keep" and rest[0].lower() == "off":
+            return Command("keep", duration_s=0.0)  # ends the keep in force
         try:
             return Command(name, duration_s=_duration(rest[0]))
         except argparse.ArgumentTypeError as e:
-            raise UsageError(str(e), u) from None
+            raise UsageError(str(e) + ("; %gpu keep off ends a keep" if name == "keep" else ""), u) from None
     if name == "release" and rest == ["--force"]:
         return Command("release", force=True)
     if rest:

@@ -17,7 +17,7 @@ from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from ..core.lease import LeaseState, LeaseView, lease_environment
+from ..core.lease import LeaseState, LeaseView, cpu_only_environment, lease_environment
 from ..core.text import format_duration
 from . import args as gpu_args
 from . import text
@@ -127,6 +127,9 @@ class GPUMagics(Magics):
         elif cmd.name == "extend":
             lease = _lease_of(api.extend(cmd.duration_s))
             self._out(f"extended by {format_duration(cmd.duration_s)}: " + text.lease_line(lease, self._now()) if lease else "extended")
+        elif cmd.name == "keep" and not cmd.duration_s:
+            api.keep(0)
+            self._out("keep ended: idle reclaim watches this server's GPU again, from each kernel's own idle deadline")
         elif cmd.name == "keep":
             if self._nothing_to_keep(api):
                 return None
@@ -153,13 +156,30 @@ class GPUMagics(Magics):
             if lease and lease.get("state") == LeaseState.WITHDRAWN:
                 self._out(f"withdrawn: lease {text.short_id(lease['id'])} no longer waits")
             else:
-                self._out((f"released lease {text.short_id(lease['id'])}: " if lease else "released: ") + "the GPU went back to the pool."
-                          + "\nRunning kernels keep their memory of the GPU until restarted; new kernels start without one.")
+                self._out((f"released lease {text.short_id(lease['id'])}: " if lease else "released: ") + "the GPU went back to the pool.\n"
+                          + self._drop_devices(api))
         elif cmd.name == "queue":
             self._out(text.queue_text(api.queue(), self._now()))
         elif cmd.name == "pool":
             self._out(text.pool_text(api.pool()))
         return None
+
+    def _sees(self, api, devices: str) -> None:
+        """Tell the server which devices this kernel uses now: its environment at start no longer says."""
+        kid = this_kernel_id()
+        if kid and api is not None:
+            try:
+                api.kernel_sees(kid, devices)
+            except ServerError as e:
+                log.debug("gpulease: telling the server this kernel's devices failed: %s", e.message)
+
+    def _drop_devices(self, api) -> str:
+        """After a release: this kernel stops seeing the GPU where it never started CUDA on it."""
+        if os.environ.get("CUDA_VISIBLE_DEVICES") and not cuda_initialised():
+            os.environ.update(cpu_only_environment(broker_url=os.environ.get("GPULEASE_BROKER_URL", "")))
+            self._sees(api, "")
+            return "This kernel runs without a GPU from now on; other running kernels keep the GPU in sight until restarted."
+        return "Running kernels keep their memory of the GPU until restarted; new kernels start without one."
 
     def _nothing_to_keep(self, api) -> bool:
         """Say so when there is no granted GPU to keep (idle reclaim only watches a granted one)."""
@@ -194,7 +214,7 @@ class GPUMagics(Magics):
             if lease is None:
                 return None
         if lease["state"] == LeaseState.ACTIVE:
-            self._granted(lease)
+            self._granted(lease, api)
         else:
             self._out(text.lease_line(lease, self._now()))
         return lease
@@ -236,7 +256,7 @@ class GPUMagics(Magics):
                 self._err(f"interrupted, but withdrawing lease {text.short_id(lid)} failed: {e.message}; run %gpu release")
             return None
 
-    def _granted(self, lease: dict[str, Any]) -> None:
+    def _granted(self, lease: dict[str, Any], api=None) -> None:
         self._out("granted: " + text.lease_line(lease, self._now()))
         view = LeaseView.from_json(lease)
         if not view.slices:
@@ -247,6 +267,7 @@ class GPUMagics(Magics):
             self._out("This kernel started CUDA before the grant: restart it to use the GPU (new kernels get it by themselves).")
         else:
             os.environ.update(env)
+            self._sees(api, env["CUDA_VISIBLE_DEVICES"])
             self._out(f"This kernel uses it from now on (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}).")
 
     # ------------------------------------------------------------------ watch

@@ -8,6 +8,11 @@ When it is there, the hook asks the server to resume this kernel and blocks the 
 GPU is back, showing where it waits (one line, updated in place); then the cell runs, with its
 variables as they were.
 
+A kernel whose server's lease went back unused is *parked* the same way (the file says
+``"parked": true``): nothing of it was put aside, so once the server holds a GPU again the hook
+gives this process the new lease's environment (``CUDA_VISIBLE_DEVICES`` and the rest, as
+``%gpu request`` does, unless CUDA started here already) and tells the server; then the cell runs.
+
 Cells that only talk to the server (`%gpu status`, `%gpu resume`, …) do not wait. An interrupt
 (Ctrl-C, the stop button) stops the waiting: the cell then runs and its CUDA calls wait for the
 restore, which goes on in the server.
@@ -15,6 +20,7 @@ restore, which goes on in the server.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -36,19 +42,54 @@ def talks_to_server_only(cell: str) -> bool:
     return bool(lines) and all(ln == "%gpu" or ln.startswith("%gpu ") for ln in lines)
 
 
-def waiting_words(kernel: dict[str, Any], now: float) -> str:
-    """What the waiting cell shows: the queue position and ETA, or the restore."""
+def waiting_words(kernel: dict[str, Any], now: float, *, parked: bool = False) -> str:
+    """What the waiting cell shows: the queue position and ETA (and a sooner start), or the restore."""
     from ..core.text import format_duration
+    from ..core.words import sooner_words
 
+    head = "GPU given back while unused" if parked else "GPU suspended"
     r = kernel.get("resume") or {}
     if r.get("stage") == "restoring":
-        return "GPU suspended: restoring this kernel's GPU memory…"
+        return f"{head}: restoring this kernel's GPU memory…"
     pos = r.get("position")
     if pos is not None:
         eta = r.get("eta")
         when = f", expected in about {format_duration(max(0.0, float(eta) - now))}" if eta else ""
-        return f"GPU suspended: waiting for a GPU, number {pos} in the queue{when}…"
-    return "GPU suspended: asking for a GPU for this kernel…"
+        when += sooner_words(r, now, long=False)
+        return f"{head}: waiting for a GPU, number {pos} in the queue{when}…"
+    return f"{head}: asking for a GPU for this kernel…"
+
+
+def marker_says_parked(marker: str) -> bool:
+    """Whether the suspended marker says the kernel is parked (nothing of it was put aside)."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            return bool(json.load(f).get("parked"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def adopt_lease(api, status: dict[str, Any], kernel_id: str) -> str:
+    """A parked kernel's process takes the active lease's environment (as `%gpu request` does) and
+    tells the server; what the cell shows about it ("" when there is nothing to take)."""
+    from ..core.lease import LeaseView, lease_environment
+    from .endpoint import ServerError
+    from .magics import cuda_initialised
+
+    lease = LeaseView.maybe(status.get("lease"))
+    if lease is None or not lease.active or not lease.slices:
+        return ""
+    env = lease_environment(lease, broker_url=os.environ.get("GPULEASE_BROKER_URL", ""))
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == env["CUDA_VISIBLE_DEVICES"]:
+        return ""
+    if cuda_initialised():
+        return "this kernel started CUDA before: restart it to use the GPU"
+    os.environ.update(env)
+    try:
+        api.kernel_sees(kernel_id, env["CUDA_VISIBLE_DEVICES"])
+    except ServerError:
+        pass  # the server says this kernel's devices are stale until it hears; the kernel uses them all the same
+    return f"this kernel uses {env['CUDA_VISIBLE_DEVICES']} from now on"
 
 
 class ResumeHook:
@@ -82,6 +123,7 @@ class ResumeHook:
         from .api import ServerLease, connect
         from .endpoint import NoServer, ServerError
 
+        parked = marker_says_parked(self.marker)
         try:
             api = (self._connect or connect)()
         except NoServer:
@@ -108,7 +150,7 @@ class ResumeHook:
                 state = (k or {}).get("state") or "gone"
                 if state not in ("suspended", "resuming"):
                     break
-                words = waiting_words(k, self._clock())
+                words = waiting_words(k, self._clock(), parked=parked)
                 if words != last:
                     # one line, rewritten in place (the notebook and a terminal both honour \r)
                     self._write("\r" + words.ljust(len(last)))
@@ -119,7 +161,11 @@ class ResumeHook:
             return "interrupted"
         from ..core.text import format_duration
 
-        if state == "ok" and not (k or {}).get("message"):
+        if state == "ok" and parked and not (k or {}).get("message"):
+            took = adopt_lease(api, st, self.kernel_id) or "this kernel has a GPU again"
+            self._write(("\r" if last else "") + f"GPU back after {format_duration(self._clock() - t0)}: "
+                        f"{took}; the cell runs now.".ljust(len(last)) + "\n")
+        elif state == "ok" and not (k or {}).get("message"):
             self._write(("\r" if last else "") + f"GPU back after {format_duration(self._clock() - t0)}: "
                         "this kernel was restored with its variables; the cell runs now.".ljust(len(last)) + "\n")
         else:
@@ -172,8 +218,10 @@ def status_lines(status: dict[str, Any], now: float, kernel_id: str | None = Non
     if lease.get("state") != "active" or not r:
         return out
     keep = r.get("keep_until")
-    if keep and float(keep) > now:
-        out.append(f"kept: idle reclaim leaves this server's GPU alone until {_clock(keep)} (in {format_duration(float(keep) - now)})")
+    kept = bool(keep and float(keep) > now)
+    if kept:
+        out.append(f"kept: idle reclaim leaves this server's GPU alone until {_clock(keep)} (in {format_duration(float(keep) - now)}); "
+                   "%gpu keep off ends the keep")
     if not r.get("enabled"):
         out.append("idle reclaim: off on this server")
         return out
@@ -191,7 +239,7 @@ def status_lines(status: dict[str, Any], now: float, kernel_id: str | None = Non
     at = r.get("lease_reclaim_at")
     if at:
         out.append(f"idle reclaim: the GPU lease goes back at {_clock(at)} (in {format_duration(max(0.0, float(at) - now))}) "
-                   "if no kernel uses it by then; %gpu keep 1h postpones it")
+                   "if no kernel uses it by then" + ("" if kept else "; %gpu keep 1h postpones it"))
     elif r.get("timeout_s"):
         out.append(f"idle reclaim: after {format_duration(float(r['timeout_s']))} without GPU use")
     return out

@@ -12,7 +12,7 @@ from typing import Any
 from ..core.lease import KernelState, LeaseView
 from ..core.lease import current_warnings as _current_warnings
 from ..core.text import format_duration, format_gpus, format_table, usage_words
-from ..core.words import SUSPENDED_WORDS, lease_line, queue_words, sooner_words
+from ..core.words import SUSPENDED_WORDS, hhmm, lease_line, queue_words, sooner_words
 from ..core.words import request_words as describe_request
 
 
@@ -76,10 +76,13 @@ def kernel_row(k: dict[str, Any], kernel_id: str | None) -> list[str]:
         state = k.get("execution_state") or "-"
         if idle.get("idle_s") is not None:
             state = f"GPU idle {format_duration(float(idle['idle_s']))}"
-        if idle.get("reclaim_at"):
-            state += " (reclaim coming)"
+        if idle.get("kept_until"):
+            state += f" (kept until {hhmm(float(idle['kept_until']))})"
+        elif idle.get("reclaim_at"):
+            state += f" (reclaim at {hhmm(float(idle['reclaim_at']))})"
     if k.get("env_stale"):
-        state += "; restart to see the new GPU"
+        # the server's words for what this kernel sees (servers before them: the one case they knew)
+        state += "; " + (k.get("sight") or "restart to see the new GPU")
     return [f"{kid[:8]} {k.get('name') or ''}".rstrip() + me, _mib(gpu.get("memory_mib")), _pct(gpu.get("sm_util_pct")), state]
 
 

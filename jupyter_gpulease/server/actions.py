@@ -66,6 +66,11 @@ class ReclaimActions(LoggingConfigurable):
         4 * 3600.0, min=0.0, help="""Longest a user may postpone reclaim ("keep" the idle GPU), seconds past each idle deadline;
         0: users may not postpone. Example: 14400 (4 h).""",
     ).tag(config=True)
+    unused_lease_timeout = Float(
+        0.0, min=0.0, help="""Seconds a GPU lease may sit unused (no kernel holds memory on it, none computed) before it goes
+        back to the pool; 0: the kernels' idle timeout (``GPUIdleRule``). Longer gives a person time to open a notebook and
+        write the first cell after the server started. Example: 600.""",
+    ).tag(config=True)
     share_grace = Float(
         60.0, min=0.0, help="""Seconds a process may stay over its share's memory after the warning before it is acted on.""",
     ).tag(config=True)
@@ -112,6 +117,11 @@ class ReclaimActions(LoggingConfigurable):
     def timeout(self) -> float | None:
         return self.idle.timeout(self.effective_action())
 
+    def lease_timeout(self) -> float | None:
+        """How long the lease may sit unused (None: idle reclaim is off)."""
+        timeout = self.timeout()
+        return None if timeout is None else (self.unused_lease_timeout or timeout)
+
     def action_words(self, rec: KernelRecord | None = None) -> str:
         return ACTION_WORDS[self.effective_action(rec)]
 
@@ -120,7 +130,7 @@ class ReclaimActions(LoggingConfigurable):
         if not self.keeper.active or self.returning:
             return None
         timeout = self.timeout()
-        at = self.tracker.lease_deadline(timeout)
+        at = self.tracker.lease_deadline(self.lease_timeout())
         if at is None and timeout is not None:
             # kernels hold the GPU: when each is reclaimed (an action that frees it), the lease goes back right after
             holders = [kid for kid, k in self.tracker.kernels.items() if k.holds_gpu]
@@ -129,8 +139,12 @@ class ReclaimActions(LoggingConfigurable):
                 at = max(deadlines)
         return None if at is None else round(at, 1)
 
-    def keep(self, for_s: float) -> float:
-        """Postpone idle reclaim by ``for_s``; the time it is postponed until."""
+    def keep(self, for_s: float) -> float | None:
+        """Postpone idle reclaim by ``for_s``; the time it is postponed until. 0 ends the keep in
+        force (None): each kernel's idle deadline is its own again."""
+        if for_s <= 0:
+            self.tracker.end_keep()
+            return None
         if for_s > self.max_keep:
             raise BrokerError(400, f"a keep of {fmt_duration(for_s)} is longer than this server allows: "
                               f"it keeps an idle GPU for at most {fmt_duration(self.max_keep)}", "for_s")
@@ -141,7 +155,7 @@ class ReclaimActions(LoggingConfigurable):
         """Warn and act on what is due now."""
         timeout = self.timeout()
         # samples drift by milliseconds: a deadline that falls on a sample is due at that sample, not the next
-        for d in self.tracker.plan(now + 0.05 * sample_interval, timeout, lease_active=True):
+        for d in self.tracker.plan(now + 0.05 * sample_interval, timeout, lease_active=True, lease_timeout_s=self.lease_timeout()):
             self.decide(d, now)
 
     def decide(self, d: Decision, now: float) -> None:
@@ -150,7 +164,7 @@ class ReclaimActions(LoggingConfigurable):
             rec = self.kernels.get(d.kernel_id)
             self.announce.warn(WarningKind.RECLAIM, f"Kernel {kernel_label(rec)} has not used its GPU for {fmt_duration(d.idle_s)}: "
                                f"{self.action_words(rec)} in {fmt_duration(d.deadline - now)} unless it computes again (or you keep the GPU).",
-                               deadline=d.deadline, kernel_id=d.kernel_id, action=action)
+                               deadline=d.deadline, kernel_id=d.kernel_id, action=action, reclaim_action=self.effective_action(rec))
         elif d.kind == "act":
             rec = self.kernels.get(d.kernel_id)
             if rec is not None and rec.state == OK:
@@ -304,7 +318,7 @@ class ReclaimActions(LoggingConfigurable):
         self.announce.publish("lease", {"event": "reclaimed", "lease": lease_json(self.keeper.ended, self.clock()),
                                         "message": f"The GPU lease went back to the pool ({reason}). "
                                         + ("The server stops now." if stop else "This server keeps running without a GPU; "
-                                           "your next GPU cell asks for one again.")})
+                                           "the next cell you run asks for one again.")})
         if stop and self.stop_server is not None:
             self.stop_server()
 

@@ -56,6 +56,6 @@ class Announcer:
         data = {"kernel_id": rec.id, "stage": stage, "message": message, **_present(extra)}
         before = self.resume
         self.resume = data if stage in ("waiting", "restoring") else None
-        if quiet and before and before.get("position") == data.get("position") and before.get("stage") == stage:
+        if quiet and before and all(before.get(k) == data.get(k) for k in ("position", "stage", "may_start_sooner_at")):
             return  # nothing new to say: only the status changes
         self.feed.publish("resume", data)

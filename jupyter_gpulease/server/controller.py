@@ -148,6 +148,8 @@ class GPUController(LoggingConfigurable):
             self.actions.plan(now, self.sample_interval)
             self.actions.check_shares(snap, now)
         self.warnings.check(now)
+        if not self.actions.returning:
+            self.resumer.park(now)
         self.resumer.check(now)
         if self.announce.notice_of(NoticeKind.ENV_STALE):
             self.env_notice()  # a stale kernel restarted or went away: say so
@@ -244,8 +246,12 @@ class GPUController(LoggingConfigurable):
                                     "message": "The GPU lease was given back; this server keeps running without a GPU."})
         return got
 
-    def keep(self, for_s: float) -> float:
+    def keep(self, for_s: float) -> float | None:
+        """Postpone idle reclaim by ``for_s`` seconds (0: end the keep in force); when it is postponed until."""
         until = self.actions.keep(for_s)
+        if until is None:
+            self.feed.publish("notice", {"kind": NoticeKind.KEEP, "message": "Idle reclaim is no longer postponed.", "until": None})
+            return None
         self.feed.publish("notice", {"kind": NoticeKind.KEEP, "message": f"Idle reclaim postponed until {views.clock_words(until)} "
                                      f"(at most {format_duration(self.actions.max_keep)} past each kernel's idle deadline).",
                                      "until": until})
@@ -254,6 +260,13 @@ class GPUController(LoggingConfigurable):
     @property
     def max_keep_s(self) -> float:
         return self.actions.max_keep
+
+    def kernel_sees(self, kernel_id: str, devices: str) -> None:
+        """A kernel says which devices it uses now (``CUDA_VISIBLE_DEVICES``; "" for none): it took
+        a lease's environment itself (``%gpu request``) or dropped it (``%gpu release``), which its
+        process environment at start no longer shows. KeyError for a kernel this server does not run."""
+        self.kernels[kernel_id].env_devices = devices
+        self.env_notice()
 
     async def resume_now(self, kernel_id: str | None = None) -> list[str]:
         return await self.resumer.resume_now(kernel_id)
@@ -275,10 +288,11 @@ class GPUController(LoggingConfigurable):
         devices = [views.device_json(uuid, s, snap, self.monitor.device_history(uuid, history_s) if history else None)
                    for uuid, s in (snap.devices.items() if snap is not None else ())]
         devs = self.kernel_env.devices
+        keep_until = self.tracker.keep_until if (self.tracker.keep_until or 0) > now else None
         kernels = [views.kernel_json(
             rec, now=now, idle=self.tracker.kernels.get(rec.id),
-            reclaim_at=self.tracker.kernel_deadline(rec.id, timeout) if self.keeper.active else None,
-            env=self.kernels.env_of(rec), stale=self.kernel_env.stale(rec, self.kernels.env_of(rec), devs), resume=self.announce.resume,
+            reclaim_at=self.tracker.kernel_deadline(rec.id, timeout) if self.keeper.active else None, kept_until=keep_until,
+            env=self.kernels.env_of(rec), sight=self.kernel_env.sight(rec, self.kernels.env_of(rec), devs), resume=self.announce.resume,
             history=self.monitor.kernel_history_of(rec.id, history_s) if history else None) for rec in self.kernels]
         standing = views.standing_warnings([e.to_dict() for e in self.feed.recent(("warning",), 50)], now=now, tracker=self.tracker,
                                            kernels=self.kernels.records, lease_active=self.keeper.active is not None)
@@ -321,6 +335,7 @@ class GPUController(LoggingConfigurable):
             "reclaim_busy": a.reclaim_busy,
             "timeout_s": timeout,
             "timeout_rule": self.idle.describe(a.effective_action()),
+            "unused_lease_timeout_s": a.lease_timeout(),
             "warn_before_s": a.warn_before,
             "keep_until": keep_until if keep_until and keep_until > now else None,
             "max_keep_s": a.max_keep,

@@ -213,9 +213,11 @@ class KeepHandler(GPULeaseAPIHandler):
     async def post(self):
         body = self.json_body()
         _unknown(body, {"for_s"})
-        for_s = _number(body, "for_s")
+        for_s = _number(body, "for_s", positive=False)
         if for_s is None:
-            raise _Refusal(400, "'for_s' is required: how many seconds to keep the GPU although it is idle", "for_s")
+            raise _Refusal(400, "'for_s' is required: how many seconds to keep the GPU although it is idle (0 ends a keep)", "for_s")
+        if for_s < 0:
+            raise _Refusal(400, f"'for_s' must be 0 (end the keep) or more, got {body['for_s']!r}", "for_s")
         try:
             until = self.controller.keep(for_s)
         except BrokerError as e:
@@ -245,6 +247,23 @@ class ResumeHandler(GPULeaseAPIHandler):
         self.write_json({"resuming": started, "lease": None}, 202 if started else 200)
 
 
+class KernelDevicesHandler(GPULeaseAPIHandler):
+    """A kernel says which devices it uses now (it took a lease's environment, or dropped it)."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id):
+        body = self.json_body()
+        _unknown(body, {"cuda_visible_devices"})
+        devices = body.get("cuda_visible_devices")
+        if not isinstance(devices, str) or len(devices) > 4096:
+            raise _Refusal(400, "'cuda_visible_devices' must be the kernel's CUDA_VISIBLE_DEVICES (\"\" for none)", "cuda_visible_devices")
+        if kernel_id not in self.controller.kernels:
+            raise _Refusal(404, f"no kernel {kernel_id!r} on this server", "kernel_id")
+        self.controller.kernel_sees(kernel_id, devices)
+        self.write_json({"kernel_id": kernel_id, "cuda_visible_devices": devices})
+
+
 class BrokerReadHandler(GPULeaseAPIHandler):
     """Read-only views of the broker (pool, queue), with the server's token."""
 
@@ -270,5 +289,6 @@ def handlers(base: str = "gpulease") -> list[tuple]:
         (url_path_join(api, "lease", "(extend|release)"), LeaseActionHandler),
         (url_path_join(api, "keep"), KeepHandler),
         (url_path_join(api, "resume"), ResumeHandler),
+        (url_path_join(api, "kernels", r"([\w-]+)", "devices"), KernelDevicesHandler),
         (url_path_join(api, "(pool|queue)"), BrokerReadHandler),
     ]

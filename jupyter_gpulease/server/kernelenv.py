@@ -70,8 +70,20 @@ class KernelEnvironment(LoggingConfigurable):
     def stale(self, rec: KernelRecord, env_devices: str | None, devices: str | None = None) -> bool:
         """Whether a running kernel sees other devices than kernels started now (a suspended or
         resuming kernel gets the lease's devices by its restore: not stale)."""
+        return bool(self.sight(rec, env_devices, devices))
+
+    def sight(self, rec: KernelRecord, env_devices: str | None, devices: str | None = None) -> str:
+        """What a running kernel sees against what kernels started now get, in words; "" when it
+        sees the same (or it is not known, or its restore gives it the lease's devices). The one
+        place that says it: the status's kernels and ``%gpu status`` read it."""
         devices = self.devices if devices is None else devices
-        return env_devices is not None and rec.state not in (SUSPENDED, RESUMING) and env_devices != devices
+        if env_devices is None or rec.state in (SUSPENDED, RESUMING) or env_devices == devices:
+            return ""
+        if not devices:
+            return "still sees a GPU this server no longer leases: restart it to drop it"
+        if not env_devices:
+            return "started without a GPU: restart it to see the new GPU"
+        return "sees the GPU of an earlier lease: restart it to see the new GPU"
 
     def stale_kernels(self, kernels: Iterable[KernelRecord], env_of: Callable[[KernelRecord], str | None]) -> tuple[str, list[KernelRecord]]:
         devices = self.devices

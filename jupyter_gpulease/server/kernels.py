@@ -284,7 +284,8 @@ class KernelTable(LoggingConfigurable):
         try:
             if on:
                 with open(path, "w", encoding="utf-8") as f:
-                    json.dump({"kernel_id": rec.id, "at": self.clock()}, f)
+                    # parked: nothing was put aside, the kernel takes the new lease's environment itself
+                    json.dump({"kernel_id": rec.id, "at": self.clock(), "parked": bool((rec.suspended or {}).get("parked"))}, f)
             elif os.path.exists(path):
                 os.remove(path)
         except OSError as e:

@@ -9,7 +9,8 @@ For a kernel that holds GPU memory and stays GPU-idle, its *deadline* is the sta
 period plus the timeout; a ``keep`` postpones it, but never by more than ``max_keep_s``. A
 warning goes out ``warn_before_s`` ahead (at most half the timeout), then the kernel is acted on. When no kernel holds GPU
 memory, the lease itself has a deadline: the last time any kernel used the GPU (or the grant)
-plus the timeout; the lease goes back then — at once, after the last kernel's GPU was reclaimed.
+plus the unused lease's timeout (the kernels' unless set apart); the lease goes back then — at
+once, after the last kernel's GPU was reclaimed.
 """
 
 from __future__ import annotations
@@ -110,6 +111,13 @@ class ReclaimTracker:
         self.lease_warned_for = None
         return self.keep_until
 
+    def end_keep(self) -> None:
+        """No keep in force any more: the deadlines are the idle periods' own (warned again before)."""
+        self.keep_until = None
+        for k in self.kernels.values():
+            k.warned_for = None
+        self.lease_warned_for = None
+
     # ------------------------------------------------------------------ decisions
     def _postponed(self, base: float) -> float:
         if self.keep_until is not None and self.keep_until > base:
@@ -127,7 +135,9 @@ class ReclaimTracker:
             return None
         return self._postponed(self.gpu_used_at + timeout_s)
 
-    def plan(self, now: float, timeout_s: float | None, *, lease_active: bool) -> list[Decision]:
+    def plan(self, now: float, timeout_s: float | None, *, lease_active: bool, lease_timeout_s: float | None = None) -> list[Decision]:
+        """What is due at ``now``: kernels idle for ``timeout_s``, the lease unused for
+        ``lease_timeout_s`` (None: ``timeout_s``)."""
         out: list[Decision] = []
         if not lease_active or timeout_s is None:
             return out
@@ -145,7 +155,9 @@ class ReclaimTracker:
             elif now >= deadline - warn_s and k.warned_for != deadline:
                 k.warned_for = deadline
                 out.append(Decision("warn", deadline, idle_s, kid))
-        deadline = self.lease_deadline(timeout_s)
+        lease_timeout_s = timeout_s if lease_timeout_s is None else lease_timeout_s
+        warn_s = min(self.warn_before_s, lease_timeout_s / 2)
+        deadline = self.lease_deadline(lease_timeout_s)
         if deadline is not None:
             idle_s = now - (self.gpu_used_at or now)
             if now >= deadline:

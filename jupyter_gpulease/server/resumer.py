@@ -5,6 +5,13 @@ the broker for a lease of the same shape if the server holds none (its former GP
 or required when cuda-checkpoint cannot restore onto another GPU), reports queue position and
 ETA meanwhile, then restores the kernel's processes; a resume that cannot work restarts the
 kernel and says why.
+
+A server whose lease went back unused (reclaimed while no kernel held GPU memory) *parks* the
+kernels that saw its GPUs (:meth:`Resumer.park`): they are suspended with nothing to restore, so a cell that
+finds the lease gone waits for a GPU of the same shape, as a suspended kernel's cell does,
+instead of running without one; the kernel then takes the new lease's environment itself
+(``kernel/resume.py``). A parked kernel that cannot get a GPU runs on without one (no restart:
+there is nothing to lose).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ..tasks import BackgroundTasks
 from .announce import Announcer
 from .checkpoint import CheckpointError, CudaCheckpoint
 from .kernels import OK, RESUMING, SUSPENDED, KernelRecord, KernelTable
-from .lease import LeaseKeeper, same_shape_request
+from .lease import LeaseKeeper, lease_gpus, same_shape_request
 from .views import queue_words
 
 
@@ -51,6 +58,22 @@ class Resumer(LoggingConfigurable):
         self.sample_interval = sample_interval
         self.clock = clock
         self.stopping = stopping
+        self._given_up = ""  # the reclaimed lease whose kernels are no longer parked (a GPU could not be had)
+
+    def park(self, now: float) -> None:
+        """At each sample: while the server's last lease went back unused and no other is held or
+        asked for, its kernels that saw GPUs and hold no GPU memory wait for a GPU at their next cell (see the module)."""
+        former = self.keeper.ended or {}
+        if (not self.resume_on_execute or self.keeper.lease is not None or former.get("state") != "reclaimed"
+                or not former.get("request") or former.get("id") == self._given_up):
+            return
+        for rec in self.kernels:
+            # those that saw the lease's GPUs: a kernel started since runs without a GPU, as it was told
+            if rec.state == OK and not rec.working and not rec.holds_gpu and rec.pid and self.kernels.env_of(rec):
+                rec.state = SUSPENDED  # (its message, what reclaim did to it, stays: the notebook says it)
+                rec.suspended = {"pids": [], "devices": [], "gpus": lease_gpus(former), "memory_mib": None, "at": now, "lease": former,
+                                 "suspend_s": 0.0, "parked": True}
+                self.kernels.mark_suspended(rec, True)
 
     def check(self, now: float) -> None:
         """At each sample: resume the suspended kernels that started a cell."""
@@ -87,46 +110,58 @@ class Resumer(LoggingConfigurable):
             return False
         rec.state = RESUMING
         sus = rec.suspended
+        parked = bool(sus.get("parked"))
         t0 = self.clock()
         self.announce.resume_event(rec, "waiting", f"Kernel {rec.label} {why}: getting a GPU back for it.")
-        device_map_ok = await self.checkpoint.supports_device_map() if self.checkpoint else False
+        # a parked kernel has nothing to restore: any GPU of the same shape does
+        device_map_ok = parked or (await self.checkpoint.supports_device_map() if self.checkpoint else False)
         lease = self.keeper.active
         try:
             if lease is None:
                 lease = await self._lease_for(rec, sus, device_map_ok)
             if lease is None:
                 raise ResumeFailed("no GPU was granted")
-            mapping = device_map(sus["devices"], lease_devices(lease))
-            if mapping is None:
-                raise ResumeFailed("the new lease has fewer devices than the kernel used")
-            moved = {o: n for o, n in mapping.items() if o != n}
-            if moved and not device_map_ok:
-                raise ResumeFailed("the GPU granted is another one and this cuda-checkpoint cannot restore onto another GPU")
             waited = self.clock() - t0
-            self.announce.resume_event(rec, "restoring", f"Restoring kernel {rec.label} onto {', '.join(lease_devices(lease))}…",
-                                       waited_s=round(waited, 1))
-            t1 = time.monotonic()
-            await self.checkpoint.restore(sus["pids"], mapping if moved else None)
-            restore_s = time.monotonic() - t1
+            mapping, restore_s = ({}, 0.0) if parked else await self._restore(rec, sus, lease, device_map_ok, waited)
         except (CheckpointError, ResumeFailed, BrokerError) as e:
             return await self._failed(rec, str(getattr(e, "message", e)))
         rec.state, rec.suspended = OK, None
         rec.message = ""
         self.announce.resume = None
         self.kernels.mark_suspended(rec, False)
+        took = fmt_duration(self.clock() - t0)
+        if parked:  # the kernel takes the lease's environment at its cell (and says so): what it sees is its word
+            self.announce.resume_event(rec, "done", f"Kernel {rec.label} has a GPU again after {took} "
+                                       f"({', '.join(lease_devices(lease))}); the cell goes on.", waited_s=round(waited, 1))
+            return True
         # restored in place: the process uses the new lease's devices, whatever its environment said at start
         rec.env_devices = ",".join(mapping.get(d, d) for d in (rec.env_devices or ",".join(sus["devices"])).split(",") if d)
         note = getattr(self.checkpoint, "note", "")
-        self.announce.resume_event(rec, "done", f"Kernel {rec.label} has its GPU back after {fmt_duration(self.clock() - t0)} "
+        self.announce.resume_event(rec, "done", f"Kernel {rec.label} has its GPU back after {took} "
                                    f"(waiting {fmt_duration(waited)}, restore {restore_s:.1f} s"
                                    f"{'; ' + note if note else ''}); the cell goes on.",
                                    waited_s=round(waited, 1), restore_s=round(restore_s, 3))
         return True
 
+    async def _restore(self, rec: KernelRecord, sus: dict[str, Any], lease: dict[str, Any], device_map_ok: bool,
+                       waited: float) -> tuple[dict[str, str], float]:
+        """Restore a suspended kernel's GPU memory onto ``lease``'s devices: (the device map, seconds it took)."""
+        mapping = device_map(sus["devices"], lease_devices(lease))
+        if mapping is None:
+            raise ResumeFailed("the new lease has fewer devices than the kernel used")
+        moved = {o: n for o, n in mapping.items() if o != n}
+        if moved and not device_map_ok:
+            raise ResumeFailed("the GPU granted is another one and this cuda-checkpoint cannot restore onto another GPU")
+        self.announce.resume_event(rec, "restoring", f"Restoring kernel {rec.label} onto {', '.join(lease_devices(lease))}…",
+                                   waited_s=round(waited, 1))
+        t1 = time.monotonic()
+        await self.checkpoint.restore(sus["pids"], mapping if moved else None)
+        return mapping, time.monotonic() - t1
+
     async def _lease_for(self, rec: KernelRecord, sus: dict[str, Any], device_map_ok: bool) -> dict[str, Any] | None:
         """Ask for a lease like the one the kernel was suspended from, and wait for it (with the queue in the feed)."""
         former = sus.get("lease") or self.keeper.ended or {}
-        if self.keeper.queued is None:
+        if self.keeper.lease is None:
             if not former.get("request"):
                 raise ResumeFailed("the shape of the former lease is unknown")
             body = same_shape_request(former)
@@ -134,7 +169,11 @@ class Resumer(LoggingConfigurable):
             body["meta"] = {"resume_of": former.get("id"), "kernel": rec.id}
             if self.resume_max_wait:
                 body["max_wait_s"] = self.resume_max_wait
-            await self.keeper.request(body)
+            try:
+                await self.keeper.request(body)
+            except BrokerError as e:
+                if not (e.status == 409 and e.field == "lease"):
+                    raise  # (409 "lease": another kernel's resume asked first: wait for that one)
         while not self.stopping():
             got = await self.keeper.wait_active(timeout=2.0)
             if got is not None:
@@ -145,14 +184,23 @@ class Resumer(LoggingConfigurable):
                 raise ResumeFailed(f"the lease request ended ({ended.get('state')}: {ended.get('end_reason') or 'no reason'})")
             info = q.get("queue") or {}
             self.announce.resume_event(rec, "waiting", f"Kernel {rec.label} waits for a GPU: {queue_words(q, self.clock())}",
-                                       position=info.get("position"), eta=info.get("eta"), lease_id=q.get("id"), quiet=True)
+                                       position=info.get("position"), eta=info.get("eta"),
+                                       may_start_sooner_at=info.get("may_start_sooner_at"), lease_id=q.get("id"), quiet=True)
         return None
 
     async def _failed(self, rec: KernelRecord, why: str) -> bool:
-        self.log.warning("Resuming kernel %s failed: %s; restarting it", rec.id, why)
+        sus = rec.suspended or {}
+        parked = bool(sus.get("parked"))
         rec.state, rec.suspended = OK, None
         self.announce.resume = None
         self.kernels.mark_suspended(rec, False)
+        if parked:  # nothing was put aside: the kernel runs on without a GPU (and is not parked again for that lease)
+            self.log.warning("No GPU for kernel %s whose lease went back unused: %s", rec.id, why)
+            self._given_up = str((sus.get("lease") or {}).get("id") or "")
+            rec.message = f"Kernel {rec.label} could not get a GPU again ({why}); the cell runs without one (%gpu request asks for one)."
+            self.announce.resume_event(rec, "failed", rec.message)
+            return False
+        self.log.warning("Resuming kernel %s failed: %s; restarting it", rec.id, why)
         try:
             await _maybe_await(self.kernels.km.restart_kernel(rec.id))
             msg = (f"Kernel {rec.label} could not get its GPU state back ({why}); it was restarted and its variables are lost. "

@@ -80,20 +80,24 @@ def sample_json(snap: Snapshot, kernels: list[KernelRecord], idle_since: dict[st
     }
 
 
-def kernel_json(rec: KernelRecord, *, now: float, idle: Any, reclaim_at: float | None, env: str | None, stale: bool,
-                resume: dict[str, Any] | None, history: dict[str, list[Any]] | None) -> dict[str, Any]:
-    """One kernel in the status; ``idle`` is its reclaim tracker entry (None: not seen idle)."""
+def kernel_json(rec: KernelRecord, *, now: float, idle: Any, reclaim_at: float | None, env: str | None, sight: str,
+                resume: dict[str, Any] | None, history: dict[str, list[Any]] | None, kept_until: float | None = None) -> dict[str, Any]:
+    """One kernel in the status; ``idle`` is its reclaim tracker entry (None: not seen idle);
+    ``sight``: what it sees against what new kernels get, in words ("" when the same);
+    ``kept_until``: the keep in force that postpones its reclaim."""
     item = {
         "id": rec.id, "name": rec.name, "path": rec.path, "execution_state": rec.execution_state, "connections": rec.connections,
         "last_activity": rec.last_activity, "pid": rec.pid, "state": rec.state, "message": rec.message,
         "gpu": rec.gpu.to_dict() if rec.gpu else None,
         "idle": {"gpu_idle": bool(idle and idle.idle_since is not None), "idle_since": idle.idle_since if idle else None,
                  "idle_s": idle_seconds(idle.idle_since if idle else None, now), "reclaim_at": reclaim_at,
-                 "warned": bool(idle and idle.warned_for)},
+                 "warned": bool(idle and idle.warned_for), "kept_until": kept_until if reclaim_at is not None else None},
         "cuda_visible_devices": env,
-        "env_stale": stale,
+        "env_stale": bool(sight),
+        "sight": sight,
         "resume": {k: v for k, v in resume.items() if k != "kernel_id"} if resume and resume.get("kernel_id") == rec.id else None,
-        "suspended": {k: rec.suspended[k] for k in ("devices", "memory_mib", "at", "suspend_s")} if rec.suspended else None,
+        "suspended": ({k: rec.suspended[k] for k in ("devices", "memory_mib", "at", "suspend_s")} | {"parked": bool(rec.suspended.get("parked"))}
+                      if rec.suspended else None),
         "busy_s": round(rec.busy_s, 1), "idle_total_s": round(rec.idle_s, 1), "memory_peak_mib": rec.memory_peak_mib,
     }
     if history is not None:

@@ -44,8 +44,8 @@ def _backend_and_devices(environ=None):
                                 "so no other process would see this work")
     devices = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if not devices or devices == ["-1"] or not any(d.startswith(("GPU-", "MIG-")) for d in devices):
-        raise SimulatedGPUError("this kernel has no leased GPU (CUDA_VISIBLE_DEVICES names none): "
-                                "ask for one (%gpu request) and restart the kernel, or start the server with a GPU")
+        raise SimulatedGPUError("this kernel has no leased GPU (CUDA_VISIBLE_DEVICES names none): ask for one with "
+                                "%gpu request --wait in this kernel (it takes the GPU at once), then run this again")
     from ..devices.simulated import SimulatedBackend
 
     return SimulatedBackend({**config, "state_file": state_file}), devices
@@ -60,13 +60,16 @@ def use_gpu(util: float = 80, memory_gb: float = 6, seconds: float = 20, *, quie
             raise SimulatedGPUError(f"{name} must be a number from 0{f' to {top}' if top else ' up'}, got {value!r}")
     sim, devices = _backend_and_devices()
     pid = os.getpid()
+    from ..devices.simulated import process_started
+
+    started = process_started(pid)  # on the GPU only while this process runs: a stopped kernel leaves it
     # where this process already is (a resume may have put it on another GPU than it started with)
     here = [uuid for uuid, s in sim.sample().items() for p in s.processes if p.pid == pid and (p.device_uuid or uuid) == uuid]
     devices = here or devices
     mib = round(memory_gb * 1024)
     try:
         for dev in devices:
-            sim.add_process(dev, pid, mib, sm_util_pct=float(util))
+            sim.add_process(dev, pid, mib, sm_util_pct=float(util), started=started)
     except ValueError as e:
         raise SimulatedGPUError(f"the leased GPU is not one of the simulated pool's: {e}") from None
     what = ", ".join(devices)
@@ -77,7 +80,8 @@ def use_gpu(util: float = 80, memory_gb: float = 6, seconds: float = 20, *, quie
     finally:
         for dev in devices:
             try:
-                sim.add_process(dev, pid, mib, sm_util_pct=0.0)  # done computing; the memory stays, as PyTorch keeps its cache
+                # done computing; the memory stays, as PyTorch keeps its cache
+                sim.add_process(dev, pid, mib, sm_util_pct=0.0, started=started)
             except ValueError:
                 pass
     if not quiet:

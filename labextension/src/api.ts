@@ -57,9 +57,12 @@ export interface IKernel {
   name?: string;
   state?: KernelState;
   execution_state?: string;
+  message?: string; // what happened to it last (a reclaim, a resume that failed), in the server's words
   gpu?: { memory_mib?: number | null; sm_util_pct?: number | null };
   memory_mib?: number | null; // in feed samples
-  resume?: { stage?: string; position?: number | null; eta?: number | null; message?: string } | null; // while resuming
+  // while resuming: where it waits (and when it may start sooner: the GPUs it waits for sit idle)
+  resume?: { stage?: string; position?: number | null; eta?: number | null; may_start_sooner_at?: number | null; message?: string } | null;
+  suspended?: { memory_mib?: number | null; parked?: boolean } | null; // parked: its lease went back unused, nothing put aside
 }
 
 export interface IWarning {
@@ -69,17 +72,14 @@ export interface IWarning {
   deadline?: number | null;
   at?: number | null;
   kernel_id?: string;
+  reclaim_action?: string; // what happens to the idle kernel (suspend, restart, …)
+  pid?: number; // unleased use: the process
 }
 
-/** One event of the live feed (besides `status` and `sample`). */
+/** One event of the live feed (besides `status` and `sample`): `type` is the event's kind, `data` its JSON. */
 export interface IFeedEvent {
-  id: number;
-  kind: string; // lease | warning | reclaim | resume | notice
-  time: number;
-  message?: string;
-  event?: string; // lease events: granted | queued | updated | ended | reclaimed | released
-  lease?: ILease | null;
-  [key: string]: unknown;
+  type: string; // lease | warning | reclaim | resume | notice
+  data: Record<string, any>; // a warning's or notice's own `kind` stays in it
 }
 
 export interface IStatus {
@@ -335,11 +335,11 @@ export class LeaseFeed {
           this._sample(data);
         }
       });
-      for (const kind of ['lease', 'warning', 'reclaim', 'resume', 'notice']) {
-        source.addEventListener(kind, (ev: MessageEvent) => {
+      for (const type of ['lease', 'warning', 'reclaim', 'resume', 'notice']) {
+        source.addEventListener(type, (ev: MessageEvent) => {
           const data = parse(ev);
           if (data) {
-            this._events.emit({ kind, ...data } as IFeedEvent);
+            this._events.emit({ type, data }); // (a warning's data has a `kind` of its own: kept apart from the event's)
           }
           void this.refresh();
         });

@@ -7,13 +7,20 @@
 import type { IDevice, ILease, IStatus, IWarning } from './api';
 import { WARNING_TITLE_DEFAULT, WARNING_TITLES } from './kinds';
 
-/** Seconds -> "1:12" (hours:minutes) for an hour or more, "14 min" / "40 s" below. */
-export function clock(seconds: number): string {
-  const s = Math.max(0, Math.round(seconds));
+/**
+ * What is left, rounded down to the unit shown, as the server words it (format_time_left):
+ * "1 h 12 min", "2 h", "14 min", "40 s", "3 d 4 h" (never "1:12", which reads as minutes).
+ */
+export function timeLeft(seconds: number): string {
+  const s = Math.max(0, Math.floor(seconds));
+  if (s >= 48 * 3600) {
+    const h = Math.floor(s / 3600);
+    return h % 24 ? `${Math.floor(h / 24)} d ${h % 24} h` : `${h / 24} d`;
+  }
   if (s >= 3600) {
     const h = Math.floor(s / 3600);
     const m = Math.floor((s % 3600) / 60);
-    return `${h}:${m.toString().padStart(2, '0')}`;
+    return m ? `${h} h ${m} min` : `${h} h`;
   }
   if (s >= 60) {
     return `${Math.floor(s / 60)} min`;
@@ -36,10 +43,20 @@ export function about(seconds: number): string {
   return rest ? `~${h} h ${rest} min` : `~${h} h`;
 }
 
-/** Epoch seconds -> "14:05" (local time). */
+/** Epoch seconds -> "14:05" (local time): the minute in which `t` falls ("at 14:05"). */
 export function hhmm(t: number): string {
   const d = new Date(t * 1000);
   return `${d.getHours().toString().padStart(2, '0')}:${d.getMinutes().toString().padStart(2, '0')}`;
+}
+
+/** Epoch seconds -> the first minute at which `t` has passed (14:05:56 -> "14:06"): "by 14:06" never reads earlier than it comes. */
+export function hhmmBy(t: number): string {
+  return hhmm(Math.ceil(t / 60) * 60);
+}
+
+/** ' (or by 14:06 if idle GPUs go back)': the GPUs a wait is for sit idle and go back by then; '' otherwise. */
+function sooner(at: number | null | undefined, now: number): string {
+  return typeof at === 'number' && at > now ? ` (or by ${hhmmBy(at)} if idle GPUs go back)` : '';
 }
 
 /** Mean utilization over the lease's devices, or null when none reports it. */
@@ -58,7 +75,7 @@ export function suspended(status: IStatus): boolean {
 
 /**
  * The status bar's one line:
- *   "GPU A100 ×1 · 63% · 1:12 left", "GPU queue #3 · ~14 min", "GPU suspended · resumes on next cell",
+ *   "GPU A100 ×1 · 63% · 1 h 12 min left", "GPU queue #3 · ~14 min", "GPU suspended · resumes on next cell",
  *   "GPU resuming · queue #1 · ~20 min".
  */
 export function statusLine(status: IStatus | null, now: number): string {
@@ -74,7 +91,7 @@ export function statusLine(status: IStatus | null, now: number): string {
     }
     const pos = typeof r.position === 'number' ? ` · queue #${r.position}` : ' · asking for a GPU';
     const eta = typeof r.eta === 'number' ? ` · ${about(r.eta - now)}` : '';
-    return `GPU resuming${pos}${eta}`;
+    return `GPU resuming${pos}${eta}${sooner(r.may_start_sooner_at, now)}`;
   }
   if (suspended(status)) {
     return 'GPU suspended · resumes on next cell';
@@ -86,8 +103,7 @@ export function statusLine(status: IStatus | null, now: number): string {
     const q = lease.queue ?? {};
     const pos = q.position !== undefined && q.position !== null ? `#${q.position}` : '';
     const eta = typeof q.eta === 'number' ? ` · ${about(q.eta - now)}` : '';
-    const sooner = typeof q.may_start_sooner_at === 'number' && q.may_start_sooner_at > now ? ` (or by ${hhmm(q.may_start_sooner_at)} if idle GPUs go back)` : '';
-    return `GPU queue ${pos}${eta}${sooner}`.replace(/\s+$/, '');
+    return `GPU queue ${pos}${eta}${sooner(q.may_start_sooner_at, now)}`.replace(/\s+$/, '');
   }
   if (lease.state === 'active') {
     const parts = [`GPU ${lease.holding ?? ''}`.trim()];
@@ -96,7 +112,7 @@ export function statusLine(status: IStatus | null, now: number): string {
       parts.push(`${Math.round(u)}%`);
     }
     if (typeof lease.expires_at === 'number') {
-      parts.push(`${clock(lease.expires_at - now)} left`);
+      parts.push(`${timeLeft(lease.expires_at - now)} left`);
     }
     return parts.join(' · ');
   }

@@ -98,3 +98,36 @@ export const WARNING_TITLES: Partial<Record<WarningKind, string>> = {
   maintenance: 'GPU maintenance ahead'
 };
 export const WARNING_TITLE_DEFAULT = 'GPU lease';
+
+/** A notification's one line per state, filled in by the browser (words.py NOTIFICATION_LINES). */
+export const NOTIFICATION_LINES: Record<string, string> = {
+  reclaim: 'Idle GPU: kernel {kernel} is {action} at {at} unless it computes again.',
+  lease_reclaim: 'Unused GPU: the lease goes back at {at} unless a kernel uses it.',
+  expiring: 'GPU lease ends at {at}.',
+  preemption: 'GPU lease preempted: it ends at {at}.',
+  share_memory: 'Kernel {kernel} uses more GPU memory than this server\'s share: free some by {at}.',
+  unleased_use: 'GPU used without a lease: process {pid} is stopped at {at} unless it lets go of the GPU.',
+  unleased_use_not_stopped: 'GPU used without a lease: {reason}',
+  gpu_unhealthy: 'Your GPU is failing or taken out: {reason}',
+  maintenance: 'GPU maintenance ahead: {reason}',
+  ended: 'GPU lease ended: {reason}',
+  warning: 'GPU lease: {reason}',
+  suspended: 'Kernel {kernel} is suspended: its next cell gets a GPU back, its variables kept.',
+  asking: 'Kernel {kernel} asks for a GPU.',
+  waiting: 'Kernel {kernel} waits for a GPU: number {position} in the queue.',
+  restoring: 'Kernel {kernel} has a GPU: its memory is being restored.',
+  back: 'Kernel {kernel} has its GPU back.',
+  not_back: 'Kernel {kernel}: {reason}',
+  acted: 'Kernel {kernel} was {action} to free its GPU: {reason}',
+  given_back: 'The unused GPU went back to the pool; the next cell you run asks for one again.',
+  lease_ended: 'GPU lease {state}: {reason}',
+  granted: 'GPU lease granted: {holding}.'
+};
+/** What happens to an idle kernel, as a notification's line says it. */
+export const RECLAIM_PARTICIPLES: Record<string, string> = {
+  suspend: 'suspended',
+  restart: 'restarted',
+  interrupt: 'interrupted',
+  shutdown: 'shut down',
+  notify: 'asked to free it'
+};

@@ -1,88 +1,113 @@
 /**
- * JupyterLab notifications for the lease's warnings, each once, with the actions that answer it.
+ * JupyterLab notifications for the lease: one per topic (each kernel, the lease), updated in place
+ * as its state changes and dismissed when what it says is over (see notices.ts for which).
  */
-import { Notification } from '@jupyterlab/apputils';
-import { IFeedEvent, IStatus, IWarning, LeaseFeed } from './api';
-import { currentWarnings, warningTitle } from './format';
-import { ACTIONS, WARNING_ACTIONS } from './kinds';
-import { runAction } from './panel';
+import type { Notification } from '@jupyterlab/apputils';
+import type { IStatus } from './api';
+import { ACTIONS, ActionName } from './kinds';
+import { INotice, noticesFor, NoticeType } from './notices';
 
-/** One notification per kind of warning (and kernel); a warning with a new deadline replaces it. */
-function key(w: IWarning): string {
-  return `${w.kind}:${w.kernel_id ?? ''}`;
+/** What the notifier needs of JupyterLab's notifications (its `Notification` namespace; a stand-in in tests). */
+export interface INotifications {
+  emit(message: string, type: NoticeType, options: Notification.IOptions<any>): string;
+  update(args: Notification.IUpdate<any>): boolean;
+  dismiss(id: string): void;
 }
 
-/** Shows each new warning of the feed once, and dismisses it when the server drops it. */
-export class WarningNotifier {
-  private _shown = new Map<string, { id: string; deadline: number | null; text: string }>(); // warning key -> its notification
+/** Where the notifier reads the status and the time, and what its buttons do. */
+export interface INotifierHost {
+  status: IStatus | null;
+  now(): number;
+  /** run an action of the action table (with its body, or this one) */
+  run(name: ActionName, body?: Record<string, unknown>): void;
+  /** open the lease's panel: the rest of what a notification's line says */
+  openPanel(): void;
+}
 
-  constructor(private feed: LeaseFeed) {
-    feed.changed.connect((_, s) => this._update(s), this);
-    feed.events.connect((_, e) => this._event(e), this);
+const MOMENT = 4000; // ms an action's success is shown
+const ERROR_SHOWN = 8000; // ms an action's failure is shown (it stays in the notification centre)
+
+function same(a: INotice, b: INotice): boolean {
+  return a.state === b.state && a.text === b.text && a.type === b.type;
+}
+
+/** Keeps JupyterLab's notifications to what the lease's state calls for (see the module). */
+export class LeaseNotifier {
+  private _shown = new Map<string, { id: string; notice: INotice }>(); // topic -> its notification
+  private _lease: string | null | undefined = undefined; // the lease's state at the last status (undefined: none yet)
+  private _over = new Set<string>(); // what reclaim did to a kernel, once said and done with ('<topic>|<state>')
+  private _moments: { id: string; until: number }[] = []; // news of a moment: dismissed once its time is over
+
+  constructor(private host: INotifierHost, private notifications: INotifications) {}
+
+  /** The notifications shown now, by topic (for tests and the panel). */
+  get shown(): ReadonlyMap<string, INotice> {
+    return new Map([...this._shown].map(([topic, s]) => [topic, s.notice]));
   }
 
-  /** Grants, lease ends, reclaims and resumes are news of their own (they are not warnings that stand). */
-  private _event(e: IFeedEvent): void {
-    if (e.kind === 'warning') {
-      this._update({ ...(this.feed.status ?? { lease: null }), warnings: [...(this.feed.status?.warnings ?? []), e as unknown as IWarning] });
-      return;
-    }
-    const message = typeof e.message === 'string' ? e.message : '';
-    if (!message) {
-      return;
-    }
-    if (e.kind === 'lease' && ['ended', 'reclaimed'].includes(String(e.event))) {
-      Notification.warning(`GPU lease ${e.lease?.state ?? 'ended'}: ${message}`, { autoClose: false });
-    } else if (e.kind === 'lease' && e.event === 'granted') {
-      Notification.success(message, { autoClose: 6000 });
-    } else if (e.kind === 'reclaim') {
-      const actions = e.action === 'suspend' && e.outcome === 'done'
-        ? [{ label: ACTIONS.resume.label, caption: `${ACTIONS.resume.label} (GPU lease)`, displayType: 'accent' as const,
-             callback: () => void runAction(this.feed, 'resume', e.kernel_id ? { kernel_id: e.kernel_id } : undefined) }]
-        : [];
-      Notification.warning(message, { autoClose: false, actions });
-    } else if (e.kind === 'resume' && e.stage === 'done') {
-      Notification.success(message, { autoClose: 6000 });
-    } else if (e.kind === 'resume' && e.stage === 'failed') {
-      Notification.error(message, { autoClose: false });
+  /**
+   * How an action went: a success closes after a few seconds and leaves the notification centre at
+   * the next status after that (an error stays until closed); the clock is the browser's.
+   */
+  say(text: string, type: 'success' | 'error', clock: () => number = Date.now): void {
+    const id = this.notifications.emit(text, type, { autoClose: type === 'success' ? MOMENT : ERROR_SHOWN, actions: [] });
+    if (type === 'success') {
+      this._moments.push({ id, until: clock() + MOMENT + 1000 });
     }
   }
 
-  private _update(status: IStatus): void {
-    if (status.warnings === undefined) {
+  /** Bring the notifications in line with the status. */
+  update(status: IStatus | null = this.host.status, clock: () => number = Date.now): void {
+    const over = this._moments.filter(m => m.until <= clock());
+    over.forEach(m => this.notifications.dismiss(m.id));
+    this._moments = this._moments.filter(m => m.until > clock());
+    if (!status) {
       return;
     }
-    const current = new Set<string>();
-    for (const w of currentWarnings(status, this.feed.now())) {
-      const k = key(w);
-      current.add(k);
-      const deadline = typeof w.deadline === 'number' ? w.deadline : null;
-      const shown = this._shown.get(k);
-      const text = `${warningTitle(w)}: ${w.message}`;
-      if (shown && shown.text === text) {
-        continue;
-      }
-      if (shown && (shown.deadline === deadline || (shown.deadline !== null && deadline !== null && Math.abs(shown.deadline - deadline) < 60))) {
-        continue;
-      }
-      if (shown) {
-        Notification.dismiss(shown.id);
-      }
-      // the actions that answer this kind of warning (the server's table, kinds.ts)
-      const actions = (WARNING_ACTIONS[w.kind] ?? []).map(a => ({
-        label: ACTIONS[a].label,
-        caption: `${ACTIONS[a].label} (GPU lease)`,
-        displayType: 'accent' as const,
-        callback: () => void runAction(this.feed, a)
-      }));
-      const id = Notification.warning(text, { autoClose: false, actions });
-      this._shown.set(k, { id, deadline, text });
-    }
-    for (const [k, shown] of [...this._shown]) {
-      if (!current.has(k)) {
-        Notification.dismiss(shown.id);
-        this._shown.delete(k);
+    const next = noticesFor(status, this.host.now(), this.shown, this._lease, this._over);
+    this._lease = status.lease?.state ?? null;
+    for (const [topic, shown] of this._shown) {
+      if (shown.notice.state.startsWith('acted:') && next.get(topic)?.state !== shown.notice.state) {
+        this._over.add(`${topic}|${shown.notice.state}`); // said; its kernel has moved on
       }
     }
+    for (const [topic, notice] of next) {
+      const shown = this._shown.get(topic);
+      if (shown && same(shown.notice, notice)) {
+        continue;
+      }
+      const options = { autoClose: notice.autoClose, actions: this._actions(notice) };
+      // in place when it is still there (a button's click dismisses it): the notification centre keeps one per topic
+      if (shown && this.notifications.update({ id: shown.id, message: notice.text, type: notice.type, ...options })) {
+        this._shown.set(topic, { id: shown.id, notice });
+        continue;
+      }
+      this._shown.set(topic, { id: this.notifications.emit(notice.text, notice.type, options), notice });
+    }
+    for (const [topic, shown] of [...this._shown]) {
+      if (!next.has(topic)) {
+        this.notifications.dismiss(shown.id);
+        this._shown.delete(topic);
+      }
+    }
+  }
+
+  private _actions(notice: INotice): Notification.IAction[] {
+    const out: Notification.IAction[] = notice.actions.map(name => ({
+      label: ACTIONS[name].label,
+      caption: `${ACTIONS[name].label} (GPU lease)`,
+      displayType: 'accent' as const,
+      callback: () => this.host.run(name, name === 'resume' && notice.kernelId ? { kernel_id: notice.kernelId } : undefined)
+    }));
+    out.push({
+      label: 'Details',
+      caption: 'The GPU lease: devices, every warning in full, the actions',
+      displayType: 'link' as const,
+      callback: (event: MouseEvent) => {
+        event.preventDefault(); // the notification stays: what it says is still true
+        this.host.openPanel();
+      }
+    });
+    return out;
   }
 }

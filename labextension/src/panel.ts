@@ -1,26 +1,32 @@
 /**
  * The status-bar item and the panel it opens: per-device figures and the lease's actions.
  */
-import { Notification } from '@jupyterlab/apputils';
 import { Popup, showPopup } from '@jupyterlab/statusbar';
 import { Poll } from '@lumino/polling';
 import { Widget } from '@lumino/widgets';
 import { act, LeaseFeed } from './api';
 import { currentWarnings, statusLine, suspended } from './format';
-import { ActionName, ACTIONS } from './kinds';
+import { ACTIONS, ActionName } from './kinds';
 import { panelView } from './view';
+
+/** Runs an action of the action table (its name; `body` replaces the table's). */
+export type RunAction = (name: ActionName, body?: Record<string, unknown>) => void;
+
+/** Says how an action went: a success is news of a moment (the lease's own notification says what holds). */
+export type SayOutcome = (text: string, type: 'success' | 'error') => void;
 
 /**
  * Run one action of the action table (its REST path and body; `body` replaces the table's) and
  * tell the user how it went, in words ("Extending the GPU lease failed: …"), not the API's path.
  */
-export async function runAction(feed: LeaseFeed, name: ActionName, body?: Record<string, unknown>): Promise<void> {
+export async function runAction(feed: LeaseFeed, name: ActionName, body: Record<string, unknown> | undefined,
+                                say: SayOutcome): Promise<void> {
   const a = ACTIONS[name];
   try {
     await act(a.path, body ?? a.body);
-    Notification.success(a.done, { autoClose: 4000 });
+    say(a.done, 'success');
   } catch (e: any) {
-    Notification.error(`${a.doing} failed: ${e?.message ?? e}`, { autoClose: 8000 });
+    say(`${a.doing} failed: ${e?.message ?? e}`, 'error');
   }
   await feed.refresh();
 }
@@ -32,7 +38,7 @@ function everySecond(name: string, render: () => void): Poll {
 
 /** The one line in JupyterLab's status bar; a click opens the panel, a click on it again or elsewhere closes it. */
 export class LeaseStatusItem extends Widget {
-  constructor(private feed: LeaseFeed) {
+  constructor(private feed: LeaseFeed, private run: RunAction) {
     super();
     this.addClass('jp-gpulease-status');
     this.node.title = 'GPU lease: click for details and actions';
@@ -50,7 +56,15 @@ export class LeaseStatusItem extends Widget {
       this._popup = null;
       return;
     }
-    this._popup = showPopup({ body: new LeasePanel(this.feed), anchor: this, align: 'left', hasDynamicSize: true });
+    this.open();
+  }
+
+  /** Open the panel (a notification's "Details"); an open one stays. */
+  open(): void {
+    if (this._popup && !this._popup.isDisposed) {
+      return;
+    }
+    this._popup = showPopup({ body: new LeasePanel(this.feed, this.run), anchor: this, align: 'left', hasDynamicSize: true });
     void this.feed.refresh();
   }
 
@@ -114,7 +128,7 @@ function setBar(row: HTMLElement, pct: number | null, text: string): void {
  * set of actions changes, so a button never moves or detaches under the pointer.
  */
 export class LeasePanel extends Widget {
-  constructor(private feed: LeaseFeed) {
+  constructor(private feed: LeaseFeed, private run: RunAction) {
     super();
     this.id = 'jp-gpulease-panel';
     this.addClass('jp-gpulease-panel');
@@ -175,7 +189,7 @@ export class LeasePanel extends Widget {
         el.className = 'jp-mod-styled jp-gpulease-action';
         el.dataset.action = b.action;
         el.textContent = b.label;
-        el.addEventListener('click', () => void runAction(this.feed, b.name, b.body));
+        el.addEventListener('click', () => this.run(b.name, b.body));
         this._buttons.appendChild(el);
       }
     }

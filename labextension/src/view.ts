@@ -3,7 +3,7 @@
  * (the panel changes the page only where this changes).
  */
 import type { IDevice, IStatus } from './api';
-import { about, clock, currentWarnings, deviceLabel, mib, statusLine } from './format';
+import { about, currentWarnings, deviceLabel, mib, statusLine, timeLeft } from './format';
 import type { ActionName } from './kinds';
 
 export interface IPanelView {
@@ -16,7 +16,7 @@ export interface IPanelView {
 
 /**
  * The lease in one line: the server's sentence (`summary`) and what changes by the second, e.g.
- * "Lease 0123abcd · tier standard · 1:12 left", "Waiting: position 2 of 5, ~14 min (…)".
+ * "Lease 0123abcd · tier standard · 1 h 12 min left", "Waiting: position 2 of 5, ~14 min (…)".
  */
 export function panelInfo(s: IStatus | null, now: number): string {
   const lease = s?.lease;
@@ -31,7 +31,7 @@ export function panelInfo(s: IStatus | null, now: number): string {
     return summary + (typeof q.eta === 'number' ? `, ${about(q.eta - now)}` : '') + (q.waiting_for ? ` (${q.waiting_for})` : '');
   }
   if (lease.state === 'active') {
-    return `${summary} · ` + (typeof lease.expires_at === 'number' ? `${clock(lease.expires_at - now)} left` : 'no time limit');
+    return `${summary} · ` + (typeof lease.expires_at === 'number' ? `${timeLeft(lease.expires_at - now)} left` : 'no time limit');
   }
   return summary;
 }
@@ -57,7 +57,13 @@ export function panelView(s: IStatus | null, now: number): IPanelView {
       memText: `${mib(used)} / ${mib(total)}`
     };
   });
-  const messages = [...(s?.message ? [s.message] : []), ...currentWarnings(s, now).map(w => w.message)];
+  // everything in full that a notification's one line leaves out: warnings, what became of each kernel, the notices
+  const messages = [
+    ...(s?.message ? [s.message] : []),
+    ...currentWarnings(s, now).map(w => w.message),
+    ...(s?.kernels ?? []).map(k => k.message ?? '').filter(Boolean),
+    ...(s?.notices ?? []).map(n => n.message).filter(Boolean)
+  ];
   // the actions the server offers now (its one action table)
   const buttons = (s?.actions ?? []).map(a => ({ name: a.name, label: a.label, action: a.path, body: a.body }));
   return { title: statusLine(s, now), info: panelInfo(s, now), devices, messages, buttons };

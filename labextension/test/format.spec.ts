@@ -3,7 +3,7 @@
  * sentences read from the server's JSON as it serves them (LeaseView.status_json).
  */
 import type { IStatus } from '../src/api';
-import { about, clock, currentWarnings, deviceLabel, hhmm, mib, statusLine, suspended, warningTitle } from '../src/format';
+import { about, currentWarnings, deviceLabel, hhmm, hhmmBy, mib, statusLine, suspended, timeLeft, warningTitle } from '../src/format';
 import { ACTIONS, KERNEL_STATES, WARNING_ACTIONS, WARNING_KINDS } from '../src/kinds';
 import { panelInfo, panelView } from '../src/view';
 
@@ -55,12 +55,14 @@ const QUEUED: IStatus = {
 };
 
 describe('the countdown and waits', () => {
-  it('says hours and minutes as a clock, minutes and seconds in words', () => {
-    expect(clock(4320)).toBe('1:12');
-    expect(clock(3600)).toBe('1:00');
-    expect(clock(14 * 60 + 20)).toBe('14 min');
-    expect(clock(40.4)).toBe('40 s');
-    expect(clock(-5)).toBe('0 s');
+  it('says what is left in hours and minutes, rounded down, never as a clock that reads as minutes', () => {
+    expect(timeLeft(4320)).toBe('1 h 12 min');
+    expect(timeLeft(2 * 3600 - 10)).toBe('1 h 59 min');
+    expect(timeLeft(3600)).toBe('1 h');
+    expect(timeLeft(14 * 60 + 50)).toBe('14 min');
+    expect(timeLeft(40.6)).toBe('40 s');
+    expect(timeLeft(-5)).toBe('0 s');
+    expect(timeLeft(3 * 86400 + 4 * 3600 + 59)).toBe('3 d 4 h');
   });
 
   it('says a wait roughly', () => {
@@ -72,6 +74,10 @@ describe('the countdown and waits', () => {
 
   it('says a time of day as hours and minutes', () => {
     expect(hhmm(NOW)).toMatch(/^\d\d:\d\d$/);
+    // a time something happens by: the next minute, never earlier than it comes
+    const at = Math.floor(NOW / 60) * 60 + 56;
+    expect(hhmmBy(at)).toBe(hhmm(at + 4));
+    expect(hhmmBy(at - 56)).toBe(hhmm(at - 56));
   });
 
   it('says memory in MiB or GiB', () => {
@@ -83,7 +89,7 @@ describe('the countdown and waits', () => {
 
 describe('the status line', () => {
   it('shows what the server says the lease holds, the mean utilization and the time left', () => {
-    expect(statusLine(active(), NOW)).toBe('GPU L4 ×2 · 63% · 1:12 left');
+    expect(statusLine(active(), NOW)).toBe('GPU L4 ×2 · 63% · 1 h 12 min left');
     expect(statusLine(active(), NOW + 4320 - 600)).toBe('GPU L4 ×2 · 63% · 10 min left');
   });
 
@@ -111,8 +117,8 @@ describe('the status line', () => {
 
 describe('the panel', () => {
   it('reads the lease sentence from the server and adds the countdown', () => {
-    expect(panelInfo(active(), NOW)).toBe('Lease 01234567 · tier standard · 1:12 left');
-    expect(panelInfo(active(), NOW + 60)).toBe('Lease 01234567 · tier standard · 1:11 left');
+    expect(panelInfo(active(), NOW)).toBe('Lease 01234567 · tier standard · 1 h 12 min left');
+    expect(panelInfo(active(), NOW + 60)).toBe('Lease 01234567 · tier standard · 1 h 11 min left');
   });
 
   it('reads the queue sentence from the server and adds the ETA and what it waits for', () => {
@@ -127,7 +133,7 @@ describe('the panel', () => {
 
   it('names devices by the placement and offers the actions the server offers', () => {
     const v = panelView(active(), NOW);
-    expect(v.title).toBe('GPU L4 ×2 · 63% · 1:12 left');
+    expect(v.title).toBe('GPU L4 ×2 · 63% · 1 h 12 min left');
     expect(v.devices.map(d => d.label)).toEqual(['L4 #0 — 41 °C · 70 W', 'L4 #1']);
     expect(v.devices[0].memText).toBe('2.0 GiB / 22.5 GiB');
     expect(v.buttons.map(b => [b.label, b.action])).toEqual([['Extend 30 min', 'lease/extend'], ['Release', 'lease/release']]);
