@@ -88,8 +88,14 @@ def test_the_table_names_options_that_exist():
     from jupyter_gpulease.server.controller import PARTS
 
     parts = {p.__name__: p for p in PARTS}
-    # every setting of a part was once the extension's: each is read under its old name
-    assert {name: set(names) for name, names in EXTENSION_MOVED.items()} == {n: set(p.class_trait_names(config=True)) for n, p in parts.items()}
+    # every setting a part took from the extension is read under its old name; the others were
+    # born in the part (named here so that a new one is a choice, not an oversight)
+    born_in_the_part = {"ReclaimActions": {"unused_lease_timeout"}}
+    settings = {n: set(p.class_trait_names(config=True)) for n, p in parts.items()}
+    moved = {name: set(names) for name, names in EXTENSION_MOVED.items()}
+    assert {n: s - moved.get(n, set()) for n, s in settings.items() if s - moved.get(n, set())} == born_in_the_part
+    assert all(names <= settings[n] for n, names in moved.items())
+    assert not born_in_the_part["ReclaimActions"] & set(GPULeaseExtension.class_trait_names(config=True))
     ext = set(GPULeaseExtension.class_trait_names(config=True))
     policy = set(PolicyConfig.class_trait_names(config=True))
     for r in RENAMES:
