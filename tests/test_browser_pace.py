@@ -1,5 +1,5 @@
 """README's walkthrough, "The cycle in five minutes" (docs/tutorials/demo.md), at a reader's pace:
-a minute or more between steps, as someone who reads each step before doing it takes. The demo
+a minute between steps, as someone who reads each step before doing it takes. The demo
 as it ships (its own timeouts: a kernel warned after 1 min of an idle GPU and suspended after 2,
 an unused lease back after 5 min), in headless Chromium.
 
@@ -76,10 +76,10 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
             # 1. alice takes both L4s; JupyterLab opens; she reads on, opens a notebook, writes the cell slowly
             alice = browser.login(demo, "alice", **VIEWPORT)
             item = open_lab(alice, "alice", "gpu:2:L4")
-            reader(90)
+            reader(60)
             alice.locator('.jp-LauncherCard[data-category="Notebook"]').first.click()
             alice.locator(".jp-StatusBar-Widget", has_text="| Idle").first.wait_for(timeout=120_000)
-            reader(75)
+            reader(60)
             cell = alice.locator(".jp-Notebook .jp-Cell").first
             cell.locator(".cm-content").click()
             alice.keyboard.type(CELL)
@@ -120,7 +120,7 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
                      interval=0.5)
 
             # 4. alice reads on, then runs print(work): it waits in the queue, in the cell, the status bar and her notification
-            reader(90)
+            reader(60)
             run_next_cell(alice, PRINT)
             wait_for(lambda: "number 1 in the queue" in output_of(alice, PRINT), 60,
                      f"alice's waiting cell did not show her place in the queue: {output_of(alice, PRINT)!r}", interval=0.5)
@@ -137,7 +137,7 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
             assert ("bob", "active") in demo.leases()  # his unused L4 is still his, minutes after the grant
 
             # 5. bob reads on, then stops his server on the hub's home page: its lease card follows without a reload
-            reader(75)
+            reader(60)
             bob.goto(f"{demo.url}/hub/home")
             card = bob.locator("#gpulease-lease")
             assert card.get_attribute("data-kind") == "active" and "Your server holds 1 × L4" in card.inner_text()
