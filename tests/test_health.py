@@ -199,6 +199,41 @@ def test_admin_cordon_drain_uncordon_hold_and_bad_input(tmp_path):
     run(tmp_path, scenario)
 
 
+def test_an_uncordon_during_a_drains_grace_keeps_the_lease_and_says_so(tmp_path):
+    async def scenario(app, clock, client):
+        alice, admin = client("alice"), client("admin-dan")
+        a = await alice.request_lease({"gpus": 1, "model": "L4", "duration_s": 3600})
+        gpu = gpu_of(a)
+        await admin.cordon("device", gpu, "fan noise, looking", drain=True)
+        assert (await alice.get_lease(a["id"]))["preempt_at"] is not None
+        await tick(app, clock, 30)  # half the grace
+        with pytest.raises(BrokerError) as e:
+            await alice.uncordon("device", gpu)
+        assert e.value.status == 403
+        assert (await alice.get_lease(a["id"]))["preempt_at"] is not None  # a refused uncordon changes nothing
+        await admin.uncordon("device", gpu)
+        kept = await alice.get_lease(a["id"])
+        assert kept["state"] == "active" and kept["preempt_at"] is None and "health" not in kept["meta"] and "revoke" not in kept["meta"]
+        feed = await alice.events(lease_id=a["id"], timeout=0)
+        (called_off,) = [x for x in feed["events"] if x["kind"] == "preempt-cancelled"]
+        assert called_off["actor"] == "admin:admin-dan" and "the move off its GPU is called off: an admin put device" in called_off["reason"]
+        await tick(app, clock, 60)  # past the drain's grace: the lease runs on, on its GPU
+        after = await alice.get_lease(a["id"])
+        assert after["state"] == "active" and gpu_of(after) == gpu
+        # and its server's next request does not jump the queue as a moved one would
+        assert not app.manager.scheduler.moved
+        # the same once the broker reads it back from its database
+        await app.manager.flush()
+        (stored,) = [x for x in app.manager.store.load_live() if x.id == a["id"]]
+        assert stored.preempt_at is None and "health" not in stored.meta
+        # a drain called off leaves the GPU free to drain again: a second drain moves the lease
+        await admin.cordon("device", gpu, "fan noise again", drain=True)
+        await tick(app, clock, 61)
+        assert (await alice.get_lease(a["id"]))["state"] == "revoked"
+
+    run(tmp_path, scenario)
+
+
 def test_maintenance_windows_over_rest_keep_grants_out_and_warn_holders_ahead(tmp_path):
     async def scenario(app, clock, client):
         alice, bob, admin = client("alice"), client("bob"), client("admin-dan")

@@ -235,11 +235,25 @@ class HealthKeeper:
         await self.manager.in_writer(health_store.delete_cordon, self.manager.store, row["target"])
         self.cordons.pop(row["target"], None)
         self.log.warning("GPU %s (node %s, #%d) is back in the pool: healthy for %s after a reset", g.uuid, g.node, g.index, format_duration(now - since))
+        if self.cordon_of(g) is None:
+            await self._keep_holders(g, f"the GPU is healthy again after a reset (for {format_duration(now - since)})")
         return True
 
     async def _save(self, row: dict[str, Any]) -> None:
         await self.manager.in_writer(health_store.save_cordon, self.manager.store, row)
         self.cordons[row["target"]] = row
+
+    async def _keep_holders(self, g: GPU, why: str, actor: str = "broker:health") -> None:
+        """``g`` is back in the pool: the leases on it whose move is still pending stay."""
+        for lease in list(self.manager.scheduler.leases.values()):
+            if lease.state is not LeaseState.ACTIVE or lease.placement is None or HEALTH_META not in lease.meta:
+                continue
+            if any(sl.gpu_uuid == g.uuid for sl in lease.placement.slices):
+                try:
+                    await self.manager.cancel_drain(lease.id, why=why, actor=actor)
+                    self.log.warning("Lease %s stays on %s: %s", lease.id, g.uuid, why)
+                except (NotFound, Conflict) as e:  # it ended meanwhile
+                    self.log.info("Lease %s: its move off %s was not called off: %s", lease.id, g.uuid, e)
 
     async def _move_holders(self, g: GPU, reason: str, actor: str = "broker:health") -> None:
         """Drain now: every active lease with a slice on ``g`` moves to a healthy GPU."""
@@ -304,6 +318,9 @@ class HealthKeeper:
             self.cordons.pop(key, None)
             self.log.warning("Uncordoned %s %s (%s) by %s", kind, name, row["reason"], actor)
             await self._apply()
+            for g in gpus:
+                if self.cordon_of(g) is None:  # a node's uncordon leaves a GPU's own cordon in force
+                    await self._keep_holders(g, f"an admin put {kind} {name} back into the pool", actor)
         return {**self.cordon_json(row), "uncordoned_by": actor}
 
     async def add_window(self, *, start: float, end: float, reason: str, devices: Iterable[str] = (), nodes: Iterable[str] = (), actor: str) -> dict[str, Any]:

@@ -344,6 +344,10 @@ class LeaseManager:
         """Move a lease off a sick GPU (see Scheduler.drain)."""
         return await self._change(lease_id, lambda now: self.scheduler.drain(lease_id, now, grace_s=grace_s, reason=reason, device=device, actor=actor))
 
+    async def cancel_drain(self, lease_id: str, *, why: str, actor: str = "broker:health") -> dict[str, Any]:
+        """Keep a lease whose move off its GPU is pending (see Scheduler.cancel_drain)."""
+        return await self._change(lease_id, lambda now: self.scheduler.cancel_drain(lease_id, now, why=why, actor=actor))
+
     async def confirm(self, lease_id: str, *, actor: str = "", key: str | None = None) -> dict[str, Any]:
         return await self._change(lease_id, lambda now: self.scheduler.confirm(lease_id, now, actor=actor), key=key)
 

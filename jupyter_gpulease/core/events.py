@@ -71,8 +71,8 @@ def revoke_warned(lease, now: float, reason: str, actor: str) -> Event:
     return Event(lease.id, PREEMPT_WARNED, now, "active", "active", reason, actor, {"preempt_at": lease.preempt_at, "revoke": True}, lease=lease)
 
 
-def preempt_cancelled(lease, now: float, reason: str) -> Event:
-    return Event(lease.id, PREEMPT_CANCELLED, now, "active", "active", reason, "broker", lease=lease)
+def preempt_cancelled(lease, now: float, reason: str, actor: str = "broker") -> Event:
+    return Event(lease.id, PREEMPT_CANCELLED, now, "active", "active", reason, actor, lease=lease)
 
 
 def extended(lease, now: float, old: float, actor: str) -> Event:

@@ -221,6 +221,23 @@ class Scheduler:
         return [ev.revoke_warned(lease, now, f"its GPU is failing ({reason}): this lease moves to a healthy GPU in {format_duration(grace_s)}; "
                                              "its kernels are suspended first and resume there", actor)]
 
+    def cancel_drain(self, lease_id: str, now: float, *, why: str, actor: str = "broker") -> list[Event]:
+        """Call off a drain whose grace is not over (its GPU went back into the pool): the lease
+        keeps its GPU and runs to its own end; its holder is told (``preempt-cancelled``). A lease
+        with no drain pending is left as it is (no event)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.state is not LeaseState.ACTIVE or HEALTH_META not in lease.meta:
+            return []
+        revoke = lease.meta.get(REVOKE_META)
+        draining = isinstance(revoke, dict) and revoke.get("drain") and lease.preempt_at is not None
+        meta = {k: v for k, v in lease.meta.items() if k != HEALTH_META and not (draining and k == REVOKE_META)}
+        lease.meta = meta
+        self.moved.pop((lease.user, lease.server), None)
+        if draining:
+            lease.preempt_at = None  # its deadline, when it comes, finds nothing to end
+        self._book.touch(lease.placement)
+        return [ev.preempt_cancelled(lease, now, f"the move off its GPU is called off: {why}", actor=actor)]
+
     def extend(self, lease_id: str, now: float, *, by_s: float | None = None, until: float | None = None, actor: str = "") -> list[Event]:
         """Move ``expires_at`` later, within the tier's limits."""
         lease = self.leases.get(lease_id)

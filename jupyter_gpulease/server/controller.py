@@ -295,7 +295,8 @@ class GPUController(LoggingConfigurable):
             env=self.kernels.env_of(rec), sight=self.kernel_env.sight(rec, self.kernels.env_of(rec), devs), resume=self.announce.resume,
             history=self.monitor.kernel_history_of(rec.id, history_s) if history else None) for rec in self.kernels]
         standing = views.standing_warnings([e.to_dict() for e in self.feed.recent(("warning",), 50)], now=now, tracker=self.tracker,
-                                           kernels=self.kernels.records, lease_active=self.keeper.active is not None)
+                                           kernels=self.kernels.records, lease_active=self.keeper.active is not None,
+                                           ends_early_at=(self.keeper.lease or {}).get("preempt_at"))
         return {
             "version": views.STATUS_VERSION,
             "now": now,

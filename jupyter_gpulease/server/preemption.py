@@ -60,6 +60,10 @@ class BrokerWarnings:
                 message = message[:1].upper() + message[1:].rstrip(".") + "." + self.saving_words()
             self.announce.warn(kind, message, deadline=w.get("at"))
         preempt_at = lease.get("preempt_at")
+        if not preempt_at and self._noticed is not None and lease:
+            # called off (a waiter started elsewhere, its GPU went back into the pool): no suspend
+            self.log.info("The GPU lease no longer ends early: its kernels stay as they are")
+            self._noticed = self._suspend_at = None
         if preempt_at and float(preempt_at) != self._noticed:
             preempt_at = self._noticed = float(preempt_at)
             self._suspend_at = preempt_at - max(2 * self.sample_interval, 10.0)

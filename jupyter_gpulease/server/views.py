@@ -132,8 +132,10 @@ def telemetry_json(monitor: Any, snap: Snapshot | None, *, sample_interval: floa
 
 
 def standing_warnings(feed_warnings: list[dict[str, Any]], *, now: float, tracker: Any, kernels: dict[str, KernelRecord],
-                      lease_active: bool) -> list[dict[str, Any]]:
-    """The warnings of the feed that still hold: their deadline is ahead and nothing since made them moot."""
+                      lease_active: bool, ends_early_at: float | None = None) -> list[dict[str, Any]]:
+    """The warnings of the feed that still hold: their deadline is ahead and nothing since made them
+    moot (``ends_early_at``: the lease's ``preempt_at`` now; a preemption warning of another time
+    was called off)."""
     out = []
     for w in feed_warnings:
         deadline = w.get("deadline")
@@ -147,6 +149,8 @@ def standing_warnings(feed_warnings: list[dict[str, Any]], *, now: float, tracke
         if w["kind"] == WarningKind.SHARE_MEMORY and (kid not in kernels or kernels[kid].share_warned_at is None):
             continue
         if w["kind"] in LEASE_WARNINGS and not lease_active:
+            continue
+        if w["kind"] == WarningKind.PREEMPTION and deadline != ends_early_at:
             continue
         out.append(w)
     return out
