@@ -98,6 +98,12 @@ def test_every_series_the_rules_read_is_exported_by_the_broker(tmp_path, monkeyp
             await app.health.add_window(start=clock.t + 4 * 3600, end=clock.t + 5 * 3600, reason="BIOS", nodes=["n2"], actor="admin-carol")
             clock.advance(3 * 3600)
             m = await scrape(app)
+            app.backend.reset_device(sick)  # repaired: healthy again, its XID counted once
+            await app.telemetry.sample()
+            await app.telemetry.sample()
+            after_reset = await scrape(app)
+            assert value(after_reset, "gpulease_device_driver_healthy", uuid=sick, node="n1", model="A100-SXM4-80GB") == 1
+            assert value(after_reset, "gpulease_device_xid_errors_total", uuid=sick, xid="79", kind="device", node="n1", model="A100-SXM4-80GB") == 1
             return m, held, hot, sick, l4, clock.t + 3600
         finally:
             await app.stop_async()

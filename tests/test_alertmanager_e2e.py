@@ -176,6 +176,21 @@ def test_the_shipped_rules_fire_on_a_hot_gpu_and_an_idle_lease_and_alertmanager_
                 return any(a["status"] == "resolved" and a["labels"]["alertname"] == "GPULeaseGPUHot" for b in receiver.bodies for a in b["json"]["alerts"])
 
             wait_for(resolved, 60, f"no resolution delivered:\n{am.log_tail()}", interval=0.5)
+
+            # a GPU nobody holds falls off the bus (XID 79): unhealthy; once reset, healthy again and
+            # the alert resolves, the XID counted once
+            spare = next(g.uuid for g in app.manager.inventory() if g.uuid not in (hot, cool))
+            app.backend.inject_xid(spare, 79)
+
+            def unhealthy(status):
+                return any(a["status"] == status and a["labels"]["alertname"] == "GPULeaseDeviceUnhealthy" and a["labels"]["uuid"] == spare
+                           for b in receiver.bodies for a in b["json"]["alerts"])
+
+            wait_for(lambda: unhealthy("firing"), 60, f"GPULeaseDeviceUnhealthy was not delivered: {prom.query('ALERTS')}", interval=0.5)
+            app.backend.reset_device(spare)
+            wait_for(lambda: unhealthy("resolved"), 60, f"GPULeaseDeviceUnhealthy did not resolve after the reset: {prom.query('ALERTS')}",
+                     interval=0.5)
+            assert prom.values(f'gpulease_device_xid_errors_total{{uuid="{spare}",xid="79"}}') == [1]
     finally:
         if prom is not None:
             prom.stop()

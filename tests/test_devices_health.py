@@ -70,6 +70,8 @@ def test_the_simulated_backend_injects_xids_and_resets_across_processes(tmp_path
     h = broker.sample()[u].health
     assert (h.resets, h.ecc_uncorrected, h.row_remap_pending, h.lost) == (1, 0, False, False)
     assert h.xid_counts() == {48: 1, 63: 1}  # counted since the monitor started
+    assert h.ok and h.xids_since_reset() == {} and h.message() == ""  # what the reset repaired
+    assert type(h).from_dict(h.to_dict()) == h  # as the simulated state file and the API carry it
     try:
         driver.inject_xid(u, 0)
     except ValueError as e:

@@ -288,7 +288,13 @@ def test_critical_xid_errors_and_ecc_errors_mark_the_gpu_unhealthy():
     assert (h.ok, h.xid, h.xid_count, h.ecc_uncorrected) == (False, 48, 2, 2)
     assert "2 critical XID error(s), the last XID 48" in h.message() and "2 uncorrectable ECC" in h.message()
     assert s[A100_UUID].health.ok  # the other GPU is untouched
-    assert b.sample()[L4_UUID].health.xid_count == 2  # errors stay counted: the GPU stays suspect
+    assert b.sample()[L4_UUID].health.xid_count == 2  # errors stay counted: the GPU stays suspect until a reset
+    fake.gpus[1].ecc_uncorrected = 0  # the GPU was reset: the volatile count is back to 0
+    h = b.sample()[L4_UUID].health
+    assert (h.ok, h.resets, h.xid_counts(), h.xids_since_reset(), h.message()) == (True, 1, {48: 1, 79: 1}, {}, "")
+    fake.raise_xid(fake.gpus[1], 79)  # failing again after the reset
+    h = b.sample()[L4_UUID].health
+    assert not h.ok and h.xids_since_reset() == {79: 1} and "1 critical XID error(s) since the last reset, the last XID 79" in h.message()
 
 
 def test_a_lost_gpu_is_reported_lost_in_its_health():

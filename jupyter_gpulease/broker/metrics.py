@@ -360,7 +360,7 @@ class _BrokerCollector:
         power = GaugeMetricFamily("gpulease_device_power_watts", "Power draw of the GPU", labels=labels)
         limit = GaugeMetricFamily("gpulease_device_power_limit_watts", "Power limit the driver enforces on the GPU", labels=labels)
         driver_ok = GaugeMetricFamily("gpulease_device_driver_healthy",
-                                      "1 while the broker's own sample of the GPU shows no problem (lost, critical XID, uncorrectable ECC), else 0", labels=labels)
+                                      "1 while the broker's own sample of the GPU shows no problem (lost, a critical XID since its last reset, uncorrectable ECC), else 0", labels=labels)
         xids = CounterMetricFamily("gpulease_device_xid_errors", "Critical XID errors the driver reported, by device, XID code and kind "
                                    "(application: the holder's program faulted, the GPU is fine; device: the GPU or its driver)", labels=[*labels, "xid", "kind"])
         known: dict[str, tuple[str, str]] = {}

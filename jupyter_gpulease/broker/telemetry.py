@@ -47,7 +47,6 @@ class DeviceTelemetry:
         # XID errors seen by this broker: (uuid, xid) -> count; the driver's running count per device
         self.xids: dict[tuple[str, int], float] = {}
         self._xid_seen: dict[str, dict[int, int]] = {}
-        self._resets: dict[str, int] = {}
         self._health_seen: dict[str, Any] = {}  # device uuid -> its health report at the last look
         self.started_at = time.time()
         self.last_error = ""
@@ -76,14 +75,11 @@ class DeviceTelemetry:
             health_seen[uuid] = s.health
             counts = s.health.xid_counts()
             before = self._xid_seen.get(uuid)
-            resets = int(getattr(s.health, "resets", 0) or 0)
-            if self._resets.get(uuid, resets) != resets:
-                before = None  # reset since the last look: the driver counts from zero again
-            self._resets[uuid] = resets
             for code, count in counts.items():
                 was = (before or {}).get(code, 0)
-                # errors the driver counted before this broker's first look count once; a count that
-                # went back (a reset, a driver reload) starts again from there
+                # the backends count since they started, across resets: errors counted before this
+                # broker's first look count once; a count that went back (the backend restarted)
+                # starts again from there
                 new = count - was if count >= was else count
                 if new > 0:
                     key = (uuid, int(code))

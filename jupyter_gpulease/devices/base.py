@@ -63,7 +63,9 @@ class DeviceHealth:
     a memory repair that takes effect at the next reset; ``row_remap_failed``: the GPU ran out of
     spare rows; ``throttle``: the clock throttle reasons that say something is wrong (names of
     :data:`jupyter_gpulease.core.health.THROTTLE_WORDS`); ``resets``: the resets (or driver
-    reloads) the backend saw. What each means for the pool: :func:`jupyter_gpulease.core.health.assess`.
+    reloads) the backend saw, ``xids_at_reset`` the per-code counts when it saw the last one (the
+    counts go on across resets; what came after is :meth:`xids_since_reset`). What each means for
+    the pool: :func:`jupyter_gpulease.core.health.assess`.
     """
 
     lost: bool = False
@@ -76,6 +78,7 @@ class DeviceHealth:
     row_remap_failed: bool = False
     throttle: tuple[str, ...] = ()
     resets: int = 0
+    xids_at_reset: tuple[tuple[int, int], ...] = ()
 
     def xid_counts(self) -> dict[int, int]:
         """Critical XIDs seen, per code (the last code alone where the backend keeps no more)."""
@@ -83,10 +86,16 @@ class DeviceHealth:
             return dict(self.xids)
         return {int(self.xid): int(self.xid_count)} if self.xid is not None and self.xid_count else {}
 
+    def xids_since_reset(self) -> dict[int, int]:
+        """Critical XIDs seen since the last reset the backend saw, per code (all of them if none)."""
+        before = dict(self.xids_at_reset)
+        return {c: n - before.get(c, 0) for c, n in self.xid_counts().items() if n > before.get(c, 0)}
+
     @property
     def ok(self) -> bool:
-        """No hardware problem: an application's own XID (13, 31, …) does not count, nor do heat and throttling."""
-        hw_xid = any(xid_action(c) not in (Action.APPLICATION,) for c in self.xid_counts())
+        """No hardware problem now: an application's own XID (13, 31, …) does not count, nor do
+        heat and throttling, nor an XID a reset since repaired."""
+        hw_xid = any(xid_action(c) not in (Action.APPLICATION,) for c in self.xids_since_reset())
         return not (self.lost or hw_xid or self.ecc_uncorrected or self.retired_pages_pending or self.row_remap_pending or self.row_remap_failed)
 
     def message(self) -> str:
@@ -94,8 +103,10 @@ class DeviceHealth:
         parts = []
         if self.lost:
             parts.append("the driver reports the GPU as lost (it needs a reset or a reboot)")
-        if self.xid_count:
-            parts.append(f"{self.xid_count} critical XID error(s), the last XID {self.xid}")
+        recent = self.xids_since_reset()
+        if recent:
+            last = self.xid if self.xid in recent else max(recent)
+            parts.append(f"{sum(recent.values())} critical XID error(s){' since the last reset' if self.resets else ''}, the last XID {last}")
         if self.ecc_uncorrected:
             parts.append(f"{self.ecc_uncorrected} uncorrectable ECC memory error(s)")
         if self.row_remap_failed:
@@ -109,20 +120,22 @@ class DeviceHealth:
                 "ecc_uncorrected": self.ecc_uncorrected, "xids": {str(c): n for c, n in self.xids},
                 "retired_pages_pending": self.retired_pages_pending, "row_remap_pending": self.row_remap_pending,
                 "row_remap_failed": self.row_remap_failed, "throttle": list(self.throttle), "resets": self.resets,
-                "message": self.message()}
+                "xids_at_reset": {str(c): n for c, n in self.xids_at_reset}, "message": self.message()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> DeviceHealth:
         d = d or {}
         xids = d.get("xids") if isinstance(d.get("xids"), dict) else {}
         pairs = tuple(sorted((int(c), int(n)) for c, n in xids.items() if str(c).isdigit() and _count(n)))
+        at_reset = d.get("xids_at_reset") if isinstance(d.get("xids_at_reset"), dict) else {}
+        at_reset_pairs = tuple(sorted((int(c), int(n)) for c, n in at_reset.items() if str(c).isdigit() and _count(n)))
         return cls(lost=d.get("lost") is True, xid=int(d["xid"]) if _count(d.get("xid")) else None,
                    xid_count=int(d["xid_count"]) if _count(d.get("xid_count")) else 0,
                    ecc_uncorrected=int(d["ecc_uncorrected"]) if _count(d.get("ecc_uncorrected")) else None,
                    xids=pairs, retired_pages_pending=d.get("retired_pages_pending") is True,
                    row_remap_pending=d.get("row_remap_pending") is True, row_remap_failed=d.get("row_remap_failed") is True,
                    throttle=tuple(str(t) for t in d.get("throttle") or () if isinstance(t, str)),
-                   resets=int(d["resets"]) if _count(d.get("resets")) else 0)
+                   resets=int(d["resets"]) if _count(d.get("resets")) else 0, xids_at_reset=at_reset_pairs)
 
 
 def _count(v: Any) -> bool:

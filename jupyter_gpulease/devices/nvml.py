@@ -85,6 +85,7 @@ class NvmlBackend(DeviceBackend):
         self._xids: dict[str, tuple[int, int]] = {}  # GPU uuid -> (last XID, count)
         self._xid_codes: dict[str, dict[int, int]] = {}  # GPU uuid -> count per XID code
         self._resets: dict[str, int] = {}  # GPU uuid -> resets seen (a lost GPU that answers again)
+        self._xids_at_reset: dict[str, tuple[tuple[int, int], ...]] = {}  # GPU uuid -> its XID counts at the last reset
         self._was_lost: set[str] = set()
         self._pending_repair: dict[str, tuple[int, bool]] = {}  # GPU uuid -> (volatile ECC count, a repair pending) last seen
         self._proc_util_seen: dict[str, int] = {}  # uuid -> last process-utilization time stamp (µs)
@@ -295,17 +296,18 @@ class NvmlBackend(DeviceBackend):
                     self._was_lost.add(g.uuid)
                 elif g.uuid in self._was_lost and util is not None:  # answers again: it was reset
                     self._was_lost.discard(g.uuid)
-                    self._resets[g.uuid] = self._resets.get(g.uuid, 0) + 1
+                    self._reset_seen(g.uuid)
                 repairs = self._memory_repairs(h)
                 pending = repairs["row_remap_pending"] or repairs["retired_pages_pending"]
                 was_ecc, was_pending = self._pending_repair.get(g.uuid, (0, False))
                 if not lost and ((was_ecc and ecc == 0) or (was_pending and not pending)):
                     # the volatile ECC count went back to 0, or a pending repair took effect: a reset
-                    self._resets[g.uuid] = self._resets.get(g.uuid, 0) + 1
+                    self._reset_seen(g.uuid)
                 if not lost:
                     self._pending_repair[g.uuid] = (int(ecc or 0), pending)
                 health = DeviceHealth(lost=lost, xid=xid, xid_count=xid_count, ecc_uncorrected=None if ecc is None else int(ecc),
                                       xids=tuple(sorted(self._xid_codes.get(g.uuid, {}).items())), resets=self._resets.get(g.uuid, 0),
+                                      xids_at_reset=self._xids_at_reset.get(g.uuid, ()),
                                       **repairs, throttle=self._throttle(h))
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
@@ -368,6 +370,11 @@ class NvmlBackend(DeviceBackend):
             latest = max(latest, int(smp.timeStamp))
         self._proc_util_seen[uuid] = latest
         return tuple(ProcessSample(p.pid, p.used_memory_mib, p.device_uuid, p.kind, min(100.0, busy.get(p.pid, 0.0))) for p in procs)
+
+    def _reset_seen(self, uuid: str) -> None:
+        """A reset of GPU ``uuid``: its XID counts go on; those up to now were repaired by it."""
+        self._resets[uuid] = self._resets.get(uuid, 0) + 1
+        self._xids_at_reset[uuid] = tuple(sorted(self._xid_codes.get(uuid, {}).items()))
 
     def _drain_xid_events(self) -> None:
         """Count the critical XID errors the driver reported since the last sample (never waits)."""

@@ -284,14 +284,16 @@ class SimulatedBackend(DeviceBackend):
 
     def reset_device(self, uuid: str) -> DeviceHealth:
         """A GPU reset: the GPU answers again, pending repairs took effect, the volatile ECC count
-        is back to 0; the XID counts stay (they count since the monitor started) and ``resets`` goes up."""
+        is back to 0; the XID counts stay (they count since the monitor started), ``resets`` goes up
+        and ``xids_at_reset`` keeps the counts as they were (what the reset repaired)."""
         self._check_uuid(uuid)
         with self._lock:
             self._reload()
             d = self._devices.setdefault(uuid, {})
             h: DeviceHealth = d.get("health", HEALTHY)
             d["health"] = dataclasses.replace(h, lost=False, ecc_uncorrected=0 if h.ecc_uncorrected is not None else None,
-                                              retired_pages_pending=False, row_remap_pending=False, resets=h.resets + 1)
+                                              retired_pages_pending=False, row_remap_pending=False, resets=h.resets + 1,
+                                              xids_at_reset=tuple(sorted(h.xid_counts().items())))
             self._save()
             return d["health"]
 
