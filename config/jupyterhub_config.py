@@ -98,6 +98,8 @@ if env("GPULEASE_DEMO_ADMIN_TOKEN"):
 # ------------------------------------------------------------------ scopes and roles
 c.JupyterHub.custom_scopes = {
     "custom:gpulease:admin": {"description": "See and change every GPU lease, and ask for leases on behalf of users."},
+    # reads the broker's /metrics (every lease, each group's use): give it to Prometheus' service
+    "custom:gpulease:metrics": {"description": "Read the GPU lease broker's metrics (every lease, each group's use)."},
 }
 c.JupyterHub.load_roles = [
     # Users reach the broker: their own leases, the pool, the queue (through their servers'

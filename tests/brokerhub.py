@@ -25,7 +25,8 @@ SERVICE = "gpulease"
 SPAWNER_SERVICE = "gpulease-spawner"
 ADMIN_SCOPE = "custom:gpulease:admin"
 BROKER_ACCESS = f"access:services!service={SERVICE}"
-CUSTOM_SCOPES = {ADMIN_SCOPE: {"description": "See and change every GPU lease, and ask for leases on behalf of users."}}
+CUSTOM_SCOPES = {ADMIN_SCOPE: {"description": "See and change every GPU lease, and ask for leases on behalf of users."},
+                 "custom:gpulease:metrics": {"description": "Read the GPU lease broker's metrics (every lease, each group's use)."}}
 # README: what the broker may do on the hub (groups for tiers and quotas, servers it checks and stops)
 BROKER_SCOPES = ["read:users", "read:servers", "read:groups", "list:groups", "admin:servers"]
 # README's c.Spawner.server_token_scopes: a server's own token reaches the broker (its extension, %gpu)

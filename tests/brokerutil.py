@@ -35,6 +35,8 @@ async def _fake_authenticate(self):
     scopes = ["access:services!service=gpulease"]
     if name.startswith("admin"):
         scopes.append("custom:gpulease:admin")
+    if name.startswith("prometheus"):  # the hub service whose token Prometheus sends
+        scopes.append("custom:gpulease:metrics")
     return {"kind": "user", "name": name, "groups": GROUPS.get(name, []), "scopes": scopes, "admin": False}
 
 

@@ -6,6 +6,7 @@ same broker behind a real JupyterHub.
 """
 
 import asyncio
+import json
 
 import pytest
 
@@ -259,7 +260,9 @@ def test_metrics_count_leases_gpus_and_grants(tmp_path):
         alice = client("alice")
         await alice.request_lease({"gpus": 2, "model": "A100*"})
         await alice.request_lease({"gpus": 1, "model": "A100*"})
-        resp = await AsyncHTTPClient().fetch(broker_url(app) + "metrics", headers={"Authorization": "token alice"})
+        resp = await AsyncHTTPClient().fetch(broker_url(app) + "metrics", headers={"Authorization": "token alice"}, raise_error=False)
+        assert resp.code == 403 and "custom:gpulease:metrics" in json.loads(resp.body)["message"]  # a user reads no one's metrics
+        resp = await AsyncHTTPClient().fetch(broker_url(app) + "metrics", headers={"Authorization": "token prometheus"})
         text = resp.body.decode()
         assert 'gpulease_leases{state="active",tier="experiment"} 1.0' in text
         assert 'gpulease_leases{state="queued",tier="experiment"} 1.0' in text

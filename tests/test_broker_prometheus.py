@@ -49,7 +49,7 @@ def value(samples, name: str, **labels) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
-async def scrape(app, token: str = "alice") -> dict:
+async def scrape(app, token: str = "prometheus") -> dict:
     resp = await AsyncHTTPClient().fetch(broker_url(app) + "metrics", headers={"Authorization": f"token {token}"})
     return parse(resp.body.decode())
 
@@ -277,7 +277,7 @@ class Prometheus(ReadyProcess):
 
 PROMETHEUS_SERVICE = """
 c.JupyterHub.services.append({{"name": "prometheus", "api_token": {token!r}}})
-c.JupyterHub.load_roles.append({{"name": "prometheus", "scopes": ["access:services!service=gpulease"], "services": ["prometheus"]}})
+c.JupyterHub.load_roles.append({{"name": "prometheus", "scopes": ["access:services!service=gpulease", "custom:gpulease:metrics"], "services": ["prometheus"]}})
 """
 
 

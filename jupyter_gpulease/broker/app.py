@@ -294,6 +294,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
             "gpulease_metrics": self.metrics,
             "gpulease_openapi": load_openapi(),
             "gpulease_authenticate_metrics": self.authenticate_metrics,
+            "gpulease_metrics_scope": self.metrics_scope,
             "gpulease_limits": self.limits,
             "log_function": self._log_request,
             "gpulease_calls": set(),  # the API calls being answered (the stop lets them finish)

@@ -733,6 +733,11 @@ class MetricsHandler(APIHandler):
     async def get(self):
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self.needs_token:
+            scope = self.settings.get("gpulease_metrics_scope", "custom:gpulease:metrics")
+            if not self.is_admin and scope not in set((self.current_user or {}).get("scopes") or ()):
+                raise Forbidden(f"reading the metrics needs the scope {scope} (or {self.admin_scope}): they name every lease and "
+                                "each group's use; give it to the hub service whose token Prometheus sends")
         body = await self.settings["gpulease_metrics"].render()
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(body)

@@ -255,8 +255,17 @@ class BrokerSettings(LoggingConfigurable):
     authenticate_metrics = Bool(
         True,
         help="""Require a hub token to read /metrics: one whose scopes include
-        ``access:services!service=gpulease``, e.g. the token of a hub service for Prometheus
-        (false: anyone who can reach the broker).""",
+        ``access:services!service=gpulease`` and the metrics scope (``metrics_scope``) or the
+        admin scope, e.g. the token of a hub service for Prometheus (false: anyone who can
+        reach the broker).""",
+    ).tag(config=True)
+
+    metrics_scope = Unicode(
+        "custom:gpulease:metrics",
+        help="""The scope that lets a caller read /metrics (every lease id, each group's use,
+        unleased use): a user's token, which reaches the broker for its own leases, does not
+        read them. Declare it in ``c.JupyterHub.custom_scopes`` and grant it by a role, e.g. to
+        the hub service whose token Prometheus sends. The admin scope reads them too.""",
     ).tag(config=True)
     metrics_per_user = Bool(
         False,
