@@ -4,6 +4,7 @@ fake /proc."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -155,11 +156,51 @@ def test_the_owner_is_the_server_of_the_outermost_ancestor_that_has_one(tmp_path
     fake_process(tmp_path, 70, 60, 61234, "python", {"JUPYTERHUB_USER": "bob"})
     # bob's process claims to be alice's in its own environment: the server's word counts
     fake_process(tmp_path, 80, 70, 61234, "python3", {"JUPYTERHUB_USER": "alice"}, cgroup="12:devices:/jupyter/bob\n11:memory:/x\n")
-    info = ProcReader(str(tmp_path)).info(80)
-    assert info.owner.hub_user == "bob" and info.owner.server == "big"
+    info = ProcReader(str(tmp_path), account_uid={"bob": 61234, "alice": 61235}.get).info(80)
+    assert info.owner.hub_user == "bob" and info.owner.server == "big" and not info.owner.claimed
     assert info.owner.uid == 61234 and info.owner.name == "uid 61234"
     assert info.owner.cgroup == "/jupyter/bob"
     assert info.command == "python3" and info.start == "8000"
+
+
+def test_a_detached_process_with_a_forged_hub_user_is_its_unix_users_and_the_forgery_is_named(tmp_path):
+    fake_process(tmp_path, 1, 0, 0, "init")
+    # bob's process left his server's tree (setsid, parent 1) and claims to be alice's
+    fake_process(tmp_path, 95, 1, 61234, "train.py", {"JUPYTERHUB_USER": "alice"},
+                 cgroup="12:devices:/jupyter-gpulease/bob\n11:memory:/x\n0::/user.slice/user-61234.slice\n")
+    accounts = {"bob": 61234, "alice": 61235}.get
+    info = ProcReader(str(tmp_path), account_uid=accounts).info(95)
+    o = info.owner
+    assert (o.hub_user, o.server, o.claimed, o.uid) == ("", "", "alice", 61234)
+    assert o.cgroup == "/jupyter-gpulease/bob"  # the v1 devices path that names the server, on a hybrid host too
+    assert o.words() == "uid 61234 (not a hub user, claiming to be alice's)"
+    # the broker learns that uid 61234 is bob, a hub user: bob's use, the forgery named
+    bobs = dataclasses.replace(o, name="bob", hub_user="bob")
+    assert bobs.words() == "bob, claiming to be alice's"
+    p = dataclasses.replace(proc(95, L4, "alice"), owner=bobs)
+    (finding,) = find_unleased([p], [lease("alice", whole(L4))])
+    assert finding.holders == ("alice",)  # on alice's GPU: reported, not taken for hers
+    d = UnleasedTracker().observe(0.0, [finding]).new[0].to_dict(0.0)
+    assert (d["user"], d["claimed_user"], d["uid"], d["cgroup"]) == ("bob", "alice", 61234, "/jupyter-gpulease/bob")
+    # a claimed user with no Unix account here (a container's server): the claim is all there is
+    fake_process(tmp_path, 96, 1, 1000, "train.py", {"JUPYTERHUB_USER": "carol"})
+    assert ProcReader(str(tmp_path), account_uid=accounts).info(96).owner.hub_user == "carol"
+
+
+def test_a_real_detached_process_claiming_another_accounts_hub_user_is_not_believed():
+    import pwd
+    import subprocess
+    import sys
+
+    other = next(u for u in pwd.getpwall() if u.pw_uid != os.getuid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
+                             env={**os.environ, "JUPYTERHUB_USER": other.pw_name})
+    try:
+        info = ProcReader().info(child.pid)
+        assert info.owner.uid == os.getuid() and info.owner.claimed == other.pw_name and info.owner.hub_user == ""
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_process_outside_every_server_has_its_unix_user_only_and_a_vanished_one_is_none(tmp_path):

@@ -5,7 +5,11 @@ is reused is another process), its cgroup, and the single-user server it belongs
 ``JUPYTERHUB_USER`` and ``JUPYTERHUB_SERVER_NAME`` of the *outermost* of its ancestors that has
 them (the server process the spawner started, whose environment the user cannot change after
 the start; a process's own environment is only used when no ancestor has them, e.g. a process
-that left its server's tree). Reading another user's ``environ`` needs root (or the same uid).
+that left its server's tree). Anyone can set an environment, so the claim is believed only when
+the process runs under the uid of the claimed user's Unix account, or no account has that name
+(servers of containers, whose users are not the host's); otherwise the owner is the process's
+own Unix user and the claim is kept to be named (``Owner.claimed``). Reading another user's
+``environ`` needs root (or the same uid).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ class ProcReader:
     """Reads process facts under ``root`` (``/proc``). Every method returns None/"" for a
     process that is gone or unreadable; nothing raises for a vanished process."""
 
-    def __init__(self, root: str = "/proc"):
+    def __init__(self, root: str = "/proc", *, account_uid=None):
         self.root = root
+        self.account_uid = account_uid or _account_uid  # a Unix user name -> its uid (None: no such account)
 
     def _read(self, pid: int, name: str) -> bytes | None:
         try:
@@ -67,14 +72,15 @@ class ProcReader:
         return out
 
     def cgroup(self, pid: int) -> str:
-        """The process's cgroup: the v2 path (``0::/…``), else the v1 ``devices`` one, else the first."""
+        """The process's cgroup: the v1 ``devices`` one (where the hub puts each server on a v1 or
+        hybrid host), else the v2 path (``0::/…``), else the first."""
         raw = self._read(pid, "cgroup")
         lines = [ln for ln in (raw or b"").decode(errors="replace").splitlines() if ln.count(":") >= 2]
         for ln in lines:
-            if ln.startswith("0::"):
+            if "devices" in ln.split(":", 2)[1].split(","):
                 return ln.split(":", 2)[2]
         for ln in lines:
-            if "devices" in ln.split(":", 2)[1].split(","):
+            if ln.startswith("0::"):
                 return ln.split(":", 2)[2]
         return lines[0].split(":", 2)[2] if lines else ""
 
@@ -96,7 +102,12 @@ class ProcReader:
             if parent is None or parent == cur:
                 break
             cur, depth = parent, depth + 1
-        owner = Owner(uid=uid, name=name, hub_user=hub_user, server=server, cgroup=self.cgroup(pid))
+        claimed = ""
+        if hub_user:
+            account = self.account_uid(hub_user)
+            if account is not None and account != uid:  # set by hand: not that user's process
+                claimed, hub_user, server = hub_user, "", ""
+        owner = Owner(uid=uid, name=name, hub_user=hub_user, server=server, cgroup=self.cgroup(pid), claimed=claimed)
         return ProcessInfo(pid, owner, command=st.get("Name", ""), start=self.start(pid))
 
 
@@ -107,6 +118,13 @@ def user_name(uid: int | None) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"uid {uid}"
+
+
+def _account_uid(name: str) -> int | None:
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        return None
 
 
 def _first_int(s: str) -> int | None:

@@ -47,12 +47,14 @@ class Owner:
     hub_user: str = ""  # "" : not a hub user
     server: str = ""  # the single-user server's name ("" : the default server)
     cgroup: str = ""
+    claimed: str = ""  # a JUPYTERHUB_USER the process carries but is not believed (it runs under another uid)
 
     def words(self) -> str:
+        forged = f", claiming to be {self.claimed}'s" if self.claimed and self.claimed != self.hub_user else ""
         if self.hub_user:
-            return self.hub_user
+            return self.hub_user + forged
         if self.name:
-            return f"{self.name} (not a hub user)"
+            return f"{self.name} (not a hub user{forged})"
         return "unknown owner (the broker cannot see the process)"
 
 
@@ -153,6 +155,7 @@ class Standing:
             "unix_user": p.owner.name,
             "server": p.owner.server,
             "cgroup": p.owner.cgroup,
+            "claimed_user": p.owner.claimed,
             "hub_user": bool(p.owner.hub_user),
             "device_uuid": p.device_uuid,
             "gpu_uuid": p.gpu_uuid,
