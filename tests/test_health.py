@@ -9,7 +9,7 @@ import pytest
 from brokerutil import ManualClock, broker_url, make_broker, patch_auth
 from jupyter_gpulease.broker.pages import render_admin_page
 from jupyter_gpulease.client import BrokerClient, BrokerError
-from jupyter_gpulease.hub.form import render_form
+from jupyter_gpulease.hub.form import estimate_words, render_form
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,6 +276,27 @@ def test_maintenance_windows_over_rest_keep_grants_out_and_warn_holders_ahead(tm
         assert (await bob.get_lease(b["id"]))["state"] == "active"
 
     run(tmp_path, scenario)
+
+
+def test_the_form_says_why_a_lease_is_cut_short_and_why_a_request_waits_on_gpus_out_of_service(tmp_path):
+    async def scenario(app, clock, client):
+        alice, admin = client("alice"), client("admin-dan")
+        now = clock.now()
+        await admin.add_maintenance(start=now + 21 * 60, end=now + 3600, reason="BIOS update", nodes=["n1"])
+        (est,) = await alice.estimate([A100])
+        assert est["start"] == "now" and est["short_grant"] and est["duration_s"] == pytest.approx(21 * 60)
+        assert estimate_words(est, now) == ("now", "starts now, for 21 min only: a maintenance window of its GPU begins then (BIOS update)")
+        (whole,) = await alice.estimate([{"gpus": 1, "model": "L4", "duration_s": 7200}])
+        assert estimate_words(whole, now) == ("now", "starts now")
+        # both L4s cordoned: a request only they could hold waits for them, and says so
+        await admin.cordon("node", "n2", "PSU swap")
+        (est,) = await alice.estimate([{"gpus": 1, "model": "L4", "duration_s": 3600}])
+        assert est["start"] == "queued"
+        assert "the 2 GPUs that could hold it are out of service (cordoned, draining or unhealthy); it starts when one is back" in est["waiting_for"]
+        queued = await alice.request_lease({"gpus": 1, "model": "L4", "duration_s": 3600})
+        assert "out of service" in queued["queue"]["waiting_for"] and "no slice is expected" not in queued["queue"]["waiting_for"]
+
+    run(tmp_path, scenario, maintenance_shorten_min_s=600)
 
 
 def test_cordons_and_windows_hold_across_a_restart(tmp_path):

@@ -36,6 +36,7 @@ class Estimate:
     duration_s: float | None = None
     short_grant: bool = False
     placement: Placement | None = None
+    short_why: str = ""  # why a short grant ends early
     position: int | None = None
     length: int | None = None
     eta: float | None = None
@@ -49,6 +50,7 @@ class Estimate:
             "tier": self.tier,
             "duration_s": self.duration_s,
             "short_grant": self.short_grant,
+            "short_why": self.short_why,
             "placement": self.placement.to_dict() if self.placement else None,
             "position": self.position,
             "length": self.length,

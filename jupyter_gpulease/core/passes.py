@@ -213,7 +213,13 @@ class SchedulingPass:
         what = lease.request.describe()
         got = self.plan.reserve(lease, frozenset(lease.require_gpus) if lease.require_gpus else None)
         if got is None:
-            self.found.waiting_for[lease.id] = f"waiting for {what}: no slice is expected to free up"
+            out = self.pool.out_of_service_for(lease.request, frozenset(lease.require_gpus) if lease.require_gpus else None)
+            if out:
+                self.found.waiting_for[lease.id] = (f"waiting for {what}: the {out} GPU{'s' if out > 1 else ''} that could hold it "
+                                                    f"{'are' if out > 1 else 'is'} out of service (cordoned, draining or unhealthy); "
+                                                    "it starts when one is back")
+            else:
+                self.found.waiting_for[lease.id] = f"waiting for {what}: no slice is expected to free up"
             return
         t, uuids = got
         self.found.eta[lease.id] = t

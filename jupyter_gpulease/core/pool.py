@@ -193,6 +193,17 @@ class Pool:
                 return "require_gpus", "none of the GPUs in 'require_gpus' is in the pool and matches the request"
         return slice_type(req).why_never(self, req, cands)
 
+    def out_of_service_for(self, req: Request, only: frozenset[str] | None = None) -> int:
+        """How many GPUs could hold ``req`` but are out of service (cordoned, draining or
+        unhealthy) when none in service could: 0 when some GPU in service could."""
+        models = self.models(req.models, req.min_memory_mib)
+        cands = [s for m in models for s in self.by_model[m] if s.gpu.memory_mib >= req.min_memory_mib]
+        if only is not None:
+            cands = [s for s in cands if s.gpu.uuid in only or any(m.uuid in only for m in s.gpu.mig)]
+        if any(s.gpu.healthy for s in cands):
+            return 0
+        return len(cands)
+
     def why_never_on(self, req: Request, only: frozenset[str]) -> tuple[str, str] | None:
         """Why ``req`` can never be placed on the devices ``only`` (GPU or MIG UUIDs); None if it can."""
         return self._why_never(req, only)

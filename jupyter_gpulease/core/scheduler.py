@@ -154,7 +154,9 @@ class Scheduler:
         waited = None if ask.max_wait_s is None else now + ask.max_wait_s
         if dry.fit is not None:
             placement, until = dry.fit
-            return Estimate("now", tier.name, (until or now + duration_s) - now, until is not None, placement, within_wait_limit=None if waited is None else True)
+            why = (self._cut_why(placement, until, now) or "these GPUs are promised to a waiting lease from then") if until is not None else ""
+            return Estimate("now", tier.name, (until or now + duration_s) - now, until is not None, placement, short_why=why,
+                            within_wait_limit=None if waited is None else True)
         eta = found.eta.get(target.id)
         if target.id in found.quota_held:
             eta = self._quotas.frees_at(target, self.pool.gpu_milli_of(target.request), self.leases, book.live_end)

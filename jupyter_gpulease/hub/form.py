@@ -347,6 +347,9 @@ def estimate_words(est: dict | None, now: float) -> tuple[str, str]:
         return "unknown", ""
     start = est.get("start")
     if start == "now":
+        if est.get("short_grant") and est.get("duration_s"):
+            why = f": {est['short_why']}" if est.get("short_why") else ""
+            return "now", f"starts now, for {format_duration(float(est['duration_s']))} only{why}"
         return "now", "starts now"
     if start == "never":
         refused = est.get("refused") or {}
