@@ -369,14 +369,17 @@ async def test_the_hub_side_reads_groups_and_users_from_the_hub():
 @run
 async def test_the_hub_side_stops_the_server_of_a_lease_the_broker_ended_only_when_asked():
     hub = FakeHub()
-    lease = SimpleNamespace(user="alice", server="gpu")
+    lease = SimpleNamespace(user="alice", server="gpu", meta={})
     expired = SimpleNamespace(kind=ENDED, from_state="active", to_state="expired", lease=lease)
     released = SimpleNamespace(kind=ENDED, from_state="active", to_state="released", lease=lease)
+    # bob's lease moved off a sick GPU: his server's kernels take a healthy one, his spawner decides
+    moved = SimpleNamespace(kind=ENDED, from_state="active", to_state="revoked",
+                            lease=SimpleNamespace(user="bob", server="", meta={"health": {"device": "GPU-1", "action": "drain_now"}}))
     hub_side(hub).on_events([], [expired])  # stop_servers_on_end is off by default
     side = hub_side(hub, stop_servers_on_end=True)
-    side.on_events([], [expired, released])
+    side.on_events([], [expired, released, moved])
     await asyncio.gather(*side.tasks)
-    assert hub.stopped == [("alice", "gpu")]  # the holder's own release stops nothing
+    assert hub.stopped == [("alice", "gpu")]  # the holder's own release stops nothing, nor a move
 
 
 @run

@@ -517,6 +517,22 @@ def test_keep_running_when_configured():
     assert status is None and s.running and s.lease_id == ""
 
 
+def test_a_lease_moved_off_a_sick_gpu_keeps_the_server_whatever_on_lease_end_says():
+    async def main():
+        broker = FakeBroker(grant_at_once=True)
+        s = make_spawner(broker)  # on_lease_end = "stop", the default
+        s.user_options = {"gpus": 1}
+        await s.start()
+        broker.leases["L1"]["meta"] = {**broker.leases["L1"]["meta"], "health": {"device": "GPU-l0", "reason": "XID 79", "action": "drain_now"}}
+        broker.end("L1", "revoked")
+        await until(lambda: s.lease_id == "", what="the end to be noticed")
+        await asyncio.sleep(0.1)
+        return s
+    s = asyncio.run(main())
+    assert s.running and s.last_lease_end["state"] == "revoked" and "CUDA_VISIBLE_DEVICES" not in s._lease_env
+    s.running = False
+
+
 @pytest.mark.parametrize("state", ["released", "reclaimed"])
 def test_a_lease_the_user_gives_back_from_inside_the_server_keeps_the_server(state):
     async def main(on_release_by_user):

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from ..client import BrokerError, HubClient
 from ..core.events import ENDED
+from ..core.health import HEALTH_META
 from ..tasks import BackgroundTasks
 from . import hubapi
 
@@ -75,7 +76,8 @@ class HubSide:
             return
         for e in events:
             lease = getattr(e, "lease", None)
-            if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and lease is not None:
+            if e.kind == ENDED and e.from_state == "active" and e.to_state in self.stop_server_states and lease is not None \
+                    and HEALTH_META not in lease.meta:  # a lease moved off a sick GPU: its spawner decides
                 self.tasks.start(self.stop_server(lease.user, lease.server, e.to_state), what="a background task of the broker")
 
     async def reconcile(self) -> list[str]:

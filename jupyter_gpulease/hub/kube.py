@@ -266,6 +266,8 @@ def apply_gpu_spec(pod, spec: PodGPUSpec, *, pinning: str = "affinity", hide_gpu
 class GPULeaseKubeSpawner(GPULeaseSpawner, KubeSpawner):
     """KubeSpawner with GPU leases (entry point ``gpulease-kube``): the lease's placement becomes the pod."""
 
+    server_changes_gpus = False  # a pod keeps the devices it was given
+
     gpu_share_mode = Enum(
         SHARE_MODES,
         "replicas",

@@ -69,6 +69,13 @@ def ended_by_holder(lease: dict) -> bool:
     return bool(actor) and actor == lease.get("user")
 
 
+def moved_off_its_gpu(lease: dict) -> bool:
+    """Whether the lease ended because it moves off a sick GPU (the broker's health, or an admin's
+    drain): its server's kernels were suspended and take a healthy GPU at their next cell, so a
+    server that can change GPUs keeps running, whatever ``on_lease_end`` says for other ends."""
+    return lease.get("state") == "revoked" and isinstance((lease.get("meta") or {}).get("health"), dict)
+
+
 class LeaseWatch:
     """What one spawner knows of its lease: the latest lease JSON and the last warning.
 

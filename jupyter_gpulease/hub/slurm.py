@@ -112,6 +112,8 @@ def job_field(show_job: str, key: str) -> str:
 class GPULeaseSlurmSpawner(GPULeaseSpawner, SlurmSpawner):
     """batchspawner's SlurmSpawner with GPU leases (entry point ``gpulease-slurm``)."""
 
+    server_changes_gpus = False  # a job keeps its GRES until it ends
+
     slurm_time_margin = Float(
         120,
         help="""Seconds the job's time limit runs past the lease's expiry. The hub stops the server

@@ -51,7 +51,7 @@ from ..core.text import format_duration
 from . import form as spawn_form
 from . import pages
 from .cgroups import DeviceAccessError, DeviceGuard, DeviceStart, Mechanism, ServerDevices
-from .link import BrokerLink, LeaseWatch, ended_by_holder
+from .link import BrokerLink, LeaseWatch, ended_by_holder, moved_off_its_gpu
 from .options import LeaseChoice, OptionsError, parse_presets, parse_user_options
 from .placement import cpu_only_environment, describe_request, granted_message, lease_environment, queue_message
 from .progress import SpawnProgress
@@ -88,6 +88,9 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
     :class:`~.cgroups.ServerDevices`."""
 
     enforces_devices = False  # engines that lock each server to its leases' devices set it
+    # a running server may take other GPUs (a lease it takes itself after a move off a sick GPU);
+    # engines whose servers keep the devices they started with (a pod, a Slurm job) clear it
+    server_changes_gpus = True
 
     # ------------------------------------------------------------------ state (not config)
     lease_id = Unicode("", help="Id of the lease this server holds (spawner state; not config).")
@@ -687,7 +690,7 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
     async def _lease_ended(self, lease: dict):
         """The lease of the running server ended: stop the server, or keep it running without it."""
         lease_id = lease.get("id") or self.lease_id
-        if lease_id and not lease.get("end_message"):
+        if lease_id and (not lease.get("end_message") or "meta" not in lease):
             # the feed's event says that it ended; the lease JSON says how, in words, and who
             # ended it (what the user reads on the home page): a short wait for it
             try:
@@ -699,11 +702,13 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
         self._unfollow()
         self._remember_end(lease)
         by_user = ended_by_holder(lease)
-        keep = self.on_release_by_user == "keep" if by_user else self.on_lease_end != "stop"
+        moved = moved_off_its_gpu(lease) and self.server_changes_gpus
+        keep = moved or (self.on_release_by_user == "keep" if by_user else self.on_lease_end != "stop")
         if self._handled_end != lease_id:
             self._handled_end = lease_id
-            self.log.warning("Lease %s of %s ended (%s: %s)%s", lease_id, self._log_name, lease.get("state"),
-                             lease.get("end_reason") or "", "; the server keeps running without it" if keep else "; stopping the server")
+            how = ("; moved off its GPU: the server keeps running, its kernels take a healthy GPU at their next cell" if moved
+                   else "; the server keeps running without it" if keep else "; stopping the server")
+            self.log.warning("Lease %s of %s ended (%s: %s)%s", lease_id, self._log_name, lease.get("state"), lease.get("end_reason") or "", how)
         self.lease_id = ""
         if keep:
             self._lease_env = {}

@@ -148,7 +148,12 @@ class GPULeaseSettings(LoggingConfigurable):
         about a second. When the feed is down (the broker restarting), the hub's periodic
         ``poll()`` of each server, every ``c.Spawner.poll_interval`` seconds (JupyterHub's
         default: 30), also reads the lease: that interval bounds how late a missed end stops
-        a server.""",
+        a server.
+
+        A lease moved off a sick GPU (its health, an admin's drain) is not such an end: the
+        server keeps running and its suspended kernels take a healthy GPU at their next cell,
+        whatever this says (except on Kubernetes and Slurm, where a server keeps the devices
+        it started with and is stopped).""",
     ).tag(config=True)
 
     on_release_by_user = Enum(
