@@ -193,6 +193,8 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
         left_stop.touch()  # the leftover ends: the cgroup can go
         wait_for(lambda: not os.path.exists(os.path.join(root, "alice")) and not os.path.exists(os.path.join(root, "bob")),
                  30, "the servers' cgroups were not removed")
+        hub.close()
+        assert not os.path.exists(root), "the hub's stop left its empty parent cgroup"
     finally:
         left_stop.touch()
         hub.close()

@@ -163,6 +163,37 @@ def test_the_mechanism_found_on_a_host(tmp_path):
     assert "not enforced on this host" in cgroups.hub_start_line("best-effort", m)
 
 
+def test_one_hub_per_parent_a_second_is_refused_with_the_holders_pid_and_a_stop_removes_what_is_empty(tmp_path):
+    import subprocess
+    import sys
+
+    parent = f"gp-claim-{os.getpid()}"
+    lock = tmp_path / f"jupyter-gpulease-{parent}.lock"
+    # another hub (a process of its own) holds the parent
+    other = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, time; fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT); "
+                              "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); print('held', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        why = cgroups.claim_parent(parent, lock_dir=str(tmp_path))
+        assert why == (f"another hub on this host (pid {other.pid}) uses the device cgroup parent {parent!r}; "
+                       "give each hub its own c.GPULeaseSpawner.device_cgroup_parent")
+        assert cgroups.detect(parent, euid=0).why == why and cgroups.detect(parent, euid=0).backend is None
+    finally:
+        other.kill()
+        other.wait()
+    # a parent nobody holds: this process takes it (again: still its own); its stop removes the
+    # empty cgroups and the parent, and lets go of the lock
+    mine = parent + "-mine"
+    assert cgroups.claim_parent(mine, lock_dir=str(tmp_path)) == "" and cgroups.claim_parent(mine, lock_dir=str(tmp_path)) == ""
+    v1 = tmp_path / "v1"
+    v1.write_text(MOUNTINFO_V1.replace("/sys/fs/cgroup/devices", str(tmp_path / "devices")))
+    (tmp_path / "devices" / mine / "alice").mkdir(parents=True)
+    cgroups.release_parent(mine, mountinfo=str(v1))
+    assert not (tmp_path / "devices" / mine).exists()
+    assert mine not in cgroups._held
+
+
 # --------------------------------------------------------------------------- systemd (v2), as commands
 def test_the_systemd_scope_and_its_changes_are_these_commands():
     ran = []

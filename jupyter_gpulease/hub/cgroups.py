@@ -36,11 +36,13 @@ descriptors after a deny. Every write happens off the hub's event loop.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -126,11 +128,65 @@ class Mechanism:
         return f"Mechanism({self.kind!r}, {self.why!r})"
 
 
+# --------------------------------------------------------------------------- one hub per parent
+LOCK_DIR = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
+_held: dict[str, int] = {}  # parent -> the open lock file this hub process holds
+_refused: dict[str, str] = {}  # parent -> why this hub process may not use it
+
+
+def claim_parent(parent: str, lock_dir: str = LOCK_DIR) -> str:
+    """Take the host's lock of the device cgroup parent ``parent`` for this hub process (held
+    until it exits): two hubs with one parent would sweep each other's cgroups and put their
+    same-named users in one. Returns "" when held (now or before), else why not; a refusal is
+    kept, and :func:`detect` then offers no mechanism under that parent."""
+    if parent in _held:
+        return ""
+    if parent in _refused:
+        return _refused[parent]
+    path = os.path.join(lock_dir, "jupyter-gpulease-" + re.sub(r"[^A-Za-z0-9_.-]", "_", parent) + ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        return f"cannot open the lock of device cgroup parent {parent!r} ({path}): {e.strerror}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        why = (f"another hub on this host (pid {holder}) uses the device cgroup parent {parent!r}; give each hub its own "
+               "c.GPULeaseSpawner.device_cgroup_parent")
+        _refused[parent] = why
+        return why
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _held[parent] = fd
+    return ""
+
+
+def release_parent(parent: str, mountinfo: str = MOUNTINFO) -> None:
+    """At the hub's stop: remove the empty cgroups under ``parent`` and the parent itself when
+    empty (a server that runs on keeps its cgroup, and so the parent), then let go of the lock."""
+    mount = v1_devices_mount(mountinfo)
+    if mount is not None and parent in _held:
+        backend = V1Devices(mount, parent)
+        backend.sweep()
+        try:
+            os.rmdir(backend.root)
+        except OSError:
+            pass  # a server still runs in it, or it was never made
+    fd = _held.pop(parent, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def detect(parent: str = "jupyter-gpulease", *, mountinfo: str = MOUNTINFO, systemd_dir: str = SYSTEMD_RUN_DIR,
            which: Callable[[str], str | None] = shutil.which, euid: int | None = None, probe: bool = True) -> Mechanism:
     """The mechanism this host offers: v1's devices controller where it is mounted and writable
     (``probe``: make the parent cgroup to be sure), else systemd scopes where systemd runs on a
-    cgroup v2 host, else none (with the reason)."""
+    cgroup v2 host, else none (with the reason; also when another hub holds ``parent``, see
+    :func:`claim_parent`)."""
+    if parent in _refused:
+        return Mechanism("none", _refused[parent])
     euid = os.geteuid() if euid is None else euid
     why_not = []
     mount = v1_devices_mount(mountinfo)
@@ -737,6 +793,13 @@ def _config_value(cls: type, config: Any, name: str) -> Any:
     return value
 
 
+def at_hub_stop(hub: Any) -> None:
+    """The hub stops: see :func:`release_parent` (its servers were stopped first, or run on)."""
+    cls = getattr(hub, "spawner_class", None)
+    if getattr(cls, "enforces_devices", False):
+        release_parent(_config_value(cls, hub.config, "device_cgroup_parent"))
+
+
 def log_at_hub_start(hub: Any) -> Mechanism | None:
     """Log the one line about device enforcement when the hub starts (its spawner is a lease
     spawner for local processes); returns the mechanism found (None: not such a spawner)."""
@@ -745,7 +808,8 @@ def log_at_hub_start(hub: Any) -> Mechanism | None:
         return None
     mode = _config_value(cls, hub.config, "enforce_devices")
     parent = _config_value(cls, hub.config, "device_cgroup_parent")
-    mech = Mechanism("none", "off") if mode == "off" else detect(parent)
+    taken = "" if mode == "off" else claim_parent(parent)
+    mech = Mechanism("none", "off") if mode == "off" else Mechanism("none", taken) if taken else detect(parent)
     if isinstance(mech.backend, V1Devices):
         mech.backend.sweep()  # a server still running keeps its cgroup (not empty); adopt() takes it up
     line = hub_start_line(mode, mech)

@@ -83,6 +83,10 @@ def attach(app) -> None:
         for link in _links():
             await link.close()  # the broker goes next: no reconnecting to it
         await original_cleanup()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, app.spawner_class.device_access_at_hub_stop, app)
+        except Exception:
+            app.log.exception("Device cgroups at shutdown failed")
 
     app.cleanup = cleanup
     asyncio.get_running_loop().call_soon(lambda: _tasks.start(check_at_start(app), what="the GPU lease check at hub start"))

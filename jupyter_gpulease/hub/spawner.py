@@ -553,6 +553,14 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
 
         log_at_hub_start(hub)
 
+    @classmethod
+    def device_access_at_hub_stop(cls, hub) -> None:
+        """The hub stops (after its servers were stopped, or left running): the local engines
+        remove the empty device cgroups and their parent, and let go of the parent's lock."""
+        from .cgroups import at_hub_stop
+
+        at_hub_stop(hub)
+
     def find_device_mechanism(self) -> Mechanism:
         """How this host locks this engine's servers to their leases' devices (asked once per hub
         process, when its device guard is made). Local processes: a device cgroup (see

@@ -219,5 +219,8 @@ class GPULeaseSettings(LoggingConfigurable):
         "jupyter-gpulease",
         help="""Name of the parent cgroup (cgroup v1) or unit-name prefix (systemd scopes) of the
         per-server device cgroups: ``<devices mount>/<this>/<user>`` (``<user>:<server>`` for named
-        servers). Two hubs on one host need different names. Example: ``jupyter-gpulease``.""",
+        servers). Two hubs on one host need different names: a hub takes the host's lock of its
+        name at start (a file in ``/run/lock``), and a second hub with the same name gets no
+        device access (its GPU spawns fail where ``enforce_devices = "required"``) and says why.
+        At its stop a hub removes the empty cgroups and the parent. Example: ``jupyter-gpulease``.""",
     ).tag(config=True)

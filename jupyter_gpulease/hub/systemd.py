@@ -240,6 +240,10 @@ class GPULeaseSystemdSpawner(GPULeaseSpawner, DeviceAllowSystemdSpawner):
     def log_device_access_at_hub_start(cls, hub) -> None:
         log_at_hub_start(hub)
 
+    @classmethod
+    def device_access_at_hub_stop(cls, hub) -> None:
+        pass  # the units are SystemdSpawner's, named by its unit_name_template
+
     def find_device_mechanism(self) -> Mechanism:
         ok, why = detect_units()
         return Mechanism(ServiceUnits.kind, why, ServiceUnits() if ok else None)
