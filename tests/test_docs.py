@@ -127,6 +127,25 @@ def test_readme_is_short_and_links_every_page_of_the_docs():
     assert not missing, f"README links none of: {missing}"
 
 
+def test_every_code_block_of_every_page_is_closed():
+    """A fence left open swallows the rest of its page into one code block (a table, the prose)
+    and the build still passes: every opening fence of every page has its closing one."""
+    unclosed = []
+    for page in [README, ROOT / "ARCHITECTURE.md", *DOCS.rglob("*.md")]:
+        fence = None
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            m = re.match(r"^\s*(`{3,}|~{3,})", line)
+            if m is None:
+                continue
+            if fence is None:
+                fence = (m.group(1), n)
+            elif m.group(1).startswith(fence[0]) and not line.strip()[len(m.group(1)):].strip():
+                fence = None
+        if fence is not None:
+            unclosed.append(f"{page.relative_to(ROOT)}:{fence[1]}")
+    assert not unclosed, f"code blocks opened and never closed: {unclosed}"
+
+
 # --------------------------------------------------------------------------- the two commands
 def _bash_blocks(text: str) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"^```bash\n(.*?)^```", text, re.S | re.M)]
