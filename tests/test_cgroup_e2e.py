@@ -205,3 +205,66 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
                     os.rmdir(path)
                 except OSError:
                     pass
+
+
+SELF_TAKEN_TRIES = 20
+
+# moves itself into a server's cgroup (as root) and opens the node until it is allowed or a second
+# has passed: prints what it saw last and when (seconds after its start)
+IN_CGROUP = """
+import errno, os, sys, time
+procs, node = sys.argv[1], sys.argv[2]
+with open(procs, "w") as f:
+    f.write(str(os.getpid()))
+t0 = time.monotonic()
+while True:
+    try:
+        os.close(os.open(node, os.O_RDONLY))
+        seen = "opened"
+    except OSError as x:
+        seen = errno.errorcode.get(x.errno, str(x.errno))
+    if seen != "EPERM" or time.monotonic() - t0 > 1.0:
+        break
+    time.sleep(0.01)
+print(seen, round(time.monotonic() - t0, 3))
+"""
+
+
+@requires_v1
+def test_a_lease_a_server_takes_itself_right_after_a_cpu_only_spawn_opens_within_a_second(tmp_path):
+    """Twenty CPU-only spawns, each followed at once by a lease the server takes itself (as
+    ``%gpu request`` does): every time, the GPU opens in the server's cgroup within a second of
+    the lease's answer (the hub learns of such leases from its event feed alone)."""
+    import subprocess
+    import sys
+
+    (node,) = make_nodes(tmp_path / "dev", 1)
+    pool = [{"node": "n1", "model": "L4", "count": 1, "memory_mib": 23034, "devices": [node]}]
+    parent = f"jupyter-gpulease-test-{secrets.token_hex(4)}"
+    root = os.path.join(_v1_root(), parent)
+    hub, _sim = make_hub(tmp_path, pool, parent, users=("alice",))
+    seen = []
+    try:
+        alice = hub.create_token("alice")
+        for _ in range(SELF_TAKEN_TRIES):
+            assert hub.spawn("alice", {"kind": "cpu"})[0] in (201, 202)
+            wait_for(lambda: hub.ready_server("alice"), 120, "the CPU-only server did not start")
+            code, body = hub.gpu_api("alice", alice, "lease", "POST", {"gpus": 1})
+            assert code == 201, body
+            run = subprocess.run([sys.executable, "-c", IN_CGROUP, os.path.join(root, "alice", "cgroup.procs"), node],
+                                 capture_output=True, text=True, timeout=30, check=True)
+            what, after = run.stdout.split()
+            seen.append((what, float(after)))
+            assert hub.api("DELETE", "users/alice/server")[0] in (202, 204)
+            wait_for(lambda: hub.server_model("alice") is None, 60, "the server did not stop")
+        late = [(i, s) for i, s in enumerate(seen) if s[0] != "ENXIO"]
+        assert not late, f"{len(late)} of {SELF_TAKEN_TRIES} self-taken leases did not open within a second: {late}"
+    finally:
+        hub.close()
+        for name in ("alice", ""):
+            path = os.path.join(root, name)
+            if os.path.isdir(path):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
