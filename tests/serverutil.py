@@ -261,9 +261,12 @@ def extension_config(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture
 def server(jp_serverapp, jp_asyncio_loop):
-    """The server with its extensions started (pytest-jupyter does not run that hook itself)."""
+    """The server with its extensions started (pytest-jupyter does not run that hook itself), and
+    stopped while the test's broker still runs: pytest-jupyter's own clean-up comes after every
+    other fixture's, the broker's too, when the extension's release would wait for a broker gone."""
     jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
-    return jp_serverapp
+    yield jp_serverapp
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.stop_all_extensions())
 
 
 async def active_lease(fetch) -> dict:

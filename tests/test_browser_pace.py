@@ -11,7 +11,9 @@ lease card without a reload; alice's cell prints her variable. All along, alice 
 notification at a time, none cut before its Details button; after the cycle her notification
 centre holds one, and it says what is true: her kernel has its GPU back.
 
-One test, several minutes long: the pauses are the point.
+It also saves the screenshots the tutorial shows (docs/images/walkthrough-*.png), each taken
+once the step's one notification has slid into view. One test, several minutes long: the pauses
+are the point.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ import time
 
 import pytest
 
-from browserutil import TOAST, chromium_browser, demo_config, open_lab, server_status, start_from_form, toast
+from browserutil import ROOT, TOAST, chromium_browser, demo_config, open_lab, server_status, slid_in, start_from_form, toast
 from hubharness import wait_for
 from jupyter_gpulease.hub.demo import IDLE_RECLAIM_S, IDLE_WARN_S, UNUSED_LEASE_S
-from test_browser_walkthrough import ROOT, cell_output, run_next_cell
 from test_demo import Demo
 
 pytestmark = pytest.mark.timeout(1500)
 
 FAILED = ROOT / "test-artifacts" / "pace"
+IMAGES = ROOT / "docs" / "images"
 VIEWPORT = {"width": 1280, "height": 760}
 CELL = ("from jupyter_gpulease.sim.gpu import use_gpu\n"
         "use_gpu(util=80, memory_gb=6, seconds=20)   # 80% busy for 20 s, then idle with 6 GB held\n"
@@ -40,6 +42,32 @@ PRINT = "print(work)"
 def reader(seconds: float) -> None:
     """A reader reads the next step before doing it (the browser and the servers go on meanwhile)."""
     time.sleep(seconds)
+
+
+def shot(page, name: str, *shown) -> None:
+    """A screenshot for the tutorial, once the notifications ``shown`` have slid fully into view (and no other is on screen)."""
+    slid_in(page, *shown)
+    wait_for(lambda: page.locator(TOAST).count() == len(shown), 15, f"{name}: other notifications on screen: "
+             f"{page.locator(TOAST).all_inner_texts()}", interval=0.2)
+    page.screenshot(path=str(IMAGES / f"walkthrough-{name}.png"))
+
+
+def cell_output(page, index: int) -> str:
+    out = page.locator(".jp-NotebookPanel .jp-Cell").nth(index).locator(".jp-OutputArea-output")
+    return "\n".join(out.all_inner_texts()).strip()
+
+
+def run_next_cell(page, code: str) -> None:
+    """A new cell below the last one, ``code`` typed into it and run."""
+    cells = page.locator(".jp-NotebookPanel .jp-Cell")
+    n = cells.count()
+    cells.last.locator(".cm-content").click()
+    page.keyboard.press("Escape")  # command mode: B inserts a cell below
+    page.keyboard.press("b")
+    wait_for(lambda: cells.count() == n + 1, 10, "no new cell", interval=0.1)
+    cells.last.locator(".cm-content").click()
+    page.keyboard.type(code)
+    cells.last.locator(".cm-content").press("Shift+Enter")
 
 
 def toasts(page) -> list[str]:
@@ -67,10 +95,12 @@ def no_traceback(page) -> None:
 
 
 def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notification(tmp_path, playwright_sync_api, chromium):
+    IMAGES.mkdir(parents=True, exist_ok=True)
     demo = Demo(tmp_path / "state", config_dir=demo_config(tmp_path), idle_timeout=None).start()
     out = demo.output()
     assert f"warned after {IDLE_WARN_S} s and suspended after {IDLE_RECLAIM_S} s" in out
     assert f"goes back after {UNUSED_LEASE_S // 60} min" in out
+    assert "/services/gpulease/admin" in out
     try:
         with chromium_browser(playwright_sync_api, chromium, failed=FAILED / "failed") as browser:
             # 1. alice takes both L4s; JupyterLab opens; she reads on, opens a notebook, writes the cell slowly
@@ -88,7 +118,11 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
                      f"alice's first cell did not find her GPUs: {cell_output(alice, 0)!r}", interval=0.5)
             wait_for(lambda: re.fullmatch(r"GPU L4 ×2 · [1-9]\d*% · 1 h \d+ min left", item.inner_text().strip()), 60,
                      f"the status bar did not show alice's GPUs at work: {item.inner_text()!r}", interval=0.3)
+            shot(alice, "01-alice-computes")
             wait_for(lambda: "Done: the GPU is idle now" in cell_output(alice, 0), 60, "use_gpu did not finish", interval=0.5)
+            st = server_status(alice, "alice")
+            assert st["reclaim"]["suspend_available"] and st["reclaim"]["suspend_note"].startswith("simulated")
+            assert st["reclaim"]["timeout_s"] == IDLE_RECLAIM_S
             run_next_cell(alice, "!jupyter gpulease leases")  # README: a server needs no token for the CLI
             cli = "!jupyter gpulease leases"
             wait_for(lambda: "active" in output_of(alice, cli), 60, f"the CLI in a cell: {output_of(alice, cli)!r}", interval=0.5)
@@ -104,20 +138,29 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
             position = bob.locator("#gpulease-queue .gpulease-queue-position")
             position.wait_for(timeout=60_000)
             assert position.inner_text() == "Position 1 of 1 in the queue"
+            shot(bob, "02-bob-waits-in-the-queue")
 
             # 3. alice's GPUs sit idle: warned (one notification), then suspended (the same one, in place); bob is granted
             warning = toast(alice, "Idle GPU: kernel")
             warning.wait_for(timeout=(IDLE_WARN_S + 90) * 1000)
             assert re.search(r"is suspended at \d\d:\d\d unless it computes again\.", warning.inner_text()), warning.inner_text()
             one_at_most(alice, "alice is warned")
+            shot(alice, "03-alice-is-warned", warning)
             wait_for(lambda: item.inner_text().strip() == "GPU suspended · resumes on next cell", IDLE_RECLAIM_S + 60,
                      f"alice's status bar never said the kernel was suspended: {item.inner_text()!r}", interval=0.5)
-            toast(alice, "is suspended: its next cell gets a GPU back").wait_for(timeout=30_000)
+            suspended = toast(alice, "is suspended: its next cell gets a GPU back")
+            suspended.wait_for(timeout=30_000)
             assert one_at_most(alice, "alice is suspended")[0].startswith("Kernel ")
+            st = server_status(alice, "alice")
+            assert any("nothing is lost (simulated" in (k.get("message") or "") for k in st["kernels"]), st["kernels"]
+            shot(alice, "04-alice-is-suspended", suspended)
             bob.wait_for_url("**/user/bob/**", timeout=90_000)
             bob_item = bob.locator(".jp-gpulease-status")
+            bob_item.wait_for(timeout=120_000)
+            bob.locator(".jp-LauncherCard").first.wait_for(timeout=120_000)
             wait_for(lambda: bob_item.inner_text().strip().startswith("GPU L4 ×1"), 120, "bob's status bar did not show his L4",
                      interval=0.5)
+            shot(bob, "05-bob-is-granted")
 
             # 4. alice reads on, then runs print(work): it waits in the queue, in the cell, the status bar and her notification
             reader(60)
@@ -126,8 +169,12 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
                      f"alice's waiting cell did not show her place in the queue: {output_of(alice, PRINT)!r}", interval=0.5)
             wait_for(lambda: "queue #1" in item.inner_text(), 30, f"alice's status bar did not show her place: {item.inner_text()!r}",
                      interval=0.5)
-            toast(alice, "waits for a GPU: number 1 in the queue").wait_for(timeout=30_000)
+            printing = alice.locator(".jp-NotebookPanel .jp-Cell", has=alice.locator(".cm-content", has_text=PRINT)).last
+            assert printing.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"  # it waits, it has not run
+            waiting = toast(alice, "waits for a GPU: number 1 in the queue")
+            waiting.wait_for(timeout=30_000)
             one_at_most(alice, "alice waits")
+            shot(alice, "06-alice-waits-in-the-queue", waiting)
             # bob's server has no kernel on his L4: it may come sooner, and both say by when
             wait_for(lambda: re.search(r"\(or by \d\d:\d\d if idle GPUs go back\)", item.inner_text()), 90,
                      f"alice's status bar did not say her GPU may come sooner: {item.inner_text()!r}", interval=1)
@@ -149,10 +196,12 @@ def test_the_cycle_at_a_readers_pace_sees_every_step_and_leaves_one_true_notific
             # alice's kernel gets its GPUs back and the cell prints her variable
             wait_for(lambda: output_of(alice, PRINT).endswith("the weights of 42 epochs"), 120,
                      f"alice's cell did not print her variable after the resume: {output_of(alice, PRINT)!r}", interval=0.5)
-            toast(alice, "has its GPU back").wait_for(timeout=30_000)
+            resumed = toast(alice, "has its GPU back")
+            resumed.wait_for(timeout=30_000)
             one_at_most(alice, "alice resumes")
             wait_for(lambda: item.inner_text().strip().startswith("GPU L4 ×2"), 60, "alice's status bar did not show her GPUs again",
                      interval=0.5)
+            shot(alice, "07-alice-resumes-with-her-variables", resumed)
             no_traceback(alice)
 
             # what the cycle leaves: one notification in alice's centre, and it is true (her GPU is back)

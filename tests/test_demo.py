@@ -57,7 +57,10 @@ class Demo:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the demo exited with {self.proc.returncode}:\n{self.output()}\n{self.log_tail()}")
             return "Press Ctrl-C to stop." in self.output()
-        wait_for(banner, timeout, "the demo did not print its banner")
+        try:
+            wait_for(banner, timeout, "the demo did not print its banner")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- what it printed:\n{self.output()}\n--- the hub's log:\n{self.log_tail()}") from None
         return self
 
     def output(self) -> str:

@@ -361,7 +361,7 @@ def test_a_lease_that_ended_while_the_hub_was_down_stops_its_server_as_soon_as_t
                    config_lines=["c.JupyterHub.cleanup_servers = False", "c.Spawner.poll_interval = 300"])
     pid = None
     try:
-        status, body = hub.spawn("alice", {"gpus": 1, "tier": "short", "duration_s": 90})
+        status, body = hub.spawn("alice", {"gpus": 1, "tier": "short", "duration_s": 60})
         assert status in (201, 202), body
         hub.wait_ready("alice")
         (lease,) = hub.leases("alice", "active")

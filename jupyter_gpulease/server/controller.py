@@ -107,6 +107,10 @@ class GPUController(LoggingConfigurable):
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        """Stop sampling, release the lease the server took itself, close the backend; once (a
+        second call, e.g. the server's clean-up after an earlier stop, does nothing)."""
+        if self._stopping:
+            return
         self._stopping = True
         if self._task is not None:
             self._task.cancel()
