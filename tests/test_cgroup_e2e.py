@@ -74,6 +74,27 @@ def make_hub(tmp: Path, pool: list[dict], parent: str, mode: str = "required", *
     return hub.start(), sim
 
 
+def pool_hub(tmp: Path, n: int) -> tuple[LeaseHub, str, dict[str, str]]:
+    """(hub, its cgroups' parent folder, device node by GPU uuid): ``n`` L4s on real device nodes,
+    device access required, under a parent of its own."""
+    nodes = make_nodes(tmp / "dev", n)
+    pool = [{"node": "n1", "model": "L4", "count": n, "memory_mib": 23034, "devices": nodes}]
+    parent = f"jupyter-gpulease-test-{secrets.token_hex(4)}"
+    hub, sim = make_hub(tmp, pool, parent)
+    return hub, os.path.join(_v1_root(), parent), dict(zip(sim.uuids, nodes, strict=True))
+
+
+def remove_cgroups(root: str, names) -> None:
+    """What a failed test left under ``root`` (the users' cgroups, then the parent)."""
+    for name in (*names, ""):
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+
 # opens each of ``paths`` and writes what it saw (errno names) to ``out``
 PROBE = """
 import errno, json, os
@@ -130,12 +151,8 @@ class Prober:
 
 @requires_v1
 def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path):
-    nodes = make_nodes(tmp_path / "dev", 3)
-    pool = [{"node": "n1", "model": "L4", "count": 3, "memory_mib": 23034, "devices": nodes}]
-    parent = f"jupyter-gpulease-test-{secrets.token_hex(4)}"
-    root = os.path.join(_v1_root(), parent)
-    hub, sim = make_hub(tmp_path, pool, parent)
-    node_of = dict(zip(sim.uuids, nodes, strict=True))
+    hub, root, node_of = pool_hub(tmp_path, 3)
+    nodes = list(node_of.values())
     left_out, left_stop = tmp_path / "leftover.json", tmp_path / "leftover.stop"
     try:
         assert "GPU device access follows the lease (required): cgroup v1 devices controller" in hub.log_tail(400)
@@ -151,7 +168,7 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
 
         (a_lease,), (b_lease,) = live("alice", alice), live("bob", bob)
         mine, bobs = a_lease["placement"]["slices"][0]["gpu_uuid"], b_lease["placement"]["slices"][0]["gpu_uuid"]
-        free = next(u for u in sim.uuids if u not in (mine, bobs))
+        free = next(u for u in node_of if u not in (mine, bobs))
         # each server's process sits in a cgroup of its own under the hub's parent
         for user in ("alice", "bob"):
             with open(os.path.join(root, user, "cgroup.procs")) as f:
@@ -198,13 +215,7 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
     finally:
         left_stop.touch()
         hub.close()
-        for name in ("alice", "bob", ""):
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                try:
-                    os.rmdir(path)
-                except OSError:
-                    pass
+        remove_cgroups(root, ("alice", "bob"))
 
 
 SELF_TAKEN_TRIES = 20  # two users at a time: ten rounds
@@ -238,12 +249,7 @@ def test_a_lease_a_server_takes_itself_right_after_a_cpu_only_spawn_opens_within
     import subprocess
     import sys
 
-    nodes = make_nodes(tmp_path / "dev", 2)
-    pool = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034, "devices": nodes}]
-    parent = f"jupyter-gpulease-test-{secrets.token_hex(4)}"
-    root = os.path.join(_v1_root(), parent)
-    hub, sim = make_hub(tmp_path, pool, parent)
-    node_of = dict(zip(sim.uuids, nodes, strict=True))
+    hub, root, node_of = pool_hub(tmp_path, 2)
     users = ("alice", "bob")
     seen = []
     try:
@@ -270,10 +276,4 @@ def test_a_lease_a_server_takes_itself_right_after_a_cpu_only_spawn_opens_within
         assert not late, f"{len(late)} of {len(seen)} self-taken leases did not open within a second: {late}"
     finally:
         hub.close()
-        for name in (*users, ""):
-            path = os.path.join(root, name)
-            if os.path.isdir(path):
-                try:
-                    os.rmdir(path)
-                except OSError:
-                    pass
+        remove_cgroups(root, users)

@@ -243,30 +243,31 @@ class HealthKeeper:
         await self.manager.in_writer(health_store.save_cordon, self.manager.store, row)
         self.cordons[row["target"]] = row
 
+    def _holders_of(self, g: GPU, *, moving: bool) -> list[Any]:
+        """The active leases with a slice on ``g`` whose move off a sick GPU is pending
+        (``moving``) or not."""
+        return [lease for lease in self.manager.scheduler.leases.values()
+                if lease.state is LeaseState.ACTIVE and lease.placement is not None and (HEALTH_META in lease.meta) is moving
+                and any(sl.gpu_uuid == g.uuid for sl in lease.placement.slices)]
+
     async def _keep_holders(self, g: GPU, why: str, actor: str = "broker:health") -> None:
         """``g`` is back in the pool: the leases on it whose move is still pending stay."""
-        for lease in list(self.manager.scheduler.leases.values()):
-            if lease.state is not LeaseState.ACTIVE or lease.placement is None or HEALTH_META not in lease.meta:
-                continue
-            if any(sl.gpu_uuid == g.uuid for sl in lease.placement.slices):
-                try:
-                    await self.manager.cancel_drain(lease.id, why=why, actor=actor)
-                    self.log.warning("Lease %s stays on %s: %s", lease.id, g.uuid, why)
-                except (NotFound, Conflict) as e:  # it ended meanwhile
-                    self.log.info("Lease %s: its move off %s was not called off: %s", lease.id, g.uuid, e)
+        for lease in self._holders_of(g, moving=True):
+            try:
+                await self.manager.cancel_drain(lease.id, why=why, actor=actor)
+                self.log.warning("Lease %s stays on %s: %s", lease.id, g.uuid, why)
+            except (NotFound, Conflict) as e:  # it ended meanwhile
+                self.log.info("Lease %s: its move off %s was not called off: %s", lease.id, g.uuid, e)
 
     async def _move_holders(self, g: GPU, reason: str, actor: str = "broker:health") -> None:
         """Drain now: every active lease with a slice on ``g`` moves to a healthy GPU."""
         grace = 0.0 if self.drain_action == "restart" else self.drain_grace_s
-        for lease in list(self.manager.scheduler.leases.values()):
-            if lease.state is not LeaseState.ACTIVE or lease.placement is None or HEALTH_META in lease.meta:
-                continue
-            if any(sl.gpu_uuid == g.uuid for sl in lease.placement.slices):
-                where = f"GPU {g.index} on {g.node}"
-                try:
-                    await self.manager.drain(lease.id, grace_s=grace, reason=f"{where}: {reason}", device=g.uuid, actor=actor)
-                except (NotFound, Conflict) as e:  # it ended meanwhile
-                    self.log.info("Lease %s not moved off %s: %s", lease.id, g.uuid, e)
+        where = f"GPU {g.index} on {g.node}"
+        for lease in self._holders_of(g, moving=False):
+            try:
+                await self.manager.drain(lease.id, grace_s=grace, reason=f"{where}: {reason}", device=g.uuid, actor=actor)
+            except (NotFound, Conflict) as e:  # it ended meanwhile
+                self.log.info("Lease %s not moved off %s: %s", lease.id, g.uuid, e)
 
     # ------------------------------------------------------------------ admin actions
     def _resolve(self, kind: str, name: str) -> list[GPU]:
