@@ -119,14 +119,14 @@ def test_the_state_file_is_readable_by_others_and_an_unreadable_one_is_tried_aga
     assert stat.S_IMODE(os.stat(sim.state_file).st_mode) == 0o644
     reader = SimulatedBackend({"state_file": sim.state_file})
     sim.add_process(gpu, 4343, 2048)
-    real_open = open
+    real_open = os.open
 
     def refused(path, *a, **kw):  # as a server of another user met a 0600 file
         if str(path) == sim.state_file:
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, *a, **kw)
 
-    monkeypatch.setattr(simulated, "open", refused, raising=False)
+    monkeypatch.setattr(simulated.os, "open", refused)
     with caplog.at_level(logging.WARNING):
         reader.sample()
         reader.sample()

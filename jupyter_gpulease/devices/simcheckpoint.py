@@ -12,8 +12,11 @@ The server extension uses it by itself when its device backend is ``simulated`` 
 simulated. It refuses to run without a simulated backend: real GPUs need the real tool.
 
 Where the state file is: ``GPULEASE_DEVICE_CONFIG`` (JSON, its ``state_file``), as the extension
-and the kernels get it. What it keeps aside (per process: its state and memory) is in
-``<state file>.checkpoints.json`` next to it, under a lock. Run as
+and the kernels get it (its ``gpus`` too: the pool the restore maps onto). What it keeps aside
+(per process: its state and memory) is in ``<state file>.checkpoints.json`` next to it, under a
+lock, or, for an account that does not own the state file, in its own
+``<state file>.d/<uid>.checkpoints.json`` (it takes and puts back that account's processes only,
+in that account's file of the folder). Run as
 ``python -m jupyter_gpulease.devices.simcheckpoint ARGS``.
 """
 
@@ -38,8 +41,9 @@ class SimCheckpointError(Exception):
     pass
 
 
-def simulated_state_file(environ: dict[str, str] | None = None) -> str:
-    """The simulated backend's state file from the environment; raises when there is none."""
+def simulated_config(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The simulated backend's config from the environment (its pool and state file); raises
+    when it names no state file."""
     env = os.environ if environ is None else environ
     if env.get("GPULEASE_DEVICE_BACKEND", "").strip().lower() != "simulated":
         raise SimCheckpointError("the simulated cuda-checkpoint works on simulated GPUs only "
@@ -51,7 +55,7 @@ def simulated_state_file(environ: dict[str, str] | None = None) -> str:
     state = config.get("state_file") if isinstance(config, dict) else None
     if not isinstance(state, str) or not state:
         raise SimCheckpointError("the simulated GPUs have no state file (GPULEASE_DEVICE_CONFIG has no 'state_file')")
-    return state
+    return {k: v for k, v in config.items() if k in ("gpus", "node", "state_file")}
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -88,7 +92,7 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
         pid = int(args.get("--pid") or "")
     except ValueError:
         raise SimCheckpointError("--pid needs a process id") from None
-    state_file = simulated_state_file(environ)
+    config = simulated_config(environ)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,7 +101,8 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
         pass
     from .simulated import SimulatedBackend
 
-    store_path = state_file + ".checkpoints.json"
+    sim = SimulatedBackend(config)
+    store_path = sim.checkpoint_store
     with open(store_path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         store = _load(store_path)
@@ -107,7 +112,6 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
         if entry["state"] != _NEEDS[action]:
             raise SimCheckpointError(f"process {pid} is {entry['state']}, cannot {action}")
         if action in ("checkpoint", "restore"):
-            sim = SimulatedBackend({"state_file": state_file})
             if action == "checkpoint":  # GPU memory -> host memory: the device no longer lists the process
                 # (a GPU's sample lists its MIG instances' processes too: each entry once, on its own device)
                 entry["memory"] = [{"device": uuid, "used_memory_mib": p.used_memory_mib}

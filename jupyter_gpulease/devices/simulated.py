@@ -29,18 +29,37 @@ A device whose utilization is not set reports the sum of its processes' ``sm_uti
 (at most 100); temperature and power not set follow utilization (an idle GPU is cool and
 draws little), so the demo's figures move with the work it drives.
 
-Writers replace the file atomically (mode 0644: the single-user servers of other users read it
-too); two processes writing at the same moment: the last wins. A file that cannot be read (yet)
-is tried again at every sample.
+Who writes what (a hub whose users' servers run as their own Unix accounts):
+
+- The state file is its owner's: the account that runs the broker, or whoever made it (the demo,
+  a test). Only a process of that account (or root) writes it: utilization, device figures and
+  faults (XIDs, lost GPUs, resets) come from there alone. It is believed only while nobody else
+  can write it: a state file writable by its group or by everyone, or in a folder others can
+  write (unless that folder is sticky and the file is the folder owner's or root's), is ignored
+  with an error in the log, as if it were empty.
+- Every other account writes the processes of its own kernels to a file of its own,
+  ``<state file>.d/<uid>.json``, in a sticky folder (mode 1777, like /tmp) that the state file's
+  owner makes (the broker does at its start): one account cannot replace or remove another's
+  file. Such a file says only which processes use which device: an entry is believed only for a
+  running process of the file's owner (its real uid), with the start time it was put there with;
+  anything else in it (another account's pid, utilization, device figures, faults) is ignored.
+  A kernel cannot put another user's process on a GPU, hide one, or make a GPU sick.
+
+Writers replace their file atomically (mode 0644: the single-user servers of other users read it
+too); two processes of one account writing at the same moment: the last wins. A file that cannot
+be read (yet) is tried again at every sample.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
 import os
+import re
+import stat
 import threading
 import time
 from typing import Any
@@ -94,17 +113,36 @@ class SimulatedBackend(DeviceBackend):
                 self._parent[m.uuid] = g.uuid
                 self._total[m.uuid] = m.memory_mib
         self._model: dict[str, str] = {g.uuid: g.model for g in self._gpus}
-        self._util: dict[str, float] = {}
-        self._procs: dict[str, dict[int, tuple[int | None, float | None]]] = {}  # device uuid -> pid -> (MiB, SM %)
-        self._devices: dict[str, dict[str, Any]] = {}  # device uuid -> driven temperature/power/health
-        self._started: dict[int, float] = {}  # pid -> its process's start time (there only while that process runs)
         state_file = config.get("state_file")
         if state_file is not None and (not isinstance(state_file, (str, os.PathLike)) or not str(state_file)):
             raise ValueError(f"simulated device backend: 'state_file' must be a file path, got {state_file!r}")
         self.state_file: str | None = os.fspath(state_file) if state_file else None
-        self._file_sig: tuple[int, int] | None = None
-        self._unreadable = ""
+        #: where accounts other than the state file's owner write their own processes (see the module doc)
+        self.users_folder: str | None = self.state_file + ".d" if self.state_file else None
+        self._mine = _State()  # what this process writes: the state file, or its account's file in users_folder
+        self._files: dict[str, _Read] = {}  # every file read, by path
+        self._said: set[str] = set()  # what the log said already (each problem once until it changes)
+        self.writes_state_file = self._may_write_state_file()
+        #: the file this process writes
+        self.write_path: str | None = (self.state_file if self.writes_state_file or not self.state_file
+                                       else os.path.join(self.users_folder, f"{os.geteuid()}.json"))
+        # the merged view that samples read: devices from the state file, processes from every trusted file
+        self._util: dict[str, float] = self._mine.util
+        self._procs: dict[str, dict[int, tuple[int | None, float | None]]] = self._mine.procs  # device uuid -> pid -> (MiB, SM %)
+        self._devices: dict[str, dict[str, Any]] = self._mine.devices  # device uuid -> driven temperature/power/health
+        self._started: dict[int, float] = self._mine.started  # pid -> its process's start time (there only while that process runs)
+        if self.state_file and self.writes_state_file and os.path.isdir(os.path.dirname(os.path.abspath(self.state_file))):
+            self._make_users_folder()
         self._reload()
+
+    @property
+    def checkpoint_store(self) -> str | None:
+        """Where the simulated cuda-checkpoint keeps this account's suspended processes: next to
+        the file this process writes (None without a state file)."""
+        if not self.write_path:
+            return None
+        return (self.state_file + ".checkpoints.json" if self.writes_state_file
+                else os.path.join(self.users_folder, f"{os.geteuid()}.checkpoints.json"))
 
     # ------------------------------------------------------------------ interface
     def inventory(self) -> list[GPU]:
@@ -173,16 +211,19 @@ class SimulatedBackend(DeviceBackend):
         self._check_uuid(uuid)
         if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct <= 100:
             raise ValueError(f"utilization must be a number from 0 to 100, got {pct!r}")
+        self._check_drives_devices("utilization")
         with self._lock:
-            self._reload()
-            self._util[uuid] = float(pct)
+            self._reload_mine()
+            self._mine.util[uuid] = float(pct)
             self._save()
 
     def add_process(self, uuid: str, pid: int, used_memory_mib: int | None, sm_util_pct: float | None = None, *,
                     started: float | None = None) -> None:
         """Put process ``pid`` on a GPU or MIG instance, holding ``used_memory_mib`` and keeping
         ``sm_util_pct`` (0–100) of its compute busy (replaces an earlier entry). ``started``: the
-        process's start time (:func:`process_started`): it is then on the GPU only while it runs."""
+        process's start time (:func:`process_started`): it is then on the GPU only while it runs.
+        A process that does not write the state file puts its own account's processes only (and
+        always with their start time): another account's pid is refused with PermissionError."""
         self._check_uuid(uuid)
         if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
             raise ValueError(f"pid must be a positive whole number, got {pid!r}")
@@ -192,11 +233,19 @@ class SimulatedBackend(DeviceBackend):
             raise ValueError(f"sm_util_pct must be a number from 0 to 100 (or None), got {sm_util_pct!r}")
         if started is not None and not _is_number(started):
             raise ValueError(f"started must be a process's start time in POSIX seconds (or None), got {started!r}")
+        if not self.writes_state_file:
+            owner = _uid_of(pid)
+            if owner is None:
+                raise ValueError(f"there is no process {pid}")
+            if owner != os.geteuid():
+                raise PermissionError(f"process {pid} is not this account's (uid {owner}, not {os.geteuid()}): "
+                                      "a user puts only their own processes on the simulated GPUs")
+            started = started if started is not None else process_started(pid)
         with self._lock:
-            self._reload()
-            self._procs.setdefault(uuid, {})[pid] = (used_memory_mib, None if sm_util_pct is None else float(sm_util_pct))
+            self._reload_mine()
+            self._mine.procs.setdefault(uuid, {})[pid] = (used_memory_mib, None if sm_util_pct is None else float(sm_util_pct))
             if started is not None:
-                self._started[pid] = float(started)
+                self._mine.started[pid] = float(started)
             self._save()
 
     def started_at(self, pid: int) -> float | None:
@@ -206,31 +255,32 @@ class SimulatedBackend(DeviceBackend):
             return self._started.get(pid)
 
     def remove_process(self, pid: int, uuid: str | None = None) -> bool:
-        """Take process ``pid`` off ``uuid`` (or off every device). True when something was removed."""
+        """Take process ``pid`` off ``uuid`` (or off every device), in the file this process
+        writes. True when something was removed."""
         with self._lock:
-            self._reload()
+            self._reload_mine()
             removed = False
-            for dev, procs in self._procs.items():
+            for dev, procs in self._mine.procs.items():
                 if (uuid is None or dev == uuid) and pid in procs:
                     del procs[pid]
                     removed = True
-            if not any(pid in procs for procs in self._procs.values()):
-                self._started.pop(pid, None)
+            if not any(pid in procs for procs in self._mine.procs.values()):
+                self._mine.started.pop(pid, None)
             self._save()
             return removed
 
     def forget_dead_processes(self, *, untimed: bool = False) -> list[int]:
         """Take the processes that no longer run off every device (those put on one with a start
         time; with ``untimed``, also those without one whose pid does not exist now), as a demo
-        does at its start: nothing of its last run runs any more. The pids taken off."""
+        does at its start: nothing of its last run runs any more. The pids taken off (of the file
+        this process writes)."""
         with self._lock:
-            self._reload()
-            gone = self._gone()
+            self._reload_mine()
+            gone = self._mine.gone()
             if untimed:
-                gone |= {pid for procs in self._procs.values() for pid in procs if pid not in self._started and not psutil.pid_exists(pid)}
-            for procs in self._procs.values():
-                for pid in gone & set(procs):
-                    del procs[pid]
+                gone |= {pid for procs in self._mine.procs.values() for pid in procs
+                         if pid not in self._mine.started and not psutil.pid_exists(pid)}
+            self._mine.drop(gone)
             if gone:
                 self._save()
             return sorted(gone)
@@ -251,9 +301,10 @@ class SimulatedBackend(DeviceBackend):
             change[name] = float(value)
         if health is not None:
             change["health"] = health if isinstance(health, DeviceHealth) else DeviceHealth.from_dict(health)
+        self._check_drives_devices("device figures and health")
         with self._lock:
-            self._reload()
-            self._devices.setdefault(uuid, {}).update(change)
+            self._reload_mine()
+            self._mine.devices.setdefault(uuid, {}).update(change)
             self._save()
 
     def inject_xid(self, uuid: str, code: int, count: int = 1) -> DeviceHealth:
@@ -263,9 +314,10 @@ class SimulatedBackend(DeviceBackend):
         if isinstance(code, bool) or not isinstance(code, int) or code <= 0 or isinstance(count, bool) or not isinstance(count, int) or count <= 0:
             raise ValueError(f"an XID is a positive whole number and its count at least 1, got {code!r} x {count!r}")
         self._check_uuid(uuid)
+        self._check_drives_devices("faults (XIDs)")
         with self._lock:
-            self._reload()
-            d = self._devices.setdefault(uuid, {})
+            self._reload_mine()
+            d = self._mine.devices.setdefault(uuid, {})
             h: DeviceHealth = d.get("health", HEALTHY)
             xids = dict(h.xids) or h.xid_counts()
             xids[code] = xids.get(code, 0) + count
@@ -287,9 +339,10 @@ class SimulatedBackend(DeviceBackend):
         is back to 0; the XID counts stay (they count since the monitor started), ``resets`` goes up
         and ``xids_at_reset`` keeps the counts as they were (what the reset repaired)."""
         self._check_uuid(uuid)
+        self._check_drives_devices("resets")
         with self._lock:
-            self._reload()
-            d = self._devices.setdefault(uuid, {})
+            self._reload_mine()
+            d = self._mine.devices.setdefault(uuid, {})
             h: DeviceHealth = d.get("health", HEALTHY)
             d["health"] = dataclasses.replace(h, lost=False, ecc_uncorrected=0 if h.ecc_uncorrected is not None else None,
                                               retired_pages_pending=False, row_remap_pending=False, resets=h.resets + 1,
@@ -298,105 +351,309 @@ class SimulatedBackend(DeviceBackend):
             return d["health"]
 
     def reset(self) -> None:
-        """Forget every driven figure: all devices idle, no processes."""
+        """Forget every driven figure of the file this process writes: all devices idle, no processes."""
         with self._lock:
-            self._util.clear()
-            self._procs.clear()
-            self._started.clear()
-            self._devices.clear()
+            self._mine = _State()
             self._save()
 
     def _check_uuid(self, uuid: str) -> None:
         if uuid not in self._total:
             raise ValueError(f"no simulated GPU or MIG instance with UUID {uuid!r}")
 
-    # ------------------------------------------------------------------ state file
+    def _check_drives_devices(self, what: str) -> None:
+        if not self.writes_state_file:
+            raise PermissionError(f"only the owner of the simulated GPUs' state file {self.state_file} drives {what}: "
+                                  f"this account writes its own processes only (to {self.write_path})")
+
+    # ------------------------------------------------------------------ state files
+    def _may_write_state_file(self) -> bool:
+        """Whether this process writes the state file itself (its owner, root, or the first
+        writer of a file not there yet) rather than a file of its account's in users_folder."""
+        if not self.state_file:
+            return True
+        euid = os.geteuid()
+        if euid == 0:
+            return True
+        try:
+            return os.stat(self.state_file).st_uid == euid
+        except FileNotFoundError:
+            return os.access(os.path.dirname(os.path.abspath(self.state_file)), os.W_OK)
+        except OSError:
+            return False
+
+    def _make_users_folder(self) -> None:
+        """The sticky folder where other accounts write their processes (as /tmp: anyone makes a
+        file there, nobody replaces or removes another's)."""
+        try:
+            os.mkdir(self.users_folder)
+            os.chmod(self.users_folder, 0o1777)  # mkdir's mode goes through the umask
+        except FileExistsError:
+            pass
+        except OSError as e:
+            self._say(f"Simulated GPUs: cannot make the folder for users' processes {self.users_folder} ({e}); "
+                      "users' kernels cannot put work on the simulated GPUs")
+
     def _reload(self) -> None:
+        """Read every file that changed since the last read, and merge what is believed."""
         if not self.state_file:
             return
-        try:
-            st = os.stat(self.state_file)
-        except FileNotFoundError:
-            return
-        sig = (st.st_mtime_ns, st.st_size)
-        if sig == self._file_sig:
-            return
-        try:
-            with open(self.state_file, encoding="utf-8") as f:
-                data = json.load(f)
-            util, procs, devices, started = self._parse_state(data)
-        except OSError as e:
-            # not readable (yet): tried again at the next sample, said once until it is readable
-            if self._unreadable != str(e):
-                log.warning("Simulated GPUs: cannot read the state file %s (%s); trying again at each sample", self.state_file, e)
-                self._unreadable = str(e)
-            return
-        except ValueError as e:
-            log.warning("Simulated GPUs: ignoring state file %s: %s", self.state_file, e)
-            self._file_sig = sig
-            return
-        self._unreadable = ""
-        self._util, self._procs, self._devices, self._started, self._file_sig = util, procs, devices, started, sig
+        changed = self._read(self.state_file, main=True)
+        seen = {self.state_file}
+        for path in self._user_files():
+            seen.add(path)
+            changed |= self._read(path, main=False)
+        for path in set(self._files) - seen:
+            del self._files[path]
+            changed = True
+        if changed:
+            self._merge()
 
-    def _parse_state(self, data: Any) -> tuple[dict[str, float], dict[str, dict[int, tuple[int | None, float | None]]],
-                                               dict[str, dict[str, Any]], dict[int, float]]:
+    def _reload_mine(self) -> None:
+        """Before a change: the latest of the file this process writes (another process of this
+        account may have written it), as the base of the change."""
+        self._reload()
+        if self.write_path:
+            read = self._files.get(self.write_path)
+            self._mine = read.state.copy() if read else _State()
+
+    def _user_files(self) -> list[str]:
+        """The users' files to read: none when the folder is not the state file owner's."""
+        folder = self.users_folder
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self._say(f"Simulated GPUs: cannot read {folder} ({e}); users' processes are not seen")
+            return []
+        try:
+            owner = os.stat(self.state_file).st_uid
+        except OSError:
+            owner = os.stat(os.path.dirname(os.path.abspath(self.state_file))).st_uid
+        why = ""
+        if not stat.S_ISDIR(st.st_mode):
+            why = "is not a folder"
+        elif st.st_uid not in (0, owner):
+            why = f"belongs to uid {st.st_uid}, not to the state file's owner (uid {owner})"
+        elif st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            why = f"can be written by others without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): one account could replace another's file"
+        if why:
+            self._say(f"Simulated GPUs: ignoring the users' processes in {folder}: it {why}", error=True)
+            return []
+        try:
+            return sorted(os.path.join(folder, name) for name in os.listdir(folder) if _USER_FILE.fullmatch(name))
+        except OSError as e:
+            self._say(f"Simulated GPUs: cannot read {folder} ({e}); users' processes are not seen")
+            return []
+
+    def _read(self, path: str, *, main: bool) -> bool:
+        """Read one file when it changed (True then). A file that cannot be read (yet) is tried
+        again at the next read, said once; one that does not parse is ignored until it changes."""
+        try:
+            fd = os.open(path, os.O_RDONLY | (0 if main else os.O_NOFOLLOW))
+        except FileNotFoundError:
+            return self._files.pop(path, None) is not None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                self._say(f"Simulated GPUs: ignoring {path}: it is a symbolic link", error=True)
+            else:
+                self._say(f"Simulated GPUs: cannot read the state file {path} ({e}); trying again at each sample")
+            return self._files.pop(path, None) is not None
+        with os.fdopen(fd, encoding="utf-8") as f:
+            st = os.fstat(f.fileno())
+            sig = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid)
+            known = self._files.get(path)
+            if known is not None and known.sig == sig:
+                return False
+            why = self._distrust(path, st, main)
+            try:
+                state = self._parse_state(json.load(f), None if main else st.st_uid, path)
+            except (ValueError, OSError) as e:  # the last good content stays until the file changes again
+                self._say(f"Simulated GPUs: ignoring state file {path}: {e}")
+                state = known.state if known is not None else _State()
+        if why:
+            self._say(f"Simulated GPUs: ignoring {path}: it {why}", error=True)
+        else:  # read and believed: a later problem with it is said again
+            self._said = {m for m in self._said if path not in m}
+        self._files[path] = _Read(sig, st.st_uid, state, trusted=not why)
+        return True
+
+    def _distrust(self, path: str, st: os.stat_result, main: bool) -> str:
+        """Why a file may not be believed ("" when it may)."""
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file"
+        if not main:
+            return ""  # checked entry by entry: its owner's own processes only
+        if st.st_mode & 0o022:
+            return (f"can be written by {'everyone' if st.st_mode & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):o}): "
+                    f"anyone could forge the GPUs' state; make it 0644 (users' kernels write to {self.users_folder})")
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            fst = os.stat(folder)
+        except OSError:
+            return ""
+        if fst.st_mode & 0o022 and not (fst.st_mode & stat.S_ISVTX and st.st_uid in (0, fst.st_uid)):
+            return (f"is in a folder others can write ({folder}, mode {stat.S_IMODE(fst.st_mode):o}): anyone could replace it; "
+                    "keep it in a folder only its owner writes")
+        return ""
+
+    def _merge(self) -> None:
+        """The view samples read: utilization and devices from the state file, processes from it
+        and from the users' files (each already cut to its owner's own processes)."""
+        main = self._files.get(self.state_file)
+        base = main.state if main is not None and main.trusted else _State()
+        procs = {dev: dict(p) for dev, p in base.procs.items()}
+        started = dict(base.started)
+        for path, read in self._files.items():
+            if path == self.state_file or not read.trusted:
+                continue
+            for dev, p in read.state.procs.items():
+                procs.setdefault(dev, {}).update(p)
+            started.update(read.state.started)
+        self._util, self._devices, self._procs, self._started = base.util, base.devices, procs, started
+
+    def _say(self, message: str, *, error: bool = False) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            (log.error if error else log.warning)(message)
+
+    def _parse_state(self, data: Any, owner: int | None = None, path: str = "") -> _State:
+        """One file's content; with ``owner`` (a user's file), only the running processes of that
+        account, each with its start time, and nothing about the devices."""
         if not isinstance(data, dict):
             raise ValueError("it must hold a JSON object with 'utilization' and 'processes'")
         for key in ("utilization", "processes", "devices"):
             if not isinstance(data.get(key) or {}, dict):
                 raise ValueError(f"its {key!r} must be a JSON object keyed by device UUID")
-        util: dict[str, float] = {}
+        out = _State()
         for uuid, pct in (data.get("utilization") or {}).items():
             if uuid in self._total and _is_number(pct):
-                util[uuid] = float(min(100.0, max(0.0, pct)))
-        procs: dict[str, dict[int, tuple[int | None, float | None]]] = {}
+                out.util[uuid] = float(min(100.0, max(0.0, pct)))
         for uuid, plist in (data.get("processes") or {}).items():
             if uuid not in self._total or not isinstance(plist, list):
                 continue
             for p in plist:
                 if isinstance(p, dict) and isinstance(p.get("pid"), int) and not isinstance(p["pid"], bool):
                     mib, sm = p.get("used_memory_mib"), p.get("sm_util_pct")
-                    procs.setdefault(uuid, {})[p["pid"]] = (int(mib) if _is_number(mib) else None,
-                                                            float(min(100.0, max(0.0, sm))) if _is_number(sm) else None)
-        devices: dict[str, dict[str, Any]] = {}
+                    out.procs.setdefault(uuid, {})[p["pid"]] = (int(mib) if _is_number(mib) else None,
+                                                                float(min(100.0, max(0.0, sm))) if _is_number(sm) else None)
         for uuid, d in (data.get("devices") or {}).items():
             if uuid not in self._total or not isinstance(d, dict):
                 continue
             figures: dict[str, Any] = {k: float(d[k]) for k in _DEVICE_FIGURES if _is_number(d.get(k)) and d[k] >= 0}
             if isinstance(d.get("health"), dict):
                 figures["health"] = DeviceHealth.from_dict(d["health"])
-            devices[uuid] = figures
-        started: dict[int, float] = {}
+            out.devices[uuid] = figures
         for pid, t in (data.get("started") or {}).items() if isinstance(data.get("started"), dict) else ():
             if str(pid).isdigit() and _is_number(t):
-                started[int(pid)] = float(t)
-        return util, procs, devices, started
+                out.started[int(pid)] = float(t)
+        if owner is not None:
+            out = self._owners_own(out, owner, path)
+        return out
+
+    def _owners_own(self, state: _State, owner: int, path: str) -> _State:
+        """What a user's file may say: the processes of its owner that run now (with the start
+        time they were put there with); the rest ignored, and said."""
+        if state.util or state.devices:
+            self._say(f"Simulated GPUs: ignoring the utilization and device figures in {path} (uid {owner}): "
+                      "only the state file's owner drives the devices", error=True)
+        kept = _State()
+        for dev, plist in state.procs.items():
+            for pid, entry in plist.items():
+                t = state.started.get(pid)
+                uid = _uid_of(pid)
+                if t is None or uid != owner or not _runs(pid, t):
+                    if uid is not None and uid != owner:
+                        self._say(f"Simulated GPUs: ignoring process {pid} in {path}: it is uid {uid}'s, "
+                                  f"not the file owner's (uid {owner})", error=True)
+                    continue
+                kept.procs.setdefault(dev, {})[pid] = entry
+                kept.started[pid] = t
+        return kept
 
     def _gone(self) -> set[int]:
         """The pids put on a GPU with a start time whose process no longer runs."""
         return {pid for pid, t in self._started.items() if not _runs(pid, t)}
 
     def _save(self) -> None:
-        for pid in self._gone():  # a writer drops the processes that exited
-            self._started.pop(pid, None)
-            for procs in self._procs.values():
-                procs.pop(pid, None)
-        if not self.state_file:
+        self._mine.drop(self._mine.gone())  # a writer drops the processes that exited
+        if not self.write_path:
+            self._util, self._procs, self._devices, self._started = self._mine.util, self._mine.procs, self._mine.devices, self._mine.started
             return
+        if self.writes_state_file and not os.path.isdir(self.users_folder):
+            write_atomically(self.write_path, json.dumps(self._mine.to_json(), indent=1), mode=0o644)
+            self._make_users_folder()
+        else:
+            try:
+                # readable by all: servers of other users read the same GPUs
+                write_atomically(self.write_path, json.dumps(self._mine.to_json(), indent=1), mode=0o644)
+            except FileNotFoundError:
+                raise PermissionError(f"the folder for users' work on the simulated GPUs, {self.users_folder}, is not there: "
+                                      "the owner of the state file makes it (the broker does at its start)") from None
+        st = os.stat(self.write_path)
+        self._files[self.write_path] = _Read((st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid), st.st_uid,
+                                             self._mine.copy() if self.writes_state_file else self._owners_own(self._mine, st.st_uid, self.write_path),
+                                             trusted=not self._distrust(self.write_path, st, self.writes_state_file))
+        self._merge()
+
+
+_USER_FILE = re.compile(r"[0-9]+\.json")
+
+
+@dataclasses.dataclass
+class _State:
+    """What one state file says (or, without a state file, what this process drove)."""
+
+    util: dict[str, float] = dataclasses.field(default_factory=dict)
+    procs: dict[str, dict[int, tuple[int | None, float | None]]] = dataclasses.field(default_factory=dict)
+    devices: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    started: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> _State:
+        return _State(dict(self.util), {dev: dict(p) for dev, p in self.procs.items()},
+                      {dev: dict(d) for dev, d in self.devices.items()}, dict(self.started))
+
+    def gone(self) -> set[int]:
+        """The pids put on a GPU with a start time whose process no longer runs."""
+        return {pid for pid, t in self.started.items() if not _runs(pid, t)}
+
+    def drop(self, pids: set[int]) -> None:
+        for pid in pids:
+            self.started.pop(pid, None)
+            for procs in self.procs.values():
+                procs.pop(pid, None)
+
+    def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
-            "utilization": dict(self._util),
+            "utilization": dict(self.util),
             "processes": {u: [{"pid": pid, "used_memory_mib": mib, **({"sm_util_pct": sm} if sm is not None else {})}
-                              for pid, (mib, sm) in sorted(p.items())] for u, p in self._procs.items() if p},
+                              for pid, (mib, sm) in sorted(p.items())] for u, p in self.procs.items() if p},
         }
-        devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self._devices.items() if d}
+        devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self.devices.items() if d}
         if devices:
             data["devices"] = devices
-        if self._started:
-            data["started"] = {str(pid): t for pid, t in sorted(self._started.items())}
-        # readable by all: servers of other users read the same GPUs
-        write_atomically(self.state_file, json.dumps(data, indent=1), mode=0o644)
-        st = os.stat(self.state_file)
-        self._file_sig = (st.st_mtime_ns, st.st_size)
+        if self.started:
+            data["started"] = {str(pid): t for pid, t in sorted(self.started.items())}
+        return data
+
+
+@dataclasses.dataclass
+class _Read:
+    """One file as last read: its signature (changed when it is rewritten), owner, content, and
+    whether it is believed."""
+
+    sig: tuple[int, ...]
+    owner: int
+    state: _State
+    trusted: bool = True
+
+
+def _uid_of(pid: int) -> int | None:
+    """The real uid of process ``pid`` (None: no such process)."""
+    try:
+        return psutil.Process(pid).uids().real
+    except (psutil.Error, OSError):
+        return None
 
 
 def process_started(pid: int) -> float | None:
