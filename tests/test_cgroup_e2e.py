@@ -5,7 +5,8 @@ on a three-GPU pool whose GPUs are real character devices with NVIDIA's major nu
 ``mknod`` in the test's folder and named in the pool's declaration), real single-user servers
 with the extension, a real kernel in alice's server that tries to open the nodes, and a process
 of her server that outlives it. Without a driver an allowed open reaches the (absent) driver and
-fails with ENXIO; a denied one fails with EPERM. Needs root and a writable v1 devices
+fails with ENXIO; a denied one fails with EPERM; a GPU whose node has /dev/full's numbers opens
+when allowed. Needs root and a writable v1 devices
 controller; skipped elsewhere.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -108,32 +110,6 @@ def report(paths, out):
     json.dump({p: probe(p) for p in paths}, open(out + ".tmp", "w")); os.replace(out + ".tmp", out)
 """
 
-LEFTOVER = PROBE + """
-import sys, time
-out, stop, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
-while not os.path.exists(stop):
-    report(paths, out)
-    time.sleep(0.2)
-"""
-
-
-def start_leftover(hub: LeaseHub, user, token, kernel_id, paths, out: Path, stop: Path) -> None:
-    """A process of the user's server that outlives it: started from a kernel in a session of its
-    own (so neither the kernel's nor the server's end takes it along); it opens ``paths`` over and
-    over, writing what it sees to ``out``, until ``stop`` exists."""
-    code = ("import subprocess, sys\n"
-            f"subprocess.Popen([sys.executable, '-c', {LEFTOVER!r}, {str(out)!r}, {str(stop)!r}, *{list(paths)!r}], "
-            "start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
-    hub.run_cell(user, token, kernel_id, code)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 class Prober:
     """Runs ``open()`` of each node in a kernel of the user's server; returns errno names."""
 
@@ -153,7 +129,6 @@ class Prober:
 def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path):
     hub, root, node_of = pool_hub(tmp_path, 3)
     nodes = list(node_of.values())
-    left_out, left_stop = tmp_path / "leftover.json", tmp_path / "leftover.stop"
     try:
         assert "GPU device access follows the lease (required): cgroup v1 devices controller" in hub.log_tail(400)
         alice, bob = hub.create_token("alice"), hub.create_token("bob")
@@ -194,26 +169,106 @@ def test_a_server_opens_only_the_gpus_it_leases_and_follows_its_leases(tmp_path)
         seen = wait_for(lambda: (s := probe())[node_of[free]] == "ENXIO" and s, 60, "the GPU she took was not allowed")
         assert seen == {node_of[mine]: "EPERM", node_of[bobs]: "EPERM", node_of[free]: "ENXIO"}, seen
 
-        # a process of her server that outlives it keeps her cgroup: from the stop on it opens no GPU,
-        # not even the one her server took itself
-        start_leftover(hub, "alice", alice, kernel, nodes, left_out, left_stop)
-        wait_for(lambda: read_json(left_out).get(node_of[free]) == "ENXIO", 60, "the leftover process did not start")
-
-        # stopped servers: every GPU denied in their cgroups, which go once nothing of them is left
+        # stopped servers: their cgroups go with them, and the hub's stop takes the parent
         for user in ("alice", "bob"):
             assert hub.api("DELETE", f"users/{user}/server")[0] in (202, 204)
-        wait_for(lambda: not hub.ready_server("alice") and not hub.ready_server("bob"), 60, "the servers did not stop")
-        seen = wait_for(lambda: (s := read_json(left_out)).get(node_of[free]) == "EPERM" and s, 30,
-                        "the stopped server's cgroup still allows the GPU it took")
-        assert seen == dict.fromkeys(nodes, "EPERM"), seen
-        assert os.path.isdir(os.path.join(root, "alice")), "the cgroup went while a process of the server lived on"
-        left_stop.touch()  # the leftover ends: the cgroup can go
         wait_for(lambda: not os.path.exists(os.path.join(root, "alice")) and not os.path.exists(os.path.join(root, "bob")),
-                 30, "the servers' cgroups were not removed")
+                 60, "the servers' cgroups were not removed")
         hub.close()
         assert not os.path.exists(root), "the hub's stop left its empty parent cgroup"
     finally:
-        left_stop.touch()
+        hub.close()
+        remove_cgroups(root, ("alice", "bob"))
+
+
+# what a leftover process sees, every 50 ms, one JSON line each: {"t": time, "seen": {node: errno name}}
+WATCHER = PROBE + """
+import sys, time
+out, stop, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+with open(out, "a") as f:
+    while not os.path.exists(stop):
+        f.write(json.dumps({"t": time.time(), "seen": {p: probe(p) for p in paths}}) + "\\n")
+        f.flush()
+        time.sleep(0.05)
+"""
+
+
+def read_lines(path: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    except OSError:
+        return []
+
+
+@requires_v1
+def test_a_leftover_process_of_a_stopped_server_opens_no_gpu_within_a_second_while_another_user_holds_it(tmp_path):
+    """alice's server takes a lease itself (as ``%gpu request`` does) on a GPU whose node has
+    /dev/full's numbers (so an allowed open really succeeds), starts a process in a session of its
+    own that outlives the server (``setsid``/``nohup``), and stops; bob then takes that GPU. From
+    within a second of the stop, every new open the leftover makes of a pool GPU or of the control
+    nodes (nvidiactl, nvidia-modeset) is refused, for as long as it lives; bob's opens succeed."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "dev"
+    folder.mkdir()
+    full = folder / "full-as-gpu"
+    os.mknod(full, stat.S_IFCHR | 0o666, os.makedev(1, 7))  # /dev/full's numbers: an allowed open succeeds
+    other = folder / "nvidia1"
+    os.mknod(other, stat.S_IFCHR | 0o666, os.makedev(195, MINOR0 + 1))
+    control = []
+    for name, minor in (("nvidiactl", 255), ("nvidia-modeset", 254)):  # the numbers the hub allows with every lease
+        os.mknod(folder / name, stat.S_IFCHR | 0o666, os.makedev(195, minor))
+        control.append(str(folder / name))
+    pool = [{"node": "n1", "model": "L4", "count": 2, "memory_mib": 23034, "devices": [str(full), str(other)]}]
+    parent = f"jupyter-gpulease-test-{secrets.token_hex(4)}"
+    root = os.path.join(_v1_root(), parent)
+    hub, sim = make_hub(tmp_path, pool, parent)
+    gpu = sim.uuids[0]
+    nodes = [str(full), str(other), *control]
+    out, stop = tmp_path / "leftover.jsonl", tmp_path / "leftover.stop"
+    try:
+        alice, bob = hub.create_token("alice"), hub.create_token("bob")
+        for user in ("alice", "bob"):
+            assert hub.spawn(user, {"kind": "cpu"})[0] in (201, 202)
+        wait_for(lambda: hub.ready_server("alice") and hub.ready_server("bob"), 120, "the CPU-only servers did not start")
+        code, body = hub.gpu_api("alice", alice, "lease", "POST", {"gpus": 1, "require_gpus": [gpu]})
+        assert code == 201, body
+        kernel = hub.start_kernel("alice", alice)
+        code = ("import subprocess, sys\n"
+                f"subprocess.Popen([sys.executable, '-c', {WATCHER!r}, {str(out)!r}, {str(stop)!r}, *{nodes!r}], "
+                "start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
+        hub.run_cell("alice", alice, kernel, code)
+        before = wait_for(lambda: (ls := read_lines(out)) and ls[-1]["seen"][str(full)] == "opened" and ls[-1]["seen"], 60,
+                          f"the leftover process did not open her GPU while her server held it ({out.name}: see its lines)")
+        assert before == {str(full): "opened", str(other): "EPERM", control[0]: "ENXIO", control[1]: "ENXIO"}, before
+
+        asked = time.time()
+        assert hub.api("DELETE", "users/alice/server")[0] in (202, 204)
+        wait_for(lambda: hub.server_model("alice") is None, 60, "her server did not stop")
+        stopped = time.time()
+        code, body = hub.gpu_api("bob", bob, "lease", "POST", {"gpus": 1, "require_gpus": [gpu], "max_wait_s": 60})
+        assert code == 201, body
+        wait_for(lambda: [x for x in hub.leases("bob", "active") if x["placement"]["slices"][0]["gpu_uuid"] == gpu], 60,
+                 "bob did not get her former GPU")
+        run = subprocess.run([sys.executable, "-c", IN_CGROUP, os.path.join(root, "bob", "cgroup.procs"), str(full)],
+                             capture_output=True, text=True, timeout=30, check=True)
+        assert run.stdout.split()[0] == "opened", run.stdout  # bob's server opens it
+        time.sleep(3)  # the leftover keeps trying while bob holds the GPU
+
+        lines = [ln for ln in read_lines(out) if ln["t"] > asked]
+        denied = next((ln["t"] for ln in lines if set(ln["seen"].values()) == {"EPERM"}), None)
+        assert denied is not None, lines[-3:]
+        print(f"leftover denied {denied - stopped:+.3f} s after the hub said her server stopped "
+              f"({denied - asked:.3f} s after the stop was asked for)")
+        assert denied - stopped <= 1.0, f"the leftover still opened a GPU {denied - stopped:.3f} s after the stop"
+        after = [ln for ln in lines if ln["t"] >= denied and set(ln["seen"].values()) != {"EPERM"}]
+        assert not after, f"the leftover opened a node again: {after[:3]}"
+        assert os.path.isdir(os.path.join(root, "alice")), "the cgroup went while a process of the server lived on"
+        stop.touch()  # the leftover ends: her cgroup can go
+        wait_for(lambda: not os.path.exists(os.path.join(root, "alice")), 30, "her cgroup was not removed")
+    finally:
+        stop.touch()
         hub.close()
         remove_cgroups(root, ("alice", "bob"))
 
