@@ -190,6 +190,11 @@ def test_a_user_cannot_forge_gpu_work_faults_or_another_users_name(tmp_path):
         assert found["cgroup"] == f"/{parent}/{ALICE}", found  # still in her server's cgroup
         assert found["gpu_uuid"] == gpu_of[BOB] and found["holders"] == [BOB], found
         assert found["owner"] == f"{ALICE}, claiming to be {BOB}'s", found
+        # she is the one told (in her notebook), not bob
+        _, hers = hub.broker_get("api/unleased", tokens[ALICE])
+        assert [w["pid"] for w in hers["warnings"]] == [forged] and f"Process {forged}" in hers["warnings"][0]["message"], hers
+        _, his = hub.broker_get("api/unleased", tokens[BOB])
+        assert his["warnings"] == [] and his["findings"] == [], his
         # the kernels computing on their own leases are not unleased use
         _, body = hub.broker_get("api/unleased")
         assert {f["pid"] for f in body["findings"]} == {forged}, body
