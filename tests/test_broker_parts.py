@@ -1,8 +1,8 @@
 """The broker's parts, each built alone with fakes (no broker application, and no lease manager
 where the part does not take one): the group commit over a real in-memory store and a real
 scheduler, the view of committed state, the periodic jobs, the hub side, the orphan hand-over's
-decision, and the metrics and alerts given a fake device telemetry, health keeper and unleased
-detector."""
+decision, the device samples and the sample they share with the unleased-use check, and the
+metrics and alerts given a fake device telemetry, health keeper and unleased detector."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +28,7 @@ from jupyter_gpulease.broker.manager import LeaseManager
 from jupyter_gpulease.broker.metrics import BrokerMetrics, count_events
 from jupyter_gpulease.broker.orphan import ORPHAN_STANDBY_GRACE_S, OrphanHandover
 from jupyter_gpulease.broker.reads import LeaseReads
+from jupyter_gpulease.broker.telemetry import DeviceTelemetry, SharedSample
 from jupyter_gpulease.client import BrokerError
 from jupyter_gpulease.core.events import ENDED, GRANTED
 from jupyter_gpulease.core.model import LeaseState
@@ -473,6 +475,86 @@ async def test_an_orphan_whose_hub_stopped_answering_stops_after_the_grace():
     clock.t += 6
     await o.check_successor()
     assert stops == [True]
+
+
+# ---------------------------------------------------------------------- device samples
+class FakeDevices:
+    """A device backend whose figures the test sets; each sample is made of new objects, as a real one's."""
+
+    name = "fake"
+
+    def __init__(self, figures: dict[str, dict[str, Any]]):
+        self.figures = figures
+        self.calls = 0
+
+    def sample(self):
+        self.calls += 1
+        self.t = getattr(self, "t", T0) + 15
+        return {uuid: DeviceSample(uuid, self.t, **f) for uuid, f in self.figures.items()}
+
+
+@run
+async def test_the_device_samples_keep_what_did_not_change_and_count_each_new_xid_once():
+    gpus = pool(2)
+    a, b = (g.uuid for g in gpus)
+    backend = FakeDevices({a: {"temperature_c": 40.0}, b: {"temperature_c": 41.0}, "GPU-not-in-the-pool": {}})
+    heard = []
+    telemetry = DeviceTelemetry(SimpleNamespace(inventory=lambda: gpus), backend, listeners=[heard.append])
+    await telemetry.sample()
+    first = telemetry.samples
+    assert set(first) == {a, b} and first[a].temperature_c == 40.0 and heard == [telemetry]
+
+    await telemetry.sample()  # the same figures, taken later: the same objects, the same dict
+    assert telemetry.samples is first and telemetry.samples[a] is first[a] and len(heard) == 2
+
+    backend.figures[b] = {"temperature_c": 41.0, "health": DeviceHealth(xid=79, xid_count=1, xids=((79, 1),))}
+    await telemetry.sample()
+    assert telemetry.samples[a] is first[a] and telemetry.samples[b] is not first[b]
+    assert telemetry.samples[b].health.xid == 79 and telemetry.xids == {(b, 79): 1.0}
+    await telemetry.sample()  # the same count again: nothing new
+    assert telemetry.xids == {(b, 79): 1.0}
+    backend.figures[b] = {"temperature_c": 41.0, "health": DeviceHealth(xid=79, xid_count=2, xids=((79, 2),))}
+    await telemetry.sample()
+    assert telemetry.xids == {(b, 79): 2.0} and len(heard) == 5 and backend.calls == 5
+
+    telemetry.observe({a: DeviceSample(a, T0, temperature_c=70.0)})  # a sample given on the loop: b is gone from it
+    assert set(telemetry.samples) == {a} and telemetry.samples[a].temperature_c == 70.0
+
+
+def test_callers_that_ask_while_a_sample_of_the_pool_is_under_way_share_it():
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(FakeDevices):
+        def sample(self):
+            entered.set()
+            release.wait(10)
+            if self.figures is None:
+                self.calls += 1
+                raise RuntimeError("the driver did not answer")
+            return super().sample()
+
+    backend = Slow({"GPU-1": {"temperature_c": 40.0}})
+    shared = SharedSample(backend)
+    assert shared.name == "fake"
+    with ThreadPoolExecutor(2) as pool_:
+        first = pool_.submit(shared.sample)
+        assert entered.wait(10)
+        second = pool_.submit(shared.sample)  # asks while the first is under way
+        threading.Timer(0.3, release.set).start()
+        assert first.result(10) is second.result(10) and backend.calls == 1
+        assert shared.sample() is not first.result() and backend.calls == 2  # nothing under way: a sample of its own
+
+        entered.clear()
+        release.clear()
+        backend.figures = None
+        first = pool_.submit(shared.sample)
+        assert entered.wait(10)
+        second = pool_.submit(shared.sample)
+        threading.Timer(0.3, release.set).start()
+        for f in (first, second):
+            with pytest.raises(RuntimeError, match="did not answer"):
+                f.result(10)
+        assert backend.calls == 3
 
 
 # ---------------------------------------------------------------------- metrics and alerts

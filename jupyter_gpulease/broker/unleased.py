@@ -59,7 +59,9 @@ HubUserCheck = Callable[[str], Awaitable[bool | None]]  # True/False: the hub sa
 
 
 class UnleasedDetector:
-    """See the module doc. ``manager``: the :class:`LeaseManager`; ``backend``: the device backend."""
+    """See the module doc. ``manager``: the :class:`LeaseManager`; ``backend``: the device backend,
+    or the :class:`.telemetry.SharedSample` of it (the broker's: its device samples and this check
+    share a sample they ask for at the same moment)."""
 
     def __init__(self, manager, backend, *, action: str = "warn", grace_s: float = 300.0, procs: ProcReader | None = None,
                  hub_user_exists: HubUserCheck | None = None, logger: logging.Logger | None = None,

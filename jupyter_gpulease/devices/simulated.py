@@ -112,7 +112,9 @@ class SimulatedBackend(DeviceBackend):
             for m in g.mig:
                 self._parent[m.uuid] = g.uuid
                 self._total[m.uuid] = m.memory_mib
-        self._model: dict[str, str] = {g.uuid: g.model for g in self._gpus}
+        # what a sample needs of each GPU, worked out once (a pool may hold thousands):
+        # the GPU, its MIG instances' UUIDs, its model's default power limit
+        self._layout = [(g, tuple(m.uuid for m in g.mig), _default_power_limit_w(g.model)) for g in self._gpus]
         state_file = config.get("state_file")
         if state_file is not None and (not isinstance(state_file, (str, os.PathLike)) or not str(state_file)):
             raise ValueError(f"simulated device backend: 'state_file' must be a file path, got {state_file!r}")
@@ -154,12 +156,15 @@ class SimulatedBackend(DeviceBackend):
             now = self._clock()
             gone = self._gone()
             out: dict[str, DeviceSample] = {}
-            for g in self._gpus:
-                devices = [g.uuid, *(m.uuid for m in g.mig)]
-                procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
-                              for dev in devices for pid, (mib, sm) in sorted(self._procs.get(dev, {}).items()) if pid not in gone)
+            on = self._procs
+            for g, migs, default_limit_w in self._layout:
+                if on and (g.uuid in on or any(m in on for m in migs)):
+                    procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
+                                  for dev in (g.uuid, *migs) for pid, (mib, sm) in sorted(on.get(dev, {}).items()) if pid not in gone)
+                else:
+                    procs = ()  # (most GPUs of a large pool run nothing)
                 util = self._utilization(g.uuid, procs)
-                figures = self._figures(g.uuid, util, self._model[g.uuid])
+                figures = self._figures(g.uuid, util, default_limit_w)
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
@@ -194,9 +199,9 @@ class SimulatedBackend(DeviceBackend):
             return self._util[uuid]
         return float(min(100.0, sum(p.sm_util_pct or 0.0 for p in procs)))
 
-    def _figures(self, uuid: str, util: float, model: str) -> dict[str, Any]:
+    def _figures(self, uuid: str, util: float, default_limit_w: float) -> dict[str, Any]:
         driven = self._devices.get(uuid, {})
-        limit = driven.get("power_limit_w", _default_power_limit_w(model))
+        limit = driven.get("power_limit_w", default_limit_w)
         return {
             "temperature_c": driven.get("temperature_c", round(34.0 + 0.45 * util, 1)),
             "temperature_slowdown_c": driven.get("temperature_slowdown_c", SLOWDOWN_C),
