@@ -431,10 +431,8 @@ class SimulatedBackend(DeviceBackend):
         except OSError as e:
             self._say(f"Simulated GPUs: cannot read {folder} ({e}); users' processes are not seen")
             return []
-        try:
-            owner = os.stat(self.state_file).st_uid
-        except OSError:
-            owner = os.stat(os.path.dirname(os.path.abspath(self.state_file))).st_uid
+        main = self._files.get(self.state_file)  # read just before: no second stat of it
+        owner = main.owner if main is not None else os.stat(os.path.dirname(os.path.abspath(self.state_file))).st_uid
         why = ""
         if not stat.S_ISDIR(st.st_mode):
             why = "is not a folder"
@@ -466,7 +464,7 @@ class SimulatedBackend(DeviceBackend):
             return self._files.pop(path, None) is not None
         with os.fdopen(fd, encoding="utf-8") as f:
             st = os.fstat(f.fileno())
-            sig = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid)
+            sig = _signature(st)
             known = self._files.get(path)
             if known is not None and known.sig == sig:
                 return False
@@ -578,7 +576,7 @@ class SimulatedBackend(DeviceBackend):
 
     def _gone(self) -> set[int]:
         """The pids put on a GPU with a start time whose process no longer runs."""
-        return {pid for pid, t in self._started.items() if not _runs(pid, t)}
+        return _gone(self._started)
 
     def _save(self) -> None:
         self._mine.drop(self._mine.gone())  # a writer drops the processes that exited
@@ -596,7 +594,7 @@ class SimulatedBackend(DeviceBackend):
                 raise PermissionError(f"the folder for users' work on the simulated GPUs, {self.users_folder}, is not there: "
                                       "the owner of the state file makes it (the broker does at its start)") from None
         st = os.stat(self.write_path)
-        self._files[self.write_path] = _Read((st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid), st.st_uid,
+        self._files[self.write_path] = _Read(_signature(st), st.st_uid,
                                              self._mine.copy() if self.writes_state_file else self._owners_own(self._mine, st.st_uid, self.write_path),
                                              trusted=not self._distrust(self.write_path, st, self.writes_state_file))
         self._merge()
@@ -620,7 +618,7 @@ class _State:
 
     def gone(self) -> set[int]:
         """The pids put on a GPU with a start time whose process no longer runs."""
-        return {pid for pid, t in self.started.items() if not _runs(pid, t)}
+        return _gone(self.started)
 
     def drop(self, pids: set[int]) -> None:
         for pid in pids:
@@ -651,6 +649,16 @@ class _Read:
     owner: int
     state: _State
     trusted: bool = True
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten (replaced, resized, given another mode or owner)."""
+    return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid)
+
+
+def _gone(started: dict[int, float]) -> set[int]:
+    """Of pids and the start times they were put on a GPU with, those whose process no longer runs."""
+    return {pid for pid, t in started.items() if not _runs(pid, t)}
 
 
 def _uid_of(pid: int) -> int | None:
