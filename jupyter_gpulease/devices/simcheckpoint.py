@@ -16,7 +16,9 @@ and the kernels get it (its ``gpus`` too: the pool the restore maps onto). What 
 (per process: its state and memory) is in ``<state file>.checkpoints.json`` next to it, under a
 lock, or, for an account that does not own the state file, in its own
 ``<state file>.d/<uid>.checkpoints.json`` (it takes and puts back that account's processes only,
-in that account's file of the folder). Run as
+in that account's file of the folder). A process is kept there by its pid and pid namespace
+(``"PID@NAMESPACE"``): the tool runs in the namespace of the process it acts on (in its container,
+where that store may be shared with other containers and the host, whose pids are others). Run as
 ``python -m jupyter_gpulease.devices.simcheckpoint ARGS``.
 """
 
@@ -99,14 +101,18 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
         raise SimCheckpointError(f"no process {pid}") from None
     except PermissionError:
         pass
-    from .simulated import SimulatedBackend
+    from .simulated import SimulatedBackend, pid_namespace
 
     sim = SimulatedBackend(config)
     store_path = sim.checkpoint_store
+    ns = pid_namespace()
+    key = f"{pid}@{ns}" if ns is not None else str(pid)  # (the same pid in another container is another process)
     with open(store_path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         store = _load(store_path)
-        entry = store.get(str(pid)) or {"state": "running", "memory": []}
+        if key not in store and str(pid) in store:  # kept by an earlier version, by pid alone
+            store[key] = store.pop(str(pid))
+        entry = store.get(key) or {"state": "running", "memory": []}
         if action == "get-state":
             return entry["state"]
         if entry["state"] != _NEEDS[action]:
@@ -129,9 +135,9 @@ def run(argv: list[str], environ: dict[str, str] | None = None) -> str:
                 entry.pop("started", None)
         entry["state"] = _NEXT[action]
         if entry["state"] == "running" and not entry["memory"]:
-            store.pop(str(pid), None)
+            store.pop(key, None)
         else:
-            store[str(pid)] = entry
+            store[key] = entry
         _save(store_path, store)
     return ""
 

@@ -17,6 +17,7 @@ The file looks like::
     {"utilization": {"GPU-sim-…": 85.0},
      "processes": {"GPU-sim-…": [{"pid": 4242, "used_memory_mib": 10240, "sm_util_pct": 80}]},
      "started": {"4242": 1767225600.25},
+     "pidns": 4026531836,
      "devices": {"GPU-sim-…": {"temperature_c": 71, "power_w": 250, "power_limit_w": 400,
                                "temperature_slowdown_c": 90, "health": {"xid": 79, "xid_count": 1, "ecc_uncorrected": 0, "lost": false}}}}
 
@@ -44,6 +45,42 @@ Who writes what (a hub whose users' servers run as their own Unix accounts):
   running process of the file's owner (its real uid), with the start time it was put there with;
   anything else in it (another account's pid, utilization, device figures, faults) is ignored.
   A kernel cannot put another user's process on a GPU, hide one, or make a GPU sick.
+
+Pid namespaces (servers and kernels in containers, the state file mounted into them):
+
+- A process put on a GPU with its start time is recorded with the pid namespace of the process
+  that put it there (the inode of its ``/proc/self/ns/pid``): its pid is a pid of that namespace.
+  In the file, ``pidns`` is the namespace of the writer (the plain pids of ``started`` are in it);
+  an entry of another namespace (one the writer read and keeps) is written ``"pid@namespace"`` in
+  ``started`` and with its ``"pidns"`` in ``processes``, so one pid of two namespaces is two
+  entries. A file without ``pidns`` (an older one), and every process given without a start
+  time, is in the reader's namespace.
+- An entry of the reader's namespace is judged as above. An entry of another one is looked for,
+  as NVML does: the process this reader sees whose innermost pid (the last of ``NSpid`` in
+  ``/proc/<pid>/status``) is the entry's, whose namespace is the entry's and that started then.
+  Found, it is listed under the reader's pid for it (the host sees a container's kernel under its
+  host pid). The answer is kept (by namespace, pid and start time): later samples only check that
+  that pid still runs with that start time (once it does not, the process exited: gone), so
+  ``/proc`` is scanned only when an entry not judged before turns up, never for a pool whose
+  entries are all of the reader's namespace.
+- Not found, it is gone (readers leave it out, writers drop it) when the reader can see that
+  namespace: a reader in the initial pid namespace (inode 0xEFFFFFFC, the kernel's fixed
+  ``PROC_PID_INIT_INO``: the host) sees every process of every namespace, so a namespace with no
+  such process left (a container that stopped) is gone; any other reader (in a container) sees
+  only its own namespace and those below it, and knows such a namespace only while it sees a
+  process in it (or saw one before). Otherwise (the host's entries seen from a container, another
+  container's) the entry is not visible here: it stays in the file, is not listed, and its memory
+  and ``sm_util_pct`` still count in its device's used memory and utilization (NVML in a
+  container counts the memory of processes it does not list). A container that stopped while no
+  reader of the initial namespace ran is dropped by the next one that does.
+- The rules of a user's file hold for entries of other namespaces too: one is believed only when
+  it is found, running, as a process of the file's owner (its real uid, seen from the reader).
+  One not visible from the reader cannot be checked, so is not believed there.
+- A reader that may not look at a process's namespace (``/proc/<pid>/ns/pid``: another account's
+  process, for a reader that is not root) takes the only running process with that innermost pid
+  and start time in a namespace below its own; with two such, it lists neither (it counts it as
+  not visible, and looks again 30 s later). Each process judges with its own ``/proc``, which must be its namespace's (as in
+  a container).
 
 Writers replace their file atomically (mode 0644: the single-user servers of other users read it
 too); two processes of one account writing at the same moment: the last wins. A file that cannot
@@ -130,9 +167,12 @@ class SimulatedBackend(DeviceBackend):
                                        else os.path.join(self.users_folder, f"{os.geteuid()}.json"))
         # the merged view that samples read: devices from the state file, processes from every trusted file
         self._util: dict[str, float] = self._mine.util
-        self._procs: dict[str, dict[int, tuple[int | None, float | None]]] = self._mine.procs  # device uuid -> pid -> (MiB, SM %)
+        # device uuid -> process -> (MiB, SM %); a process: its pid in this process's pid namespace,
+        # or (namespace, pid) for one put there from another namespace (see "Pid namespaces")
+        self._procs: dict[str, dict[_Key, tuple[int | None, float | None]]] = self._mine.procs
         self._devices: dict[str, dict[str, Any]] = self._mine.devices  # device uuid -> driven temperature/power/health
-        self._started: dict[int, float] = self._mine.started  # pid -> its process's start time (there only while that process runs)
+        self._started: dict[_Key, float] = self._mine.started  # process -> its start time (there only while that process runs)
+        self._foreign = False  # whether some process in the view is of another pid namespace
         if self.state_file and self.writes_state_file and os.path.isdir(os.path.dirname(os.path.abspath(self.state_file))):
             self._make_users_folder()
         self._reload()
@@ -154,34 +194,45 @@ class SimulatedBackend(DeviceBackend):
         with self._lock:
             self._reload()
             now = self._clock()
-            gone = self._gone()
+            gone, shown = self._judge()
             out: dict[str, DeviceSample] = {}
             on = self._procs
             for g, migs, default_limit_w in self._layout:
+                unlisted: tuple[tuple[str, int | None, float | None], ...] = ()  # (device, MiB, SM %) of processes not visible here
                 if on and (g.uuid in on or any(m in on for m in migs)):
-                    procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
-                                  for dev in (g.uuid, *migs) for pid, (mib, sm) in sorted(on.get(dev, {}).items()) if pid not in gone)
+                    if shown is None:  # every process of this process's pid namespace (the common case)
+                        procs = tuple(ProcessSample(pid, mib, dev, sm_util_pct=sm)
+                                      for dev in (g.uuid, *migs) for pid, (mib, sm) in sorted(on.get(dev, {}).items()) if pid not in gone)
+                    else:
+                        procs, unlisted = self._listed((g.uuid, *migs), gone, shown)
                 else:
                     procs = ()  # (most GPUs of a large pool run nothing)
-                util = self._utilization(g.uuid, procs)
+                util = self._utilization(g.uuid, procs, unlisted)
                 figures = self._figures(g.uuid, util, default_limit_w)
+                used = sum(p.used_memory_mib or 0 for p in procs)
+                if unlisted:
+                    used += sum(mib or 0 for _, mib, _ in unlisted)
                 out[g.uuid] = DeviceSample(
                     uuid=g.uuid,
                     timestamp=now,
                     utilization_pct=util,
-                    memory_used_mib=sum(p.used_memory_mib or 0 for p in procs),
+                    memory_used_mib=used,
                     memory_total_mib=g.memory_mib,
                     processes=procs,
                     **figures,
                 )
                 for m in g.mig:
                     own = tuple(p for p in procs if p.device_uuid == m.uuid)
+                    own_unlisted = tuple(u for u in unlisted if u[0] == m.uuid) if unlisted else ()
+                    own_used = sum(p.used_memory_mib or 0 for p in own)
+                    if own_unlisted:
+                        own_used += sum(mib or 0 for _, mib, _ in own_unlisted)
                     driven = self._devices.get(m.uuid, {})
                     out[m.uuid] = DeviceSample(
                         uuid=m.uuid,
                         timestamp=now,
-                        utilization_pct=self._utilization(m.uuid, own),
-                        memory_used_mib=sum(p.used_memory_mib or 0 for p in own),
+                        utilization_pct=self._utilization(m.uuid, own, own_unlisted),
+                        memory_used_mib=own_used,
                         memory_total_mib=m.memory_mib,
                         processes=own,
                         parent_uuid=g.uuid,
@@ -194,10 +245,55 @@ class SimulatedBackend(DeviceBackend):
                     )
             return out
 
-    def _utilization(self, uuid: str, procs: tuple[ProcessSample, ...]) -> float:
+    def _utilization(self, uuid: str, procs: tuple[ProcessSample, ...], unlisted: tuple[tuple[str, int | None, float | None], ...] = ()) -> float:
         if uuid in self._util:
             return self._util[uuid]
-        return float(min(100.0, sum(p.sm_util_pct or 0.0 for p in procs)))
+        busy = sum(p.sm_util_pct or 0.0 for p in procs)
+        if unlisted:
+            busy += sum(sm or 0.0 for _, _, sm in unlisted)
+        return float(min(100.0, busy))
+
+    def _judge(self) -> tuple[set[_Key], dict[tuple[int, int], int | None] | None]:
+        """The processes of the view that no longer run (to leave out), and, when some are of
+        another pid namespace, what each of those is here: its pid here, or None when it is not
+        visible from here (not listed, counted). None for the second when there are none."""
+        if not self._foreign:
+            return _gone_here(self._started), None
+        verdicts = _NAMESPACES.judge([(k, t) for k, t in self._started.items() if type(k) is tuple])
+        gone: set[_Key] = {k for k, t in self._started.items() if type(k) is int and not _runs(k, t)}
+        gone.update(k for k, v in verdicts.items() if v is _GONE)
+        return gone, {k: (v if type(v) is int else None) for k, v in verdicts.items() if v is not _GONE}
+
+    def _listed(self, devices: tuple[str, ...], gone: set[_Key], shown: dict[tuple[int, int], int | None]
+                ) -> tuple[tuple[ProcessSample, ...], tuple[tuple[str, int | None, float | None], ...]]:
+        """The processes on ``devices`` as this process sees them (those of another pid namespace
+        under their pid here), and (device, MiB, SM %) of those not visible from here."""
+        procs: list[ProcessSample] = []
+        unlisted: list[tuple[str, int | None, float | None]] = []
+        for dev in devices:
+            rows: dict[int, tuple[int | None, float | None]] = {}
+            for key, (mib, sm) in self._procs.get(dev, {}).items():
+                if key in gone:
+                    continue
+                here = shown.get(key) if type(key) is tuple else key
+                if here is None:
+                    unlisted.append((dev, mib, sm))
+                    continue
+                rows.setdefault(here, (mib, sm))  # (a process put there from both namespaces: listed once)
+            procs.extend(ProcessSample(pid, mib, dev, sm_util_pct=sm) for pid, (mib, sm) in sorted(rows.items()))
+        return tuple(procs), tuple(unlisted)
+
+    def _key_of(self, started: dict[_Key, float], pid: int) -> _Key | None:
+        """The entry of ``started`` that is process ``pid`` (a pid of this process's namespace): the
+        pid itself, or an entry put there from another namespace that is that process here."""
+        if pid in started:
+            return pid
+        foreign = [(k, t) for k, t in started.items() if type(k) is tuple]
+        if foreign:
+            for k, v in _NAMESPACES.judge(foreign).items():
+                if type(v) is int and v == pid:
+                    return k
+        return None
 
     def _figures(self, uuid: str, util: float, default_limit_w: float) -> dict[str, Any]:
         driven = self._devices.get(uuid, {})
@@ -226,7 +322,8 @@ class SimulatedBackend(DeviceBackend):
                     started: float | None = None) -> None:
         """Put process ``pid`` on a GPU or MIG instance, holding ``used_memory_mib`` and keeping
         ``sm_util_pct`` (0–100) of its compute busy (replaces an earlier entry). ``started``: the
-        process's start time (:func:`process_started`): it is then on the GPU only while it runs.
+        process's start time (:func:`process_started`): it is then on the GPU only while it runs,
+        and recorded with this process's pid namespace (``pid`` is a pid of it: see "Pid namespaces").
         A process that does not write the state file puts its own account's processes only (and
         always with their start time): another account's pid is refused with PermissionError."""
         self._check_uuid(uuid)
@@ -248,6 +345,11 @@ class SimulatedBackend(DeviceBackend):
             started = started if started is not None else process_started(pid)
         with self._lock:
             self._reload_mine()
+            other = self._key_of(self._mine.started, pid)
+            if type(other) is tuple and other in self._mine.procs.get(uuid, {}):  # put there from another namespace: replaced
+                del self._mine.procs[uuid][other]
+                if not any(other in p for p in self._mine.procs.values()):
+                    self._mine.started.pop(other, None)
             self._mine.procs.setdefault(uuid, {})[pid] = (used_memory_mib, None if sm_util_pct is None else float(sm_util_pct))
             if started is not None:
                 self._mine.started[pid] = float(started)
@@ -257,7 +359,8 @@ class SimulatedBackend(DeviceBackend):
         """The start time ``pid`` was put on a GPU with (None: none given)."""
         with self._lock:
             self._reload()
-            return self._started.get(pid)
+            key = self._key_of(self._started, pid) if self._foreign else pid
+            return self._started.get(key) if key is not None else None
 
     def remove_process(self, pid: int, uuid: str | None = None) -> bool:
         """Take process ``pid`` off ``uuid`` (or off every device), in the file this process
@@ -265,12 +368,15 @@ class SimulatedBackend(DeviceBackend):
         with self._lock:
             self._reload_mine()
             removed = False
-            for dev, procs in self._mine.procs.items():
-                if (uuid is None or dev == uuid) and pid in procs:
-                    del procs[pid]
-                    removed = True
+            key: _Key = pid
             if not any(pid in procs for procs in self._mine.procs.values()):
-                self._mine.started.pop(pid, None)
+                key = self._key_of(self._mine.started, pid) or pid  # (one put there from another namespace)
+            for dev, procs in self._mine.procs.items():
+                if (uuid is None or dev == uuid) and key in procs:
+                    del procs[key]
+                    removed = True
+            if not any(key in procs for procs in self._mine.procs.values()):
+                self._mine.started.pop(key, None)
             self._save()
             return removed
 
@@ -284,7 +390,7 @@ class SimulatedBackend(DeviceBackend):
             gone = self._mine.gone()
             if untimed:
                 gone |= {pid for procs in self._mine.procs.values() for pid in procs
-                         if pid not in self._mine.started and not psutil.pid_exists(pid)}
+                         if pid not in self._mine.started and type(pid) is int and not psutil.pid_exists(pid)}
             self._mine.drop(gone)
             if gone:
                 self._save()
@@ -420,6 +526,11 @@ class SimulatedBackend(DeviceBackend):
         if self.write_path:
             read = self._files.get(self.write_path)
             self._mine = read.state.copy() if read else _State()
+            unseen, self._mine.unseen = self._mine.unseen, None
+            if unseen is not None:  # (a user's file: its processes not visible from here stay in it)
+                for dev, procs in unseen.procs.items():
+                    self._mine.procs.setdefault(dev, {}).update(procs)
+                self._mine.started.update(unseen.started)
 
     def _user_files(self) -> list[str]:
         """The users' files to read: none when the folder is not the state file owner's."""
@@ -514,6 +625,7 @@ class SimulatedBackend(DeviceBackend):
                 procs.setdefault(dev, {}).update(p)
             started.update(read.state.started)
         self._util, self._devices, self._procs, self._started = base.util, base.devices, procs, started
+        self._foreign = any(type(k) is tuple for k in started)
 
     def _say(self, message: str, *, error: bool = False) -> None:
         if message not in self._said:
@@ -529,6 +641,16 @@ class SimulatedBackend(DeviceBackend):
             if not isinstance(data.get(key) or {}, dict):
                 raise ValueError(f"its {key!r} must be a JSON object keyed by device UUID")
         out = _State()
+        # the processes put there with their start time, by (pid namespace, pid): see "Pid namespaces"
+        file_ns = data.get("pidns") if _is_pidns(data.get("pidns")) else None  # None: the reader's
+        timed: dict[tuple[int | None, int], float] = {}
+        for name, t in (data.get("started") or {}).items() if isinstance(data.get("started"), dict) else ():
+            pid, _, ns = str(name).partition("@")
+            if pid.isdecimal() and (not ns or ns.isdecimal()) and _is_number(t):
+                timed[(int(ns) if ns else file_ns, int(pid))] = float(t)
+        here = pid_namespace()
+        for (ns, pid), t in timed.items():
+            out.started[pid if ns is None or ns == here or here is None else (ns, pid)] = t
         for uuid, pct in (data.get("utilization") or {}).items():
             if uuid in self._total and _is_number(pct):
                 out.util[uuid] = float(min(100.0, max(0.0, pct)))
@@ -538,8 +660,15 @@ class SimulatedBackend(DeviceBackend):
             for p in plist:
                 if isinstance(p, dict) and isinstance(p.get("pid"), int) and not isinstance(p["pid"], bool):
                     mib, sm = p.get("used_memory_mib"), p.get("sm_util_pct")
-                    out.procs.setdefault(uuid, {})[p["pid"]] = (int(mib) if _is_number(mib) else None,
-                                                                float(min(100.0, max(0.0, sm))) if _is_number(sm) else None)
+                    pid, said_ns = p["pid"], p.get("pidns") if _is_pidns(p.get("pidns")) else None
+                    ns = said_ns if said_ns is not None else file_ns
+                    if (ns, pid) not in timed:  # given without a start time: the reader's namespace
+                        if said_ns is not None and said_ns != here and here is not None:
+                            continue  # said to be of another namespace, with nothing to judge it by
+                        ns = None
+                    key: _Key = pid if ns is None or ns == here or here is None else (ns, pid)
+                    out.procs.setdefault(uuid, {})[key] = (int(mib) if _is_number(mib) else None,
+                                                           float(min(100.0, max(0.0, sm))) if _is_number(sm) else None)
         for uuid, d in (data.get("devices") or {}).items():
             if uuid not in self._total or not isinstance(d, dict):
                 continue
@@ -547,9 +676,6 @@ class SimulatedBackend(DeviceBackend):
             if isinstance(d.get("health"), dict):
                 figures["health"] = DeviceHealth.from_dict(d["health"])
             out.devices[uuid] = figures
-        for pid, t in (data.get("started") or {}).items() if isinstance(data.get("started"), dict) else ():
-            if str(pid).isdigit() and _is_number(t):
-                out.started[int(pid)] = float(t)
         if owner is not None:
             out = self._owners_own(out, owner, path)
         return out
@@ -561,35 +687,45 @@ class SimulatedBackend(DeviceBackend):
             self._say(f"Simulated GPUs: ignoring the utilization and device figures in {path} (uid {owner}): "
                       "only the state file's owner drives the devices", error=True)
         kept = _State()
+        foreign = [(k, t) for k, t in state.started.items() if type(k) is tuple]
+        verdicts = _NAMESPACES.judge(foreign) if foreign else {}
         for dev, plist in state.procs.items():
-            for pid, entry in plist.items():
-                t = state.started.get(pid)
-                uid = _uid_of(pid)
+            for key, entry in plist.items():
+                t = state.started.get(key)
+                if type(key) is tuple:  # of another pid namespace: the process it is here, if visible
+                    here = verdicts.get(key)
+                    pid, what = (here if type(here) is int else None), f"{key[1]} (pid namespace {key[0]})"
+                else:
+                    pid, what = key, str(key)
+                if pid is None and t is not None and verdicts.get(key) is _HIDDEN:
+                    # not visible from here, so not believed; the file's writer keeps it (see "Pid namespaces")
+                    kept.unseen = kept.unseen or _State()
+                    kept.unseen.procs.setdefault(dev, {})[key] = entry
+                    kept.unseen.started[key] = t
+                    continue
+                uid = _uid_of(pid) if pid is not None else None
                 if t is None or uid != owner or not _runs(pid, t):
                     if uid is not None and uid != owner:
-                        self._say(f"Simulated GPUs: ignoring process {pid} in {path}: it is uid {uid}'s, "
+                        self._say(f"Simulated GPUs: ignoring process {what} in {path}: it is uid {uid}'s, "
                                   f"not the file owner's (uid {owner})", error=True)
                     continue
-                kept.procs.setdefault(dev, {})[pid] = entry
-                kept.started[pid] = t
+                kept.procs.setdefault(dev, {})[key] = entry
+                kept.started[key] = t
         return kept
 
-    def _gone(self) -> set[int]:
-        """The pids put on a GPU with a start time whose process no longer runs."""
-        return _gone(self._started)
-
     def _save(self) -> None:
-        self._mine.drop(self._mine.gone())  # a writer drops the processes that exited
+        self._mine.drop(self._mine.gone())  # a writer drops the processes that exited (not those it cannot see)
         if not self.write_path:
             self._util, self._procs, self._devices, self._started = self._mine.util, self._mine.procs, self._mine.devices, self._mine.started
             return
+        content = json.dumps(self._mine.to_json(pid_namespace()), indent=1)
         if self.writes_state_file and not os.path.isdir(self.users_folder):
-            write_atomically(self.write_path, json.dumps(self._mine.to_json(), indent=1), mode=0o644)
+            write_atomically(self.write_path, content, mode=0o644)
             self._make_users_folder()
         else:
             try:
                 # readable by all: servers of other users read the same GPUs
-                write_atomically(self.write_path, json.dumps(self._mine.to_json(), indent=1), mode=0o644)
+                write_atomically(self.write_path, content, mode=0o644)
             except FileNotFoundError:
                 raise PermissionError(f"the folder for users' work on the simulated GPUs, {self.users_folder}, is not there: "
                                       "the owner of the state file makes it (the broker does at its start)") from None
@@ -602,41 +738,56 @@ class SimulatedBackend(DeviceBackend):
 
 _USER_FILE = re.compile(r"[0-9]+\.json")
 
+#: A process on a GPU: its pid in this process's pid namespace, or (namespace, pid) for one put
+#: there from another pid namespace (see "Pid namespaces" in the module doc).
+_Key = int | tuple[int, int]
+
 
 @dataclasses.dataclass
 class _State:
     """What one state file says (or, without a state file, what this process drove)."""
 
     util: dict[str, float] = dataclasses.field(default_factory=dict)
-    procs: dict[str, dict[int, tuple[int | None, float | None]]] = dataclasses.field(default_factory=dict)
+    procs: dict[str, dict[_Key, tuple[int | None, float | None]]] = dataclasses.field(default_factory=dict)
     devices: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    started: dict[int, float] = dataclasses.field(default_factory=dict)
+    started: dict[_Key, float] = dataclasses.field(default_factory=dict)
+    #: (a user's file, as read) its processes of a pid namespace not visible from here: not
+    #: believed, but kept when this process writes that file
+    unseen: _State | None = None
 
     def copy(self) -> _State:
         return _State(dict(self.util), {dev: dict(p) for dev, p in self.procs.items()},
-                      {dev: dict(d) for dev, d in self.devices.items()}, dict(self.started))
+                      {dev: dict(d) for dev, d in self.devices.items()}, dict(self.started),
+                      self.unseen.copy() if self.unseen is not None else None)
 
-    def gone(self) -> set[int]:
-        """The pids put on a GPU with a start time whose process no longer runs."""
+    def gone(self) -> set[_Key]:
+        """The processes put on a GPU with a start time that no longer run (not those of a pid
+        namespace not visible from here)."""
         return _gone(self.started)
 
-    def drop(self, pids: set[int]) -> None:
+    def drop(self, pids: set[_Key]) -> None:
         for pid in pids:
             self.started.pop(pid, None)
             for procs in self.procs.values():
                 procs.pop(pid, None)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, pidns: int | None = None) -> dict[str, Any]:
+        """The file's content, written by a process of pid namespace ``pidns`` (the namespace of
+        the pids given as plain numbers; None: not known)."""
         data: dict[str, Any] = {
             "utilization": dict(self.util),
-            "processes": {u: [{"pid": pid, "used_memory_mib": mib, **({"sm_util_pct": sm} if sm is not None else {})}
-                              for pid, (mib, sm) in sorted(p.items())] for u, p in self.procs.items() if p},
+            "processes": {u: [{"pid": _pid(key), **({"pidns": key[0]} if type(key) is tuple else {}),
+                               "used_memory_mib": mib, **({"sm_util_pct": sm} if sm is not None else {})}
+                              for key, (mib, sm) in sorted(p.items(), key=_order)] for u, p in self.procs.items() if p},
         }
         devices = {u: {k: (v.to_dict() if isinstance(v, DeviceHealth) else v) for k, v in d.items()} for u, d in self.devices.items() if d}
         if devices:
             data["devices"] = devices
         if self.started:
-            data["started"] = {str(pid): t for pid, t in sorted(self.started.items())}
+            data["started"] = {(f"{key[1]}@{key[0]}" if type(key) is tuple else str(key)): t
+                               for key, t in sorted(self.started.items(), key=_order)}
+            if pidns is not None:
+                data["pidns"] = pidns
         return data
 
 
@@ -656,9 +807,165 @@ def _signature(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid)
 
 
-def _gone(started: dict[int, float]) -> set[int]:
-    """Of pids and the start times they were put on a GPU with, those whose process no longer runs."""
+def _gone_here(started: dict[int, float]) -> set[int]:
+    """Of pids (of this process's pid namespace) and the start times they were put on a GPU
+    with, those whose process no longer runs."""
     return {pid for pid, t in started.items() if not _runs(pid, t)}
+
+
+def _gone(started: dict[_Key, float]) -> set[_Key]:
+    """Of processes and the start times they were put on a GPU with, those that no longer run:
+    of this pid namespace, judged directly; of another, when it is visible from here and the
+    process is not found in it."""
+    foreign = [(k, t) for k, t in started.items() if type(k) is tuple]
+    if not foreign:
+        return _gone_here(started)  # type: ignore[arg-type]
+    gone: set[_Key] = {k for k, t in started.items() if type(k) is int and not _runs(k, t)}
+    gone.update(k for k, v in _NAMESPACES.judge(foreign).items() if v is _GONE)
+    return gone
+
+
+def _pid(key: _Key) -> int:
+    return key[1] if type(key) is tuple else key  # type: ignore[index,return-value]
+
+
+def _order(item: tuple[_Key, Any]) -> tuple[int, int]:
+    key = item[0]
+    return (key[1], key[0]) if type(key) is tuple else (key, 0)  # type: ignore[index,return-value]
+
+
+# ---------------------------------------------------------------------- pid namespaces
+#: The initial pid namespace's inode number (the kernel's PROC_PID_INIT_INO, fixed since Linux
+#: 3.8): a process in it (on the host) sees the processes of every pid namespace.
+INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+
+_GONE = "gone"  # a verdict: the process exited
+_HIDDEN = "hidden"  # a verdict: its namespace is not visible from here (kept, not listed, counted)
+
+
+def _namespace_of(pid: int | str) -> int | None:
+    """The pid namespace of process ``pid`` (its inode number), None when it cannot be told (no
+    such process, no /proc, or not allowed to look)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+_this_namespace: list[int | None] = []  # [the namespace of this process] once known
+
+
+def pid_namespace() -> int | None:
+    """The pid namespace this process runs in (the inode number of ``/proc/self/ns/pid``; None
+    without /proc): the one its pids are pids of."""
+    if not _this_namespace:
+        _this_namespace.append(_namespace_of("self"))
+    return _this_namespace[0]
+
+
+class _Namespaces:
+    """What this process found of the processes of other pid namespaces (see "Pid namespaces" in
+    the module doc): each verdict kept by (namespace, pid, start time)."""
+
+    LIMIT = 20_000  # verdicts kept at most (then forgotten, found again)
+    AGAIN_S = 30.0  # a process told from another only by a namespace not allowed to look at: judged again after that
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.verdicts: dict[tuple[int, int, float], int | str] = {}  # -> its pid here, _GONE or _HIDDEN
+        self.again: dict[tuple[int, int, float], float] = {}  # verdicts to judge again (time.monotonic() after which)
+        self.seen: set[int] = set()  # namespaces this process saw a process in (descendants of its own)
+
+    def judge(self, entries: list[tuple[tuple[int, int], float]]) -> dict[tuple[int, int], int | str]:
+        """For each (namespace, pid) and start time: its pid here, _GONE or _HIDDEN. Scans /proc
+        at most once, and only for entries not judged before."""
+        out: dict[tuple[int, int], int | str] = {}
+        todo: list[tuple[tuple[int, int], float]] = []
+        with self.lock:
+            for key, t in entries:
+                k = (key[0], key[1], t)
+                v = self.verdicts.get(k)
+                if type(v) is int and not _runs(v, t):
+                    v = self.verdicts[k] = _GONE  # found before, it exited since
+                elif self.again and k in self.again and self.again[k] < time.monotonic():
+                    del self.again[k], self.verdicts[k]
+                    v = None
+                if v is None:
+                    todo.append((key, t))
+                else:
+                    out[key] = v
+            if todo:
+                if len(self.verdicts) > self.LIMIT:
+                    self.verdicts.clear()
+                    self.again.clear()
+                index = self._scan()
+                for key, t in todo:
+                    out[key] = self._find(index, key, t)
+        return out
+
+    def _scan(self) -> dict[int, list[tuple[int, int | None]]]:
+        """The processes visible here that are in a pid namespace below this /proc's: innermost
+        pid -> [(pid here, namespace or None when not allowed to look)]."""
+        index: dict[int, list[tuple[int, int | None]]] = {}
+        try:
+            names = os.listdir("/proc")
+        except OSError:
+            return index
+        for name in names:
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/status", "rb") as f:
+                    ids = next((line.split()[1:] for line in f if line.startswith(b"NSpid:")), [])
+            except OSError:
+                continue
+            if len(ids) < 2:
+                continue  # in this /proc's own namespace (or NSpid unknown)
+            ns = _namespace_of(name)
+            if ns is not None:
+                self.seen.add(ns)
+            index.setdefault(int(ids[-1]), []).append((int(name), ns))
+        if len(self.seen) > self.LIMIT:
+            self.seen.clear()
+        return index
+
+    def _find(self, index: dict[int, list[tuple[int, int | None]]], key: tuple[int, int], t: float) -> int | str:
+        ns, pid = key
+        sure: list[int] = []
+        unsure: list[int] = []  # running with that pid and start time, in a namespace we may not look at
+        for here, its_ns in index.get(pid, ()):
+            if (its_ns is None or its_ns == ns) and _runs(here, t):
+                (sure if its_ns == ns else unsure).append(here)
+        if sure or len(unsure) == 1:
+            v: int | str = (sure or unsure)[0]
+        elif unsure:
+            v = _HIDDEN  # two candidates: neither listed (judged again in a while: one of them may have exited)
+            self.again[(ns, pid, t)] = time.monotonic() + self.AGAIN_S
+        elif pid_namespace() == INITIAL_PID_NAMESPACE or ns in self.seen:
+            v = _GONE  # its namespace is visible from here and the process is not in it
+        else:
+            v = _HIDDEN
+        self.verdicts[(ns, pid, t)] = v
+        return v
+
+    def forget(self) -> None:
+        self.verdicts.clear()
+        self.again.clear()
+        self.seen.clear()
+
+
+_NAMESPACES = _Namespaces()
+
+
+def _after_fork() -> None:
+    """In a forked child (that may run in another pid namespace): judge afresh."""
+    _this_namespace.clear()
+    _NAMESPACES.lock = threading.Lock()
+    _NAMESPACES.forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _uid_of(pid: int) -> int | None:
@@ -691,3 +998,7 @@ def _is_number(v: Any) -> bool:
 
 def _is_pct(v: Any) -> bool:
     return _is_number(v) and 0 <= v <= 100
+
+
+def _is_pidns(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
