@@ -8,7 +8,8 @@ Machines: :func:`two_gpu_machine` (an A100 in MIG mode with two 3g.40gb instance
 whole L4, with knobs for unsupported utilization and old drivers) and :func:`no_driver`.
 Figures a test can move on a :class:`FakeGPU`: temperature, power draw and limit, the
 uncorrected ECC count, per-process SM utilization, and critical XID events
-(:meth:`FakeNVML.raise_xid`), each answering NotSupported when set to ``None``.
+(:meth:`FakeNVML.raise_xid`), each answering NotSupported when set to ``None``. The machine's
+driver version and the CUDA version it supports are :class:`FakeNVML` arguments.
 """
 
 from __future__ import annotations
@@ -70,9 +71,17 @@ class FakeNVML(types.ModuleType):
     """Stands in for the ``pynvml`` module. ``calls`` records every function called, in order."""
 
     def __init__(self, gpus: list[FakeGPU], *, init_error: type[Exception] | None = None, driver_has_v3: bool = True,
-                 binding_has_v3: bool = True, binding_has_v2: bool = True, binding_has_memory_v2: bool = True, mig_process_lists: bool = True):
+                 binding_has_v3: bool = True, binding_has_v2: bool = True, binding_has_memory_v2: bool = True, mig_process_lists: bool = True,
+                 driver_version: str | type[Exception] = "550.54.15", cuda_driver_version: int | type[Exception] = 12040,
+                 cuda_driver_version_v2: bool = True):
         super().__init__("pynvml")
         self.gpus = gpus
+        # the driver's version and the CUDA version it supports (NVML's integer, 12040 = 12.4); an
+        # NVML error class instead makes the call raise it. cuda_driver_version_v2=False: the
+        # driver's library has no _v2 of it (FunctionNotFound), as older drivers
+        self.driver_version = driver_version
+        self.cuda_driver_version = cuda_driver_version
+        self._cuda_v2 = cuda_driver_version_v2
         self.calls: list[str] = []
         self.init_calls = 0
         self.shutdown_calls = 0
@@ -124,7 +133,23 @@ class FakeNVML(types.ModuleType):
 
     def nvmlSystemGetDriverVersion(self):
         self._enter("nvmlSystemGetDriverVersion")
-        return "550.54.15"
+        return self._answer(self.driver_version)
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        self._enter("nvmlSystemGetCudaDriverVersion")
+        return self._answer(self.cuda_driver_version)
+
+    def nvmlSystemGetCudaDriverVersion_v2(self):
+        self._enter("nvmlSystemGetCudaDriverVersion_v2")
+        if not self._cuda_v2:
+            raise real.NVMLError_FunctionNotFound()
+        return self._answer(self.cuda_driver_version)
+
+    @staticmethod
+    def _answer(value):
+        if isinstance(value, type) and issubclass(value, Exception):
+            raise value()
+        return value
 
     # ------------------------------------------------------------------ devices
     def nvmlDeviceGetCount(self):

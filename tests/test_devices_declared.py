@@ -68,12 +68,30 @@ def test_mig_profile_names_give_slices_and_memory():
     ({"node": "n", "model": "A100", "memory_mib": 81920, "mig": "3g.40gb"}, "'mig' must be a list of profiles"),
     ({"node": "n", "model": "L4", "memory_mib": 23034, "count": 2, "uuids": ["GPU-1"]}, "'uuids' must list one UUID string per GPU (2)"),
     ("L4", "entry 1 must be an object"),
+    ({"node": "n", "model": "L4", "memory_mib": 23034, "cuda_version": 12.4}, "'cuda_version' must be the highest CUDA version"),
+    ({"node": "n", "model": "L4", "memory_mib": 23034, "cuda_version": "12"}, "such as '12.4'; got '12'"),
+    ({"node": "n", "model": "L4", "memory_mib": 23034, "cuda_version": "CUDA 12.4"}, "'cuda_version' must be"),
+    ({"node": "n", "model": "L4", "memory_mib": 23034, "driver_version": "550"}, "'driver_version' must be an NVIDIA driver version"),
+    ({"node": "n", "model": "L4", "memory_mib": 23034, "driver_version": 550.54}, "'driver_version' must be"),
 ])
 def test_bad_gpu_entry_is_refused_with_a_message_naming_it(entry, words):
     with pytest.raises(ValueError) as err:
         get_backend("simulated", {"gpus": [entry]})
     assert words in str(err.value)
     assert "entry 1" in str(err.value)
+
+
+def test_a_declared_node_may_carry_its_drivers_version_and_cuda_version():
+    gpus = get_backend("simulated", {"gpus": [
+        {"node": "new", "model": "H100", "memory_mib": 81559, "driver_version": "570.124.06", "cuda_version": "12.8"},
+        {"node": "old", "model": "L4", "count": 2, "memory_mib": 23034, "driver_version": "535.104.05", "cuda_version": "12.2"},
+        {"node": "any", "model": "L4", "memory_mib": 23034},
+    ]}).inventory()
+    assert [(g.node, g.driver_version, g.cuda_version) for g in gpus] == [
+        ("new", "570.124.06", "12.8"), ("old", "535.104.05", "12.2"), ("old", "535.104.05", "12.2"), ("any", "", "")]
+    assert gpus[1].to_dict()["cuda_version"] == "12.2" and "cuda_version" not in gpus[3].to_dict()
+    static = get_backend("static", {"gpus": [{"node": "n", "model": "L4", "memory_mib": 23034, "cuda_version": "12.4"}]}).inventory()
+    assert static[0].cuda_version == "12.4" and static[0].driver_version == ""
 
 
 def test_bad_entry_is_named_by_position():
@@ -244,3 +262,26 @@ def test_simulated_process_utilization_temperature_power_and_health_can_be_drive
         b.set_device(l4, temperature_c=-3)
     b.reset()
     assert b.sample()[l4].health.ok
+
+
+def test_the_brokers_pool_lists_a_declared_nodes_driver(tmp_path):
+    """GET api/pool's devices carry driver_version and cuda_version where the backend knows them."""
+    import asyncio
+
+    from brokerutil import make_broker
+
+    app = make_broker(tmp_path, pool=[
+        {"node": "old", "model": "L4", "memory_mib": 23034, "driver_version": "535.104.05", "cuda_version": "12.2"},
+        {"node": "new", "model": "L4", "memory_mib": 23034},
+    ])
+
+    async def pool():
+        await app.start_async()
+        try:
+            return app.manager.pool()
+        finally:
+            await app.stop_async()
+
+    devices = {d["node"]: d for d in asyncio.run(pool())["devices"]}
+    assert (devices["old"]["driver_version"], devices["old"]["cuda_version"]) == ("535.104.05", "12.2")
+    assert "cuda_version" not in devices["new"] and "driver_version" not in devices["new"]

@@ -52,6 +52,33 @@ def test_inventory_lists_gpus_with_models_memory_and_mig_instances():
     assert all(g.healthy for g in gpus)
 
 
+def test_inventory_carries_the_drivers_version_and_the_cuda_version_it_supports():
+    fake = two_gpu_machine(cuda_driver_version=12040)
+    gpus = backend(fake).inventory()
+    assert [(g.driver_version, g.cuda_version) for g in gpus] == [("550.54.15", "12.4")] * 2
+    assert fake.calls.count("nvmlSystemGetCudaDriverVersion_v2") == 1  # once per inventory, not per GPU
+    assert "nvmlSystemGetCudaDriverVersion" not in fake.calls
+    d = gpus[1].to_dict()
+    assert (d["driver_version"], d["cuda_version"]) == ("550.54.15", "12.4")
+    assert type(gpus[1]).from_dict(d) == gpus[1]
+
+
+def test_an_older_driver_without_the_v2_call_answers_through_the_plain_one():
+    fake = two_gpu_machine(driver_version="535.104.05", cuda_driver_version=12020, cuda_driver_version_v2=False)
+    gpus = backend(fake).inventory()
+    assert {(g.driver_version, g.cuda_version) for g in gpus} == {("535.104.05", "12.2")}
+    assert "nvmlSystemGetCudaDriverVersion" in fake.calls
+
+
+def test_an_nvml_error_on_the_drivers_versions_leaves_them_empty_and_the_inventory_whole():
+    fake = two_gpu_machine(driver_version=pynvml.NVMLError_Unknown, cuda_driver_version=pynvml.NVMLError_NotSupported)
+    gpus = backend(fake).inventory()
+    assert len(gpus) == 2
+    assert {(g.driver_version, g.cuda_version) for g in gpus} == {("", "")}
+    d = gpus[0].to_dict()
+    assert "driver_version" not in d and "cuda_version" not in d  # in the pool's JSON only when known
+
+
 def test_node_defaults_to_the_host_name():
     import socket
 

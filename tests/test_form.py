@@ -226,3 +226,136 @@ def test_render_for_asks_the_broker_one_estimate_per_card_and_tier():
     assert {a["tier"] for a in b.asked} == {"course", "research"}
     assert all(a["user"] == "alice" and a["groups"] == ["students"] for a in b.asked)
     assert "you would be 3rd in the queue; no estimate of the start yet" in cards["gpu:1:L4"]
+
+
+# --------------------------------------------------------------------------- environments
+class EnvCards(HTMLParser):
+    """The environment section's cards: name -> text; which are disabled; which is checked."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.cards: dict[str, str] = {}
+        self.disabled: set[str] = set()
+        self.checked = ""
+        self._value = None
+        self._in_card = False
+        self._hidden = 0
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "label" and "gpulease-env" in (a.get("class") or "").split():
+            self._in_card = True
+        elif self._in_card and tag == "input" and a.get("name") == "environment":
+            self._value = a["value"]
+            self.cards[self._value] = ""
+            if "checked" in a:
+                self.checked = self._value
+            if "disabled" in a:
+                self.disabled.add(self._value)
+        elif self._value is not None and tag == "span" and "hidden" in a:
+            self._hidden += 1
+
+    def handle_endtag(self, tag):
+        if tag == "span" and self._hidden:
+            self._hidden -= 1
+        if tag == "label":
+            self._in_card, self._value = False, None
+
+    def handle_data(self, data):
+        if self._value and not self._hidden and data.strip():
+            self.cards[self._value] += " " + " ".join(data.split())
+
+
+def _environment_offers():
+    from jupyter_gpulease.hub.environments import offers, parse_environments
+
+    envs = parse_environments([
+        {"name": "torch", "display_name": "PyTorch 2.5", "image": "lab/torch:2.5-cuda12.4", "cuda": "12.4", "default": True,
+         "description": "PyTorch, torchvision, JupyterLab"},
+        {"name": "jax", "display_name": "JAX 0.4", "image": "lab/jax:0.4-cuda12.8", "cuda": "12.8", "models": ["H100*"]},
+        {"name": "a100", "display_name": "Big models", "image": "lab/big:1", "cuda": "12.2", "models": ["A100*"], "size_bytes": 2_400_000_000},
+    ])
+    return offers(envs, driver_cuda="12.4", driver_version="550.54.15", present={"lab/torch:2.5-cuda12.4"}, sizes={})
+
+
+def test_the_environment_section_comes_first_with_a_card_each_and_one_not_offered_says_why():
+    html = spawn_form.render_form(pool(), environments=_environment_offers(), now=NOW)
+    env = EnvCards(html)
+    assert list(env.cards) == ["torch", "jax", "a100"]
+    assert html.index("<legend>Environment</legend>") < html.index('name="choice"')  # before the GPU choice
+    assert "PyTorch 2.5" in env.cards["torch"] and "CUDA 12.4" in env.cards["torch"] and "ready" in env.cards["torch"]
+    assert "PyTorch, torchvision, JupyterLab" in env.cards["torch"]
+    assert "CUDA 12.2 · for A100* GPUs" in env.cards["a100"] and "first start downloads ~2.4 GB" in env.cards["a100"]
+    # the driver is too old for JAX's CUDA: shown, disabled, with the reason in words
+    assert env.disabled == {"jax"}
+    assert "not offered here: needs CUDA 12.8; the GPUs' driver (550.54.15) supports CUDA 12.4 at most" in env.cards["jax"]
+    assert env.checked == "torch"  # the default
+    # the GPU cards are as without environments, and say their model for the page's check
+    assert Cards(html).cards.keys() == Cards(spawn_form.render_form(pool(), now=NOW)).cards.keys()
+    assert 'value="gpu:1:L4" data-model="L4"' in html and 'value="cpu" data-model="" data-cpu="1"' in html
+
+
+def test_the_previous_environment_is_checked_again_unless_it_is_not_offered():
+    offers = _environment_offers()
+    assert EnvCards(spawn_form.render_form(pool(), environments=offers, previous={"environment": "a100"}, now=NOW)).checked == "a100"
+    assert EnvCards(spawn_form.render_form(pool(), environments=offers, previous={"environment": "jax"}, now=NOW)).checked == "torch"
+    assert EnvCards(spawn_form.render_form(pool(), environments=offers, previous={"environment": "gone"}, now=NOW)).checked == "torch"
+
+
+def test_without_environments_the_form_has_no_such_section():
+    html = spawn_form.render_form(pool(), now=NOW)
+    assert "Environment</legend>" not in html and 'type="radio" name="environment"' not in html and "data-model=" not in html
+    assert "Environment</legend>" not in spawn_form.render_form(pool(), environments=[], now=NOW)
+
+
+def test_the_chosen_environment_reads_back_into_user_options():
+    assert spawn_form.options_from_form({"environment": ["torch"], "choice": ["gpu:1:L4"], "tier": ["course"]}) == {
+        "environment": "torch", "gpus": 1, "model": "L4", "tier": "course"}
+    assert spawn_form.options_from_form({"environment": [" jax "], "choice": ["cpu"]}) == {"environment": "jax", "kind": "cpu"}
+    assert spawn_form.options_from_form({"environment": [""], "choice": ["cpu"]}) == {"kind": "cpu"}
+
+
+def test_render_for_passes_the_environments_on():
+    html = asyncio.run(spawn_form.render_for(None, user="alice", groups=[], presets=[], allow_custom=True, allow_cpu_only=True,
+                                             environments=_environment_offers(), now=NOW))
+    assert EnvCards(html).cards.keys() == {"torch", "jax", "a100"}
+
+
+@pytest.mark.parametrize("evil", ['<script>alert(1)</script>', '"><img src=x onerror=alert(1)>'])
+def test_environment_names_from_config_are_escaped(evil):
+    from jupyter_gpulease.hub.environments import Environment, EnvironmentOffer
+
+    e = Environment(name="x", display_name=evil, image="lab/x", description=evil, models=(evil,))
+    html = spawn_form.render_form(pool(), environments=[EnvironmentOffer(e, False, reason=evil)], now=NOW)
+    assert evil not in html and "&lt;" in html
+
+
+def test_in_the_browser_an_environment_made_for_other_gpus_cannot_be_picked_with_them(playwright_sync_api, chromium):
+    """The page's own check: with the L4 chosen, the A100 image is disabled (and the checked one
+    moves to one that fits); with no GPU, an image that needs one is disabled."""
+    from jupyter_gpulease.hub.environments import offers, parse_environments
+
+    envs = parse_environments([
+        {"name": "big", "display_name": "Big models", "image": "lab/big:1", "models": ["A100*"], "default": True},
+        {"name": "torch", "display_name": "PyTorch", "image": "lab/torch:2.5", "cpu_only_ok": False},
+        {"name": "plain", "display_name": "Python", "image": "python:3.12"},
+    ])
+    html = spawn_form.render_form(pool(), environments=offers(envs, driver_cuda=None, present=None, sizes={}), now=NOW,
+                                  previous={"gpus": 1, "model": A100})
+    with playwright_sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"], headless=True)
+        try:
+            page = browser.new_page()
+            page.set_content(f"<form>{html}</form>")
+            env = {n: page.locator(f"#gpulease-env-{n}") for n in ("big", "torch", "plain")}
+            assert env["big"].is_checked() and env["big"].is_enabled()
+            page.locator("#gpulease-choice-gpu-1-L4").check(force=True)
+            assert env["big"].is_disabled() and env["torch"].is_checked()
+            assert "with this choice: not made for L4" in page.locator("label[for=gpulease-env-big]").inner_text()
+            page.locator("#gpulease-choice-cpu").check(force=True)
+            assert env["big"].is_enabled() and env["torch"].is_disabled() and env["plain"].is_enabled()
+            assert "needs a GPU" in page.locator("label[for=gpulease-env-torch]").inner_text()
+            assert env["big"].is_checked()  # the first that fits
+        finally:
+            browser.close()

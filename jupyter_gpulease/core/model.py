@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import fnmatch
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,8 @@ class GPU:
     mig: tuple[MigInstance, ...] = ()
     healthy: bool = True
     device: str = ""  # path of its character device (/dev/nvidiaN), where the backend knows it
+    driver_version: str = ""  # its node's NVIDIA driver ("550.54.15"), where the backend knows it
+    cuda_version: str = ""  # the highest CUDA version that driver supports ("12.4", nvidia-smi's "CUDA Version")
 
     @property
     def mig_enabled(self) -> bool:
@@ -127,6 +130,10 @@ class GPU:
         }
         if self.device:
             d["device"] = self.device
+        if self.driver_version:
+            d["driver_version"] = self.driver_version
+        if self.cuda_version:
+            d["cuda_version"] = self.cuda_version
         return d
 
     @classmethod
@@ -140,7 +147,20 @@ class GPU:
             mig=tuple(MigInstance(**m) for m in d.get("mig", ())),
             healthy=bool(d.get("healthy", True)),
             device=str(d.get("device") or ""),
+            driver_version=str(d.get("driver_version") or ""),
+            cuda_version=str(d.get("cuda_version") or ""),
         )
+
+
+CUDA_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")  # a CUDA version as nvidia-smi shows it: "12.4"
+DRIVER_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?$")  # an NVIDIA driver version: "550.54.15"
+
+
+def cuda_version_text(v: int) -> str:
+    """NVML's CUDA version integer (``nvmlSystemGetCudaDriverVersion``: 1000 × major + 10 × minor)
+    as nvidia-smi shows it: 12040 → "12.4", 11020 → "11.2"."""
+    v = int(v)
+    return f"{v // 1000}.{(v % 1000) // 10}"
 
 
 def model_matches(model: str, patterns: tuple[str, ...]) -> bool:

@@ -15,6 +15,11 @@ index, so they stay the same across restarts; ``uuids`` (one per GPU) sets them 
 (``"/dev/nvidia0"``), or ``{"device": "/dev/nvidia0", "mig": [["/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"], ...]}``
 to name its MIG instances' nodes too: per instance its GPU instance's and its compute
 instance's access nodes, or the first alone; without it a GPU's node is ``/dev/nvidia{index}``.
+``driver_version`` (``"550.54.15"``) and ``cuda_version`` (the highest CUDA version that driver
+supports, as nvidia-smi's "CUDA Version" says it: ``"12.4"``) declare the node's driver, so that
+a pool can have a node with an older driver than the others::
+
+    {"node": "node-c", "model": "L4", "count": 2, "memory_mib": 23034, "driver_version": "535.104.05", "cuda_version": "12.2"}
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ import re
 import uuid as uuidlib
 from typing import Any
 
-from ..core.model import GPU, MigInstance
+from ..core.model import CUDA_VERSION_RE, DRIVER_VERSION_RE, GPU, MigInstance
 
 # Compute slices of a MIG-capable GPU (A100, H100, H200); A30 has 4.
 MAX_MIG_SLICES = 7
 
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb(\+\w+)?$", re.IGNORECASE)
-_ENTRY_KEYS = {"node", "model", "count", "memory_mib", "mig", "uuids", "devices", "healthy"}
+_ENTRY_KEYS = {"node", "model", "count", "memory_mib", "mig", "uuids", "devices", "healthy", "driver_version", "cuda_version"}
 _NAMESPACE = uuidlib.UUID("6f1c1a52-6a0e-4f1e-9a58-6770756c6561")  # fixed: UUIDs must not change between runs
 
 
@@ -134,6 +139,7 @@ def parse_inventory(entries: Any, *, default_node: str = "localhost", uuid_prefi
         healthy = entry.get("healthy", True)
         if not isinstance(healthy, bool):
             raise ValueError(f"{where}: 'healthy' must be true or false, got {healthy!r}")
+        driver_version, cuda_version = _parse_driver(entry, where)
         profiles = _parse_mig_list(entry.get("mig"), where, memory)
         uuids = entry.get("uuids")
         if uuids is not None and (not isinstance(uuids, list) or len(uuids) != count
@@ -155,8 +161,21 @@ def parse_inventory(entries: Any, *, default_node: str = "localhost", uuid_prefi
                     raise ValueError(f"{where}: UUID {u!r} is declared twice")
                 seen_uuids.add(u)
             gpus.append(GPU(uuid=gpu_uuid, node=node, index=index, model=model, memory_mib=memory, mig=mig, healthy=healthy,
-                            device=nodes[k][0] if nodes else ""))
+                            device=nodes[k][0] if nodes else "", driver_version=driver_version, cuda_version=cuda_version))
     return gpus
+
+
+def _parse_driver(entry: dict, where: str) -> tuple[str, str]:
+    """An entry's ``driver_version`` and ``cuda_version``, checked; "" where not declared."""
+    driver = entry.get("driver_version", "")
+    if driver != "" and not (isinstance(driver, str) and DRIVER_VERSION_RE.match(driver.strip())):
+        raise ValueError(f"{where}: 'driver_version' must be an NVIDIA driver version such as '550.54.15', got {driver!r}")
+    cuda = entry.get("cuda_version", "")
+    if cuda != "" and not (isinstance(cuda, str) and CUDA_VERSION_RE.match(cuda.strip())):
+        hint = " (write it as a string: a number loses digits, 12.10 reads as 12.1)" if isinstance(cuda, (int, float)) else ""
+        raise ValueError(f"{where}: 'cuda_version' must be the highest CUDA version the node's driver supports, "
+                         f"major.minor as nvidia-smi shows it, such as '12.4'{hint}; got {cuda!r}")
+    return driver.strip(), cuda.strip()
 
 
 def _parse_devices(raw: Any, where: str, count: int, n_mig: int) -> list[tuple[str, list[tuple[str, str]]]] | None:

@@ -12,6 +12,9 @@ Habits that keep NVML from hurting a server:
 
 * Nothing happens at import: ``pynvml`` is imported and ``nvmlInit`` called on first use, once,
   under a lock. A machine without a driver gets :class:`DeviceUnavailable` with a plain message.
+* The driver's version and the highest CUDA version it supports are read once per inventory
+  (``nvmlSystemGetCudaDriverVersion_v2``, else the unversioned call) into every GPU; an
+  error there leaves them empty.
 * Every query goes through :meth:`NvmlBackend._query`, which turns ``NotSupported``,
   ``NoPermission``, ``GpuIsLost``, ``Unknown`` and every other NVML error into ``None``
   ("not available") instead of raising; unexpected ones are logged once per function.
@@ -38,7 +41,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from ..core.model import GPU, MigInstance
+from ..core.model import GPU, MigInstance, cuda_version_text
 from .base import Clock, DeviceBackend, DeviceHealth, DeviceSample, DeviceUnavailable, ProcessSample, check_config_keys
 
 log = logging.getLogger(__name__)
@@ -182,6 +185,7 @@ class NvmlBackend(DeviceBackend):
         gpus: list[GPU] = []
         handles: dict[str, Any] = {}
         gi_ids: dict[str, int] = {}
+        driver_version, cuda_version = self._driver_versions() if count else ("", "")
         for i in range(count):
             h = self._query("nvmlDeviceGetHandleByIndex", i)
             if h is None:
@@ -205,8 +209,22 @@ class NvmlBackend(DeviceBackend):
             handles[uuid] = h
             gpus.append(GPU(uuid=uuid, node=self.node, index=int(index if index is not None else i), model=name,
                             memory_mib=total, mig=tuple(mig), healthy=healthy,
-                            device=f"/dev/nvidia{int(minor)}" if isinstance(minor, int) else ""))
+                            device=f"/dev/nvidia{int(minor)}" if isinstance(minor, int) else "",
+                            driver_version=driver_version, cuda_version=cuda_version))
         self._gpus, self._handles, self._gi_ids = gpus, handles, gi_ids
+
+    def _driver_versions(self) -> tuple[str, str]:
+        """This machine's driver version ("550.54.15") and the highest CUDA version it supports
+        ("12.4", nvidia-smi's "CUDA Version"); "" where NVML does not say (never an error)."""
+        driver = _text(self._query("nvmlSystemGetDriverVersion"))
+        cuda = self._query("nvmlSystemGetCudaDriverVersion_v2")
+        if cuda is None:
+            cuda = self._query("nvmlSystemGetCudaDriverVersion")
+        try:
+            cuda_words = cuda_version_text(cuda) if cuda else ""
+        except (TypeError, ValueError):
+            cuda_words = ""
+        return driver, cuda_words
 
     def _discover_mig(self, h: Any, gpu_uuid: str, handles: dict[str, Any], gi_ids: dict[str, int],
                       gpu_minor: int | None = None) -> list[MigInstance]:

@@ -6,6 +6,10 @@ broker's own estimate for exactly this request (start now, or the queue position
 would get), for each tier the user may pick. Choices the user's quota can never allow are not
 offered. Above the cards: what is free and what waits in the whole pool.
 
+Where the engine offers a choice of image (Docker's environments, :mod:`.environments`), an
+"Environment" section comes first: a card per environment, one that cannot run here shown
+disabled with the reason.
+
 Pure functions over the broker's JSON plus one async gatherer (:func:`render_for`):
 :func:`render_form` writes the HTML from a Jinja2 template (autoescaped), and
 :func:`options_from_form` reads the posted form back into ``user_options`` of the same shape as
@@ -21,13 +25,16 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from ..core.text import format_duration
 from .options import Preset, default_preset, pool_models
 from .placement import describe_request, display_model
+
+if TYPE_CHECKING:
+    from .environments import EnvironmentOffer
 
 DURATION_CHOICES_H = (0.25, 0.5, 1, 2, 4, 8, 12, 24, 48)
 SHARE_CHOICES = (0.5, 0.25)
@@ -225,6 +232,12 @@ class Choice:
     def dom_id(self) -> str:
         return "gpulease-choice-" + "".join(c if c.isalnum() else "-" for c in self.value)
 
+    @property
+    def model(self) -> str:
+        """The one model (or glob) this card asks for; '' for any or several (the environments' check on the page)."""
+        models = _models(self.request or {})
+        return models[0] if len(models) == 1 else ""
+
 
 def _gb(mib: float) -> str:
     gb = mib / 1024
@@ -313,7 +326,8 @@ def choice_to_request(value: str) -> dict:
 
 
 def options_from_form(form: dict[str, list[str]]) -> dict[str, Any]:
-    """The posted form (a dict of lists of strings) → ``user_options`` in the REST API's shape."""
+    """The posted form (a dict of lists of strings) → ``user_options`` in the REST API's shape
+    (with ``environment``, the engine's option, where the form has an environment section)."""
     first = {k: (v[0] if isinstance(v, list) and v else v) for k, v in form.items()}
     first = {k: v.strip() if isinstance(v, str) else v for k, v in first.items()}
     out: dict[str, Any] = {}
@@ -322,6 +336,8 @@ def options_from_form(form: dict[str, list[str]]) -> dict[str, Any]:
         out["preset"] = choice.split(":", 1)[1]
     elif choice:
         out.update(choice_to_request(choice))
+    if first.get("environment"):
+        out["environment"] = first["environment"]
     if out.get("kind") != "cpu":
         if first.get("tier") and "preset" not in out:
             out["tier"] = first["tier"]
@@ -473,6 +489,33 @@ def attach_hints(suggestions: list[dict], cards: list[Choice], *, durations: boo
     return loose, by_duration
 
 
+# --------------------------------------------------------------------------- environments
+def environment_cards(environments: list[EnvironmentOffer], previous: dict) -> tuple[list[dict], str]:
+    """The environment section's cards (dicts for the template) and the name checked: the previous
+    choice, else the default, else the first offered; one not offered is a disabled card with its reason."""
+    cards = []
+    for o in environments:
+        e = o.env
+        cards.append({
+            "value": e.name,
+            "dom_id": "gpulease-env-" + "".join(c if c.isalnum() else "-" for c in e.name),
+            "title": e.display_name,
+            "detail": " · ".join([o.cuda_words] + ([o.models_words] if e.models else []) + ([] if e.cpu_only_ok else ["needs a GPU"])),
+            "image": e.image,
+            "description": e.description,
+            "status": o.ready_words if o.offered else f"not offered here: {o.reason}",
+            "kind": ("now" if o.present else "wait") if o.offered else "never",
+            "disabled": not o.offered,
+            "models": " ".join(e.models),
+            "cpu_ok": e.cpu_only_ok,
+        })
+    offered = [c["value"] for c in cards if not c["disabled"]]
+    default = next((o.env.name for o in environments if o.env.default), "")
+    prev = previous.get("environment")
+    checked = next((v for v in (prev, default) if v and v in offered), offered[0] if offered else "")
+    return cards, checked
+
+
 # --------------------------------------------------------------------------- the page
 def tier_rows(pool: dict | None) -> list[dict]:
     """The tiers the user may pick, highest priority first, with their limits in words."""
@@ -573,8 +616,12 @@ def render_form(
     error: str = "",
     now: float | None = None,
     suggestions: list[dict] | None = None,
+    environments: list[EnvironmentOffer] | None = None,
 ) -> str:
     """The HTML of the spawn form (JupyterHub wraps it in a <form> with the Start button).
+
+    ``environments``: the engine's images as offered here (:func:`.environments.offers`), shown
+    first as the "Environment" section; None: no such section.
 
     ``estimates``: the broker's estimate per (choice value, tier name or '' for a preset); None
     when the broker gave none (the cards then say only what is free now). ``suggestions``: the
@@ -600,8 +647,11 @@ def render_form(
     durations, min_s, default_words = _duration_rows(pool, tiers, chosen_tier)
 
     over_cap = cap is not None and cap < 1 and not any(c.request and c.request.get("kind") == "gpu" for c in custom)
+    env_cards, env_checked = environment_cards(list(environments), previous) if environments is not None else ([], "")
     return _env.get_template("spawn_form.html").render(
         error=error,
+        environments=env_cards,
+        environment_checked=env_checked,
         pool=pool,
         quota=quota_text(usage),
         cap=cap,
@@ -630,8 +680,10 @@ def render_form(
 
 
 async def render_for(broker, *, user: str, groups: list[str], presets: list[Preset], allow_custom: bool, allow_cpu_only: bool,
-                     previous: dict | None = None, log: logging.Logger | None = None, now: float | None = None) -> str:
-    """Fetch the pool, the queue and the broker's estimates for every card, and render the form.
+                     previous: dict | None = None, log: logging.Logger | None = None, now: float | None = None,
+                     environments: list[EnvironmentOffer] | None = None) -> str:
+    """Fetch the pool, the queue and the broker's estimates for every card, and render the form
+    (with the engine's ``environments`` section first, where it offers any).
 
     ``broker`` is a :class:`~jupyter_gpulease.client.BrokerClient` acting for ``user`` (admin token), or None
     when the hub has no broker configured.
@@ -666,7 +718,8 @@ async def render_for(broker, *, user: str, groups: list[str], presets: list[Pres
             except BrokerError as e:
                 log.warning("Spawn form for %s without estimates: %s", user, e)
     return render_form(pool, presets=presets, allow_custom=allow_custom, allow_cpu_only=allow_cpu_only, queue=queue,
-                       estimates=estimates, previous=previous, error=error, now=now, suggestions=suggestions)
+                       estimates=estimates, previous=previous, error=error, now=now, suggestions=suggestions,
+                       environments=environments)
 
 
 async def _suggestions(broker, user: str, log: logging.Logger) -> list[dict]:
