@@ -224,6 +224,17 @@ class DeviceStart:
 
     command_prefix: tuple[str, ...] = ()  # the server's command runs under this (a systemd scope)
     device_allow: tuple[str, ...] | None = None  # the DeviceAllow= values its systemd unit starts with (None: no unit)
+    devices: tuple[str, ...] = ()  # a container's device nodes, Docker's "host:container:permissions"
+
+
+def write_v1_rules(path: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
+    """Write the rules into the v1 device cgroup at ``path``: one rule per write (the kernel reads
+    one per call), denies first (never both at once)."""
+    allow, deny = devaccess.v1_rules(allowed, denied)
+    for file, rules in (("devices.deny", deny), ("devices.allow", allow)):
+        for rule in rules:
+            with open(os.path.join(path, file), "w") as f:
+                f.write(rule)
 
 
 class V1Devices:
@@ -248,13 +259,7 @@ class V1Devices:
         self.apply(name, allowed, denied)
 
     def apply(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode]) -> None:
-        allow, deny = devaccess.v1_rules(allowed, denied)
-        path = self.path(name)
-        # one rule per write (the kernel reads one per call); denies first: never both at once
-        for file, rules in (("devices.deny", deny), ("devices.allow", allow)):
-            for rule in rules:
-                with open(os.path.join(path, file), "w") as f:
-                    f.write(rule)
+        write_v1_rules(self.path(name), allowed, denied)
 
     def adopt(self, name: str, allowed: list[DeviceNode], denied: list[DeviceNode], unit: Any = None) -> None:
         """A running server's cgroup, again (the hub restarted): made if gone, the rules now."""
@@ -785,7 +790,7 @@ def hub_start_line(mode: str, mechanism: Mechanism) -> str:
 
 def _config_value(cls: type, config: Any, name: str) -> Any:
     """A trait's configured value for ``cls`` (its bases' sections first), without an instance."""
-    value = cls.class_traits()[name].default_value
+    value = cls.class_traits()[name].default()  # a container trait's default is made here
     for klass in reversed(cls.__mro__):
         section = config.get(klass.__name__)
         if section is not None and name in section:

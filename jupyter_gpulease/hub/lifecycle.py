@@ -73,6 +73,7 @@ def attach(app) -> None:
         return
     setattr(app, ATTACHED, True)
     app.spawner_class.log_device_access_at_hub_start(app)
+    app.spawner_class.engine_at_hub_start(app)
     original_cleanup = app.cleanup
 
     async def cleanup():

@@ -286,6 +286,7 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
         # cheap local checks first: a bad option fails at once, without the broker
         choice = self.lease_choice(self.user_options)
         self._check_devices()  # enforcement required but impossible: fail before asking for anything
+        await self.before_lease_request()
         if choice.cpu_only:
             self._lease_env = cpu_only_environment(broker_url=server_broker_url)
             if self.broker_url:
@@ -494,6 +495,12 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
         env.update(self._lease_env)
         return env
 
+    async def before_lease_request(self) -> None:
+        """Called at the start of a spawn, once the options are checked, before the lease is asked
+        for (for a CPU-only server: before the engine starts): an engine prepares here what must
+        not count against the lease's time limit (Docker: the environment's image, pulled with its
+        progress on the spawn page). A failure fails the spawn, and nothing was leased."""
+
     async def before_engine_start(self) -> None:
         """Called right before the engine's ``start()``, once the placement is applied (or, for a
         CPU-only server, none): an engine makes here what its server's start needs (Kubernetes:
@@ -552,6 +559,11 @@ class GPULeaseSpawner(GPULeaseSettings, Spawner):
         from .cgroups import log_at_hub_start
 
         log_at_hub_start(hub)
+
+    @classmethod
+    def engine_at_hub_start(cls, hub) -> None:
+        """The hub starts (its loop runs): an engine starts here what runs beside the hub for all
+        its servers (Docker: keeping the environments' images warm). Nothing by default."""
 
     @classmethod
     def device_access_at_hub_stop(cls, hub) -> None:
