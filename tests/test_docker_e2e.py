@@ -58,12 +58,15 @@ def make_nodes(folder: Path, n: int) -> list[str]:
     return paths
 
 
-def docker_hub(tmp: Path, *, users=("alice", "bob", "carol"), server_config=(), hub_config=(), image: str = "") -> tuple[LeaseHub, SimGPUs, list[str], str]:
-    """(hub, the simulated GPUs, the GPUs' device nodes, the stand-in cuda-checkpoint's folder)."""
+def docker_hub(tmp: Path, *, users=("alice", "bob", "carol"), server_config=(), hub_config=(), image: str = "",
+               pool_keys: dict | None = None) -> tuple[LeaseHub, SimGPUs, list[str], str]:
+    """(hub, the simulated GPUs, the GPUs' device nodes, the stand-in cuda-checkpoint's folder).
+
+    ``pool_keys``: more keys of the pool's entry (its node's ``cuda_version`` and ``driver_version``)."""
     sock = dockerhost.ensure_dockerd()
     image = image or dockerhost.ensure_test_image()
     nodes = make_nodes(tmp / "dev", 2)
-    pool = [{**TWO_L4[0], "devices": nodes}]
+    pool = [{**TWO_L4[0], **(pool_keys or {}), "devices": nodes}]
     sim = SimGPUs(str(tmp / "sim-gpus.json"), pool)
     standin = tmp / "standin"
     standin.mkdir()
@@ -261,4 +264,27 @@ def test_a_restarted_hub_finds_the_running_container_and_its_lease_and_still_mov
         assert running(hub, "alice")
     finally:
         hub.keep_servers = False
+        close(hub)
+
+
+def test_a_cpu_only_container_opens_no_gpu_until_its_kernel_asks_with_gpu_request(tmp_path):
+    hub, sim, (n0, n1), _ = docker_hub(tmp_path, users=("alice",), server_config=["c.ReclaimActions.unused_lease_timeout = 3600"])
+    node_of = dict(zip(sim.uuids, (n0, n1), strict=True))
+    try:
+        alice = hub.create_token("alice")
+        assert hub.spawn("alice", {"kind": "cpu"})[0] in (201, 202)
+        hub.wait_ready("alice", timeout=240)
+        assert probe_in_container(hub, "alice", [n0, n1]) == {n0: "EPERM", n1: "EPERM"}
+
+        # %gpu request in her notebook: the new lease's GPU opens in her running container
+        kid = hub.start_kernel("alice", alice)
+        hub.run_cell("alice", alice, kid, "%gpu request --gpus 1 --model L4")
+        [lease] = wait_for(lambda: hub.leases("alice", "active"), 60, "her %gpu request was granted")
+        assert lease["meta"].get("taken_by") == "server", lease["meta"]
+        mine = node_of[lease["placement"]["slices"][0]["gpu_uuid"]]
+        other = n1 if mine == n0 else n0
+        wait_for(lambda: probe_in_container(hub, "alice", [mine, other]) == {mine: "ENXIO", other: "EPERM"}, 30,
+                 "the requested GPU opens in her container")
+        assert running(hub, "alice")
+    finally:
         close(hub)

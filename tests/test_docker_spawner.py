@@ -151,3 +151,23 @@ def test_settings_are_checked_when_set():
     assert [e.name for e in s.environment_list] == ["torch"]
     with pytest.raises(TraitError):
         s.gpu_device_requests = "sometimes"
+
+
+def test_gpu_spawns_are_refused_where_containers_cannot_be_locked_and_cpu_only_ones_go_on(monkeypatch):
+    """best-effort on a host without the lock (cgroup v2): a container would keep its GPUs after
+    its lease, so GPU spawns fail at once with the reason; CPU-only servers start."""
+    import asyncio
+    import types
+
+    from jupyter_gpulease.hub import docker as docker_engine
+    from jupyter_gpulease.hub.cgroups import Mechanism
+
+    monkeypatch.setattr(docker_engine, "detect_containers", lambda: Mechanism("none", "no cgroup v1 devices controller is mounted"))
+    s = GPULeaseDockerSpawner(user=types.SimpleNamespace(name="alice", groups=[]), broker_url="http://127.0.0.1:9/services/gpulease/",
+                              enforce_devices="best-effort", pull_policy="skip")
+    s.user_options = {"gpus": 1}
+    with pytest.raises(Exception) as e:
+        asyncio.run(s.before_lease_request())
+    assert "cannot keep a container to its lease's GPUs here (no cgroup v1 devices controller is mounted)" in e.value.jupyterhub_message
+    s.user_options = {"kind": "cpu"}
+    asyncio.run(s.before_lease_request())  # no environments, no pull: nothing to refuse

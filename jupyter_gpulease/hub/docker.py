@@ -39,7 +39,7 @@ from dockerspawner import DockerSpawner
 from traitlets import Bool, Dict, Enum, Float, List, TraitError, Unicode, default, observe, validate
 
 from ..tasks import BackgroundTasks
-from . import cgroups
+from . import cgroups, devaccess
 from .cgroups import DeviceStart, Mechanism, write_v1_rules
 from .devaccess import DeviceNode
 from .options import OptionsError
@@ -242,6 +242,7 @@ class GPULeaseDockerSpawner(GPULeaseSpawner, DockerSpawner):
         self._host_port = 0
         self._environment = None
         self._device_requests: list[dict] = []
+        self._static_devices: list[str] = []  # enforce_devices = "off": the lease's nodes, open from the start
 
     # ------------------------------------------------------------------ environments
     @property
@@ -346,6 +347,12 @@ class GPULeaseDockerSpawner(GPULeaseSpawner, DockerSpawner):
             raise spawn_error(f"Invalid environment: {e.message}", reason="gpulease_options") from None
 
     async def before_lease_request(self) -> None:
+        devices = self._server_devices()
+        if devices is not None and not devices.guard.active and not self.lease_choice(self.user_options).cpu_only:
+            # without the lock a container would keep its GPUs after its lease: no GPU containers
+            raise spawn_error("GPU servers cannot start on this Docker host: the hub cannot keep a container to its "
+                              f"lease's GPUs here ({devices.guard.mechanism.why}). Choose a CPU-only server, or ask the "
+                              "administrator.", reason="gpulease_devices", status_code=500)
         env = self._environment = await self._choose_environment()
         if env is not None:
             self.image = env.image
@@ -421,9 +428,16 @@ class GPULeaseDockerSpawner(GPULeaseSpawner, DockerSpawner):
         if uuids and self._use_device_requests():
             self._device_requests = [{"Driver": "nvidia", "DeviceIDs": uuids, "Capabilities": [["gpu"]]}]
         self._lease_env["GPULEASE_ENGINE"] = "docker"
+        self._static_devices = []
+        if self.enforce_devices == "off":
+            # no lock: the lease's nodes open from the start, and stay open until the container stops
+            nodes = devaccess.pool_gpu_nodes(self._spawn_pool or {}, stat=os.stat)
+            allowed = devaccess.lease_nodes(lease, nodes, uvm=devaccess.uvm_major())
+            self._static_devices = [f"{n.path}:{n.path}:rwm" for n in allowed if n.resolved and os.path.exists(n.path)]
 
     async def start(self):
         self._device_requests = []
+        self._static_devices = []
         self._container_pid = 0
         if self.network_name == "host":
             # every container shares the host's ports: each server its own
@@ -440,7 +454,7 @@ class GPULeaseDockerSpawner(GPULeaseSpawner, DockerSpawner):
         if inspect.isawaitable(extra):
             extra = await extra
         extra = dict(extra or {})
-        devices = [*(extra.get("devices") or []), *self.device_start.devices]
+        devices = [*(extra.get("devices") or []), *(self.device_start.devices or self._static_devices)]
         if devices:
             extra["devices"] = devices
         if self._device_requests:
@@ -528,9 +542,12 @@ class ImagePuller:
         self.log = logger or logging.getLogger(__name__)
         self.pulled: dict[str, float] = {}  # image -> when its last pull ended (monotonic)
         self._tasks = BackgroundTasks(self.log)
+        self.task: asyncio.Task | None = None
 
     def start(self) -> asyncio.Task:
-        return self._tasks.start(self.run(), what="keeping the environments' images warm")
+        """Start pulling, on the running loop (the hub's); returns the task."""
+        self.task = self._tasks.start(self.run(), what="keeping the environments' images warm")
+        return self.task
 
     def _client(self):
         import docker
