@@ -113,7 +113,7 @@ def test_a_missing_image_is_pulled_before_the_lease_with_its_progress_on_the_spa
             page = browser.login(hub, "alice", **VIEWPORT)
             notebook = page.locator("label.gpulease-env:has(input[value=notebook])")
             assert "CUDA 12.4" in notebook.inner_text()
-            assert notebook.locator(STATUS).inner_text() == f"first start downloads ~{size_words(registry_size)}"
+            assert notebook.locator(STATUS).inner_text() == f"first start downloads up to ~{size_words(registry_size)}"
             assert page.locator("input[name=environment][value=notebook]").is_enabled()
             not_offered = page.locator("label.gpulease-env:has(input[value=cuda128])")
             assert "not offered here: needs CUDA 12.8" in not_offered.inner_text()
@@ -148,7 +148,9 @@ def test_a_missing_image_is_pulled_before_the_lease_with_its_progress_on_the_spa
             assert start < downloaded < grant, seen
             # Docker's own steps in between: the new layer's download, then the image done
             steps = seen[start + 1:downloaded]
-            assert any(m.startswith(f"Downloading image {name}") for m in steps), steps
+            # (a layer this small may be down between two of Docker's progress events: its download
+            # or its extraction, whichever the page was shown)
+            assert any(m.startswith((f"Downloading image {name}", f"Extracting image {name}")) for m in steps), steps
             assert any(re.fullmatch(rf"Downloaded image {re.escape(name)}( \(\d+ MB\))?", m) for m in steps), steps
             # the lease was asked for only after the download
             asking = first(seen, lambda m: m.startswith("Asking for "))

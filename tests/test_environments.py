@@ -113,8 +113,8 @@ def test_offers_say_what_is_ready_what_downloads_and_what_cannot_run_here():
     assert not got["jax"].offered and "needs CUDA 12.8" in got["jax"].reason and "550.54.15" in got["jax"].reason
     assert got["jax"].ready_words == "first start downloads the image"
     assert got["big"].offered and got["big"].download_bytes == 9_400_000_000  # the declared size: the registry gave none
-    assert got["big"].ready_words == "first start downloads ~9.4 GB"
-    assert got["plain"].ready_words == "first start downloads ~1.2 GB"
+    assert got["big"].ready_words == "first start downloads up to ~9.4 GB"
+    assert got["plain"].ready_words == "first start downloads up to ~1.2 GB"
     assert got["jax"].cuda_words == "CUDA 12.8" and got["jax"].models_words == "for H100*, H200* GPUs"
     assert got["plain"].cuda_words == "no CUDA"
 
@@ -135,7 +135,7 @@ def test_offers_for_a_model_leave_out_images_made_for_others_and_an_unknown_driv
 def test_ready_words():
     e = Environment("x", "X", "x")
     assert EnvironmentOffer(e, True, present=True).ready_words == "ready"
-    assert EnvironmentOffer(e, True, present=False, download_bytes=310_000_000).ready_words == "first start downloads ~310 MB"
+    assert EnvironmentOffer(e, True, present=False, download_bytes=310_000_000).ready_words == "first start downloads up to ~310 MB"
     assert EnvironmentOffer(e, True, present=False, download_bytes=None).ready_words == "first start downloads the image"
 
 

@@ -286,7 +286,7 @@ def test_the_environment_section_comes_first_with_a_card_each_and_one_not_offere
     assert html.index("<legend>Environment</legend>") < html.index('name="choice"')  # before the GPU choice
     assert "PyTorch 2.5" in env.cards["torch"] and "CUDA 12.4" in env.cards["torch"] and "ready" in env.cards["torch"]
     assert "PyTorch, torchvision, JupyterLab" in env.cards["torch"]
-    assert "CUDA 12.2 · for A100* GPUs" in env.cards["a100"] and "first start downloads ~2.4 GB" in env.cards["a100"]
+    assert "CUDA 12.2 · for A100* GPUs" in env.cards["a100"] and "first start downloads up to ~2.4 GB" in env.cards["a100"]
     # the driver is too old for JAX's CUDA: shown, disabled, with the reason in words
     assert env.disabled == {"jax"}
     assert "not offered here: needs CUDA 12.8; the GPUs' driver (550.54.15) supports CUDA 12.4 at most" in env.cards["jax"]

@@ -236,10 +236,11 @@ class EnvironmentOffer:
 
     @property
     def ready_words(self) -> str:
-        """'ready', or what the first start downloads."""
+        """'ready', or what the first start downloads: the whole image's size, an upper bound (the
+        layers the host holds already, shared with its other images, are not downloaded again)."""
         if self.present:
             return "ready"
-        size = f"~{size_words(self.download_bytes)}" if self.download_bytes else "the image"
+        size = f"up to ~{size_words(self.download_bytes)}" if self.download_bytes else "the image"
         if self.present is None:
             return f"the first start may download {size}"
         return f"first start downloads {size}"
