@@ -30,6 +30,7 @@ from typing import Any
 
 from . import events as ev
 from .admission import check_ask, check_extension, lease_for
+from .bookings import ACCEPTED, ACTIVE, ENDED, Booking, BookingChange, BookingWindow, Placed, place, window_of
 from .deadlines import Deadline, Deadlines
 from .estimate import DryRun, Estimate
 from .events import Event
@@ -50,6 +51,7 @@ from .views import LastPass
 
 INF = math.inf
 REVOKE_META = "revoke"  # lease.meta of an admin's revoke with a grace: its reason and actor, until it ends
+BOOKING_META = "booking"  # lease.meta of a lease granted in a booking: the booking's id
 
 
 class Scheduler:
@@ -77,6 +79,10 @@ class Scheduler:
         self._seq = 0
         self.draining = False
         self.windows: tuple[MaintenanceWindow, ...] = ()  # maintenance windows (see set_maintenance)
+        self.bookings: dict[str, Booking] = {}  # by id (see set_bookings)
+        self._booking_changes: list[BookingChange] = []
+        self._bookings_seen = -INF  # the last tick's time, for the bookings' next deadline
+        self._pending: list[Event] = []  # events of booking work done in a tick before its pass (a stranger warned off a booked GPU)
         # (user, server) whose lease was drained off a sick GPU -> what happened: their next request goes first in its tier
         self.moved: dict[tuple[str, str], dict[str, Any]] = {}
         self.last_pass_now: float = 0.0
@@ -258,11 +264,16 @@ class Scheduler:
         check_extension(lease, new, now, fld, policy=self.policy, quotas=self._quotas, waiters=waiters, aged_cutoff=lambda: self._queued.aged_cutoff(now))
         idx = self._window_index(now)
         for sl in lease.placement.slices if idx else ():
-            w = idx.clash(sl.gpu_uuid, lease.expires_at, new)
+            w = self._clash_for(lease, idx, sl.gpu_uuid, lease.expires_at, new)
             if w is not None:
                 because = f" ({w.reason})" if w.reason else ""
-                raise Conflict(f"a maintenance window of its GPU begins in {format_duration(max(0.0, w.start - now))}{because}: "
+                what = "booking" if isinstance(w, BookingWindow) else "maintenance window"
+                raise Conflict(f"a {what} of its GPU begins in {format_duration(max(0.0, w.start - now))}{because}: "
                                "the lease cannot be extended past it", field=fld)
+        b = self.bookings.get(str(lease.meta.get(BOOKING_META, "")))
+        if b is not None and new > b.end:
+            raise Conflict(f"this lease runs in booking {b.id}, which ends in {format_duration(max(0.0, b.end - now))}: "
+                           "it cannot be extended past the booking's end", field=fld)
         old = lease.expires_at
         lease.expires_at = new
         lease.warned_at = None
@@ -309,23 +320,185 @@ class Scheduler:
     _windex: WindowIndex | None = None
 
     def _window_index(self, now: float) -> WindowIndex | None:
-        """The windows per GPU (None: none); built once per change of the windows or the pool."""
-        if not self.windows:
+        """The windows per GPU, maintenance and live bookings (None: none); built once per change
+        of the windows, the bookings or the pool."""
+        if not self.windows and not self.bookings:
             return None
         if self._windex is None:
-            self._windex = WindowIndex(self.windows, self.inventory)
+            booked = [window_of(b) for b in self.bookings.values() if b.live and b.slices]
+            self._windex = WindowIndex((*self.windows, *booked), self.inventory)
         return self._windex or None
 
     def windows_on(self, gpu_uuid: str, now: float) -> list[MaintenanceWindow]:
-        """The windows still to come (or under way) on a GPU, soonest first."""
+        """The maintenance windows still to come (or under way) on a GPU, soonest first."""
         idx = self._window_index(now)
-        return [w for w in idx.by_gpu.get(gpu_uuid, ()) if w.end > now] if idx else []
+        return [w for w in idx.by_gpu.get(gpu_uuid, ()) if w.end > now and not isinstance(w, BookingWindow)] if idx else []
+
+    def _clash_for(self, lease: Lease, idx: WindowIndex, gpu_uuid: str, start: float, end: float) -> MaintenanceWindow | None:
+        """The first window of a GPU that overlaps [start, end) and keeps ``lease`` out (its owner's bookings do not)."""
+        for w in idx.by_gpu.get(gpu_uuid, ()):
+            if w.start < end and start < w.end and not (isinstance(w, BookingWindow) and w.booking.owned_by(lease.user, lease.groups)):
+                return w
+        return None
+
+    # ================================================================== bookings
+    def set_bookings(self, bookings: Iterable[Booking]) -> None:
+        """The bookings (replacing the previous ones; placed ones, see :func:`.bookings.place`). For
+        everyone but its owner a live booking is a maintenance window on its GPUs; from its start its
+        owner's requests that fit it take its GPUs first, each until the booking's end at the latest."""
+        self.bookings = {b.id: b for b in bookings}
+        self._windex = None
+        self._book.dirty = True
+
+    def place_booking(self, booking: Booking, now: float) -> Placed:
+        """Place ``booking`` (see :func:`.bookings.place`) among the live bookings and the maintenance
+        windows, and keep it when it is placed. Changes nothing when refused."""
+        if booking.end <= now:
+            return Placed(None, "a booking must end in the future")
+        got = place(booking, self.inventory.values(), self.bookings.values(), self.windows)
+        if got.ok:
+            self.bookings[booking.id] = got.booking
+            self._windex = None
+            self._book.dirty = True
+            self._note(got.booking, now, ACCEPTED, f"booking accepted on {', '.join(sorted(got.booking.devices))}")
+        return got
+
+    def end_booking(self, booking_id: str, now: float, reason: str = "ended early") -> BookingChange:
+        """End a booking now: its GPUs go back to everyone (a lease already running in it keeps its end)."""
+        b = self.bookings.get(booking_id)
+        if b is None:
+            raise NotFound(f"no booking {booking_id!r}")
+        if not b.live:
+            raise Conflict(f"booking {booking_id} has already ended ({b.reason})")
+        return self._end_booking(b, now, reason)
+
+    def pop_booking_changes(self) -> list[BookingChange]:
+        """What changed about bookings since the last call (for telling their owners)."""
+        out, self._booking_changes = self._booking_changes, []
+        return out
+
+    def _note(self, b: Booking, now: float, what: str, words: str) -> BookingChange:
+        change = BookingChange(b, now, what, words)
+        self._booking_changes.append(change)
+        return change
+
+    def _set_booking(self, b: Booking) -> None:
+        self.bookings[b.id] = b
+        self._windex = None
+        self._book.dirty = True
+
+    def _end_booking(self, b: Booking, now: float, reason: str) -> BookingChange:
+        b = b.with_(state=ENDED, reason=reason)
+        self._set_booking(b)
+        return self._note(b, now, ENDED, f"booking ended: {reason}")
+
+    def _bookings_in_time(self, now: float) -> None:
+        """Bookings at ``now``: over, not used within their grace, or with a stranger still on their GPUs."""
+        for b in list(self.bookings.values()):
+            if not b.live:
+                continue
+            if b.end <= now:
+                self._end_booking(b, now, "its time is over")
+            elif b.state == ACCEPTED and b.start + b.grace_s <= now:
+                self._end_booking(b, now, f"not used within {format_duration(b.grace_s)}")
+            else:
+                self._strangers_off(b, now)
+
+    def _strangers_off(self, b: Booking, now: float) -> None:
+        """A lease of someone else that holds a booked GPU into the booking (granted before the booking
+        was placed) ends with its tier's grace, timed to end at the booking's start where there is time."""
+        for u in b.devices:
+            st = self.pool.gpus.get(u)
+            for holder in list(st.holders) if st is not None else ():
+                lease = self.leases.get(holder)
+                if lease is None or lease.state is not LeaseState.ACTIVE or b.owned_by(lease.user, lease.groups):
+                    continue
+                if self._book.lease_end(lease) <= b.start:
+                    continue
+                grace = self.policy.tier(lease.tier).grace_s
+                if now < b.start - grace:
+                    continue
+                at = max(b.start, now + grace)
+                if lease.preempt_at is not None and lease.preempt_at <= at:
+                    continue
+                if lease.preempted_for:
+                    self._preemption.victim_ended(lease)
+                why = f"its GPU is booked from {b.start:.0f} ({window_of(b).reason})"
+                lease.meta = {**lease.meta, REVOKE_META: {"reason": why, "actor": "broker"}}
+                self._book.revoke_at(lease, at)
+                self._pending.append(ev.revoke_warned(lease, now, f"{why}: this lease ends in {format_duration(at - now)}; save your work", "broker"))
+
+    def _bookings_health(self, now: float) -> None:
+        """A live booking on a GPU out of service moves to healthy GPUs of its kind where there are, else is marked."""
+        for b in list(self.bookings.values()):
+            if not b.live or not b.slices or b.end <= now:
+                continue
+            sick = sorted(u for u in b.devices if u not in self.inventory or not self.inventory[u].healthy)
+            if not sick:
+                if b.problem:
+                    fine = b.with_(problem="")
+                    self._set_booking(fine)
+                    self._note(fine, now, "cleared", "its GPUs are back in service")
+                continue
+            others = [o for o in self.bookings.values() if o.id != b.id]
+            got = place(b.with_(slices=()), self.inventory.values(), others, self.windows)
+            if got.ok:
+                moved = got.booking.with_(state=b.state, used_at=b.used_at)
+                self._set_booking(moved)
+                self._note(moved, now, "moved", f"moved off {', '.join(sick)} (out of service) to {', '.join(sorted(moved.devices))}")
+            elif b.problem == "" or sick[0] not in b.problem:
+                marked = b.with_(problem=f"its GPU {', '.join(sick)} is out of service and no healthy {b.request.describe()} is free for it")
+                self._set_booking(marked)
+                self._note(marked, now, "marked", marked.problem)
+
+    def _booked_grants(self, now: float) -> list[Event]:
+        """From a booking's start, its owner's waiting requests that fit its GPUs start there (queue order),
+        each until the booking's end at the latest; no quota gate (the booking is the guarantee)."""
+        live = [b for b in self.bookings.values() if b.live and b.slices and b.start <= now < b.end]
+        if not live:
+            return []
+        out: list[Event] = []
+        idx = self._window_index(now)
+        for lease in list(self._queued.in_order(now, self._quotas.usage)):
+            for b in live:
+                if not b.owned_by(lease.user, lease.groups):
+                    continue
+                only = b.devices if not lease.require_gpus else b.devices & frozenset(lease.require_gpus)
+                until = b.end if now + lease.duration_s > b.end else None
+                end = until or now + lease.duration_s
+
+                def blocked(st, milli, mem, mig_uuid, lease=lease, end=end):
+                    return idx is not None and self._clash_for(lease, idx, st.gpu.uuid, now, end) is not None
+
+                placement = self.pool.place(lease.request, blocked, only=only) if only else None
+                if placement is None:
+                    continue
+                lease.meta = {**lease.meta, BOOKING_META: b.id}
+                out += self._book.grant(lease, placement, now, until, cut_why=f"its booking {b.id} ends then")
+                if b.state == ACCEPTED:
+                    used = b.with_(state=ACTIVE, used_at=now)
+                    self.bookings[b.id] = used  # same GPUs and time: the window index stays
+                    live = [used if o.id == b.id else o for o in live]
+                    self._note(used, now, ACTIVE, f"in use from {now:.0f} by {lease.user}")
+                break
+        return out
+
+    def _booking_words(self, found: LastPass, plan: Reservations, now: float) -> None:
+        """A waiting lease whose ETA waits for a booking says so (the pass words it as a maintenance window)."""
+        for lid, w in plan.window_waits.items():
+            text = found.waiting_for.get(lid, "")
+            if isinstance(w, BookingWindow) and "maintenance window" in text and lid in self.leases:
+                found.waiting_for[lid] = (f"waiting for {self.leases[lid].request.describe()}: its GPUs are booked "
+                                          f"(in {format_duration(max(0.0, w.start - now))}, for {format_duration(w.end - w.start)}: {w.reason}); "
+                                          "it starts after the booking")
 
     def _cut_why(self, placement, until: float | None, now: float) -> str:
         """Why a grant ends at ``until`` when a maintenance window begins then ("" otherwise)."""
         idx = self._window_index(now) if until is not None else None
         for sl in placement.slices if idx else ():
             for w in idx.by_gpu.get(sl.gpu_uuid, ()):
+                if w.start == until and isinstance(w, BookingWindow):
+                    return "a booking of its GPU begins then"
                 if w.start == until:
                     because = f" ({w.reason})" if w.reason else ""
                     return f"a maintenance window of its GPU begins then{because}"
@@ -343,6 +516,11 @@ class Scheduler:
         ends = [w.end for w in self.windows if w.end > self.last_pass_now]
         if ends and len(self._queued):
             t = min(ends) if t is None else min(t, *ends)
+        grace = max((tier.grace_s for tier in self.policy.tiers.values()), default=0.0)
+        times = [x for b in self.bookings.values() if b.live
+                 for x in (b.start - grace, b.start, b.start + b.grace_s if b.state == ACCEPTED else INF, b.end) if x > self._bookings_seen]
+        if times:
+            t = min(times) if t is None else min(t, *times)
         return t
 
     def tick(self, now: float) -> list[Event]:
@@ -359,6 +537,13 @@ class Scheduler:
                 out += self._on_deadline[kind](lease, now)
         if self.windows and any(self.last_pass_now < w.end <= now for w in self.windows):
             self._book.dirty = True  # a maintenance window ended: what waited for it may start
+        if self.bookings:
+            if any(b.live and (self.last_pass_now < b.start <= now or self.last_pass_now < b.end <= now) for b in self.bookings.values()):
+                self._book.dirty = True  # a booking began (its owner may start) or ended (what waited may start)
+            self._bookings_in_time(now)
+            self._bookings_seen = max(self._bookings_seen, now)
+            out += self._pending
+            self._pending = []
         # a warning alone changes nothing a pass decides on (an extension that follows it does)
         if self._book.dirty or any(e.kind != ev.WARNED for e in out):
             out += self.schedule(now)
@@ -420,12 +605,17 @@ class Scheduler:
         if not len(self._queued) or self.draining:
             return []
         book = self._book
+        out = self._booked_grants(now) if self.bookings else []
+        plan = Reservations(self.pool, now, book.live_end, book.free_at, self._window_index(now))
         run = self._pass(
-            now, self._found, Reservations(self.pool, now, book.live_end, book.free_at, self._window_index(now)),
+            now, self._found, plan,
             grant=lambda lease, placement, until: book.grant(lease, placement, now, until, cut_why=self._cut_why(placement, until, now)),
             preempt=lambda waiter, victims: book.start_preemption(waiter, victims, now),
         )  # fmt: skip
-        return run.run(self._queued.in_order(now, self._quotas.usage))
+        out += run.run(self._queued.in_order(now, self._quotas.usage))
+        if self.bookings:
+            self._booking_words(self._found, plan, now)
+        return out
 
     def _pass(self, now: float, found: LastPass, plan: Reservations, *, grant, preempt) -> SchedulingPass:
         return SchedulingPass(
@@ -447,7 +637,10 @@ class Scheduler:
         gpus = list(gpus)
         self.inventory = {g.uuid: g for g in gpus}
         self._windex = None
-        return self._book.set_inventory(gpus, now)
+        out = self._book.set_inventory(gpus, now)
+        if self.bookings:
+            self._bookings_health(now)
+        return out
 
     # ================================================================== views
     def queue(self) -> list[Lease]:
