@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import policies as P
+from .bookings import bookings_line, draw_bookings, load_bookings_csv, not_applied
 from .replay import replay
 from .report import plot, plot_tradeoff, summarize, table, write_json
 from .traces import (
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-nodes", type=int, default=8, help="nodes in the simulated pool (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; inventory nodes with this many GPUs are drawn (default 8)")
     p.add_argument("--models", default="", help="comma-separated GPU models to draw from the inventory (default: any)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the node draw (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the node draw and of --book-fraction's draw (default 0)")
     p.add_argument("--compress", type=float, default=1.0, help="divide inter-arrival times by this (held times unchanged; default 1)")
     p.add_argument("--window-days", type=_window, default=(None, None), help="keep arrivals in START:END trace days")
     p.add_argument("--limit", type=int, default=None, help="keep only the first N jobs/sessions (quick runs)")
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="batch pods cut by a time limit lose the rest of their work (default: their user resubmits the rest, as after a preemption)",
     )
+    p.add_argument("--bookings", default=None, metavar="FILE",
+                   help="a CSV of bookings (header owner,start_s,end_s,request): owner as the replay names a job's user "
+                        "(session-<job_id> on the notebook trace, the pod's name on Alibaba), times in seconds on the replay's clock, "
+                        "request as %%gpu request takes it ('2 A100', '0.25 A100', '--gpus 1'); only the gpulease policies take them")
+    p.add_argument("--book-fraction", type=float, default=None, metavar="F",
+                   help="book the first request of this random fraction of the owners (seeded by --seed), for its shape and its held time "
+                        "on the trace; needs --book-ahead")
+    p.add_argument("--book-ahead", type=float, default=None, metavar="S", help="with --book-fraction: each booking is made S seconds before its request")
     p.add_argument("--usage-db", default=None, metavar="FILE",
                    help="write the usage records of the first policy's replay into a store at this SQLite path (read it with "
                         "'jupyter gpulease report --db sqlite:///FILE')")
@@ -134,6 +143,20 @@ def _policies(args, batch: bool = False) -> list[P.SimPolicy]:
     return out
 
 
+def _bookings(args, wl, linger_s: float):
+    """The bookings to replay (None: none asked for)."""
+    drawn = args.book_fraction is not None or args.book_ahead is not None
+    if args.bookings and drawn:
+        raise ValueError("give either --bookings FILE or --book-fraction/--book-ahead, not both")
+    if args.bookings:
+        return load_bookings_csv(args.bookings)
+    if drawn:
+        if args.book_fraction is None or args.book_ahead is None:
+            raise ValueError("--book-fraction and --book-ahead go together")
+        return draw_bookings(wl, args.book_fraction, args.book_ahead, args.seed, linger_s=linger_s)
+    return None
+
+
 def run(args) -> dict[str, Any]:
     path, fmt = _trace_path(args)
     linger_s = args.linger_min * 60
@@ -176,6 +199,7 @@ def run(args) -> dict[str, Any]:
         )
     if not wl.jobs:
         raise ValueError("no jobs left after filtering (check --window-days and --limit)")
+    bookings = _bookings(args, wl, linger_s)
     horizon = args.horizon_days * 86400 if args.horizon_days is not None else None
     sps = _policies(args, batch=fmt == ALIBABA_PODS)
     results, summaries = [], []
@@ -187,14 +211,18 @@ def run(args) -> dict[str, Any]:
 
             usage_db = UsageDB(args.usage_db)
             rp = Replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired,
-                        on_event=usage_db.on_event, on_busy=usage_db.on_busy)
+                        on_event=usage_db.on_event, on_busy=usage_db.on_busy, bookings=bookings)
             usage_db.replay = rp
             r = rp.run()
             usage_db.written = {"policy": sp.name, **usage_db.finish(r)}
         else:
-            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired)
+            r = replay(wl, pool, sp, linger_s=linger_s, horizon_s=horizon, progress=args.progress, requeue_expired=args.requeue_expired,
+                       bookings=bookings)
         results.append(r)
-        summaries.append(summarize(r))
+        s = summarize(r)
+        if bookings is not None:
+            s["bookings"] = r.bookings if r.bookings is not None else not_applied(sp.name)
+        summaries.append(s)
     doc: dict[str, Any] = {
         "trace": os.path.basename(path),
         "format": fmt,
@@ -204,6 +232,9 @@ def run(args) -> dict[str, Any]:
         "policies": [sp.to_dict() for sp in sps],
         "results": summaries,
     }
+    if bookings is not None:
+        doc["bookings"] = {"source": args.bookings or f"--book-fraction {args.book_fraction:g} --book-ahead {args.book_ahead:g} --seed {args.seed}",
+                           "n": len(bookings)}
     if usage_db is not None:
         doc["usage_db"] = usage_db.written
     sweep_results = []
@@ -243,6 +274,11 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"policy {sp['name']}: {sp['description']}; idle: {sp['idle']}")
     lines.append("")
     lines.append(table(doc["results"]))
+    if "bookings" in doc:
+        lines.append("")
+        lines.append(f"bookings ({doc['bookings']['source']}):")
+        for s in doc["results"]:
+            lines.append(f"  {s['policy']}: {bookings_line(s['bookings'])}")
     if "idle_sweep" in doc:
         lines.append("")
         lines.append("idle-timeout sweep (gpulease, notebook trace):")

@@ -110,6 +110,9 @@ class SimPolicy:
     reload_s: float = 0.0
     suspend_multi_gpu: bool = False  # may a kernel on several GPUs be suspended (see gpulease_suspend)?
     strict_fcfs: bool = False  # documented expectation: only the head of the queue may start
+    # does a replay of it take bookings (--bookings, --book-fraction)? The gpulease policies do, as
+    # the broker does; the static ones stand for a cluster without bookings
+    takes_bookings: bool = False
 
     def tier_for(self, qos: str) -> str:
         return self.qos_tiers.get(qos, self.policy.default_tier)
@@ -155,6 +158,7 @@ class SimPolicy:
             "restore_s": self.restore_s,
             "reload_s": self.reload_s,
             "suspend_multi_gpu": self.suspend_multi_gpu,
+            "takes_bookings": self.takes_bookings,
             "tiers": {n: t.to_dict() for n, t in p.tiers.items()},
             **p.settings(),
         }
@@ -262,7 +266,7 @@ def gpulease(idle: IdleArg = None, *, reclaim_action: str = SERVER_RECLAIM_ACTIO
         raise ValueError(f"reclaim_action must be 'suspend', 'restart' or 'release', got {reclaim_action!r}")
     return SimPolicy("gpulease", pol, desc, qos_tiers=dict(GPULEASE_QOS_TIERS), reclaim_action=reclaim_action,
                      restore_s=RESTORE_S if reclaim_action == "suspend" else 0.0, reload_s=RELOAD_S if reclaim_action != "release" else 0.0,
-                     suspend_multi_gpu=True, **_idle_fields(idle))
+                     suspend_multi_gpu=True, takes_bookings=True, **_idle_fields(idle))
 
 
 def gpulease_release(idle: IdleArg = None) -> SimPolicy:

@@ -21,14 +21,17 @@ from typing import Any
 
 from ..core import events as ev
 from ..core import scheduler as core_scheduler
+from ..core.bookings import Booking
 from ..core.idle import REGRET_WINDOW_S, GapHistogram
 from ..core.model import GPU, MILLI, Conflict, LeaseError, LeaseState, Refused, SliceKind
 from ..core.request import Ask, Request
+from .bookings import BookingSpec, summarize_bookings
 from .metrics import StepSeries
 from .policies import SimPolicy
 from .workload import Job, Workload
 
-# kinds of replay events, in processing order for equal times
+# kinds of replay events, in processing order for equal times (a booking is made before anything else then)
+_BOOK = -1
 _END, _IDLE, _LEAVE, _BURST, _ARRIVE, _DEADLINE, _RESUME = range(7)
 
 
@@ -72,6 +75,7 @@ class JobRecord:
     gaps: list[float] = field(default_factory=list)
     alloc_milli: int = 0
     busy_milli: int = 0
+    booking: str = ""  # the booking its current lease runs in ("" none)
 
 
 @dataclass
@@ -89,6 +93,7 @@ class ReplayResult:
     wall_s: float
     pool_gpus: int
     counters: dict[str, int]
+    bookings: dict[str, Any] | None = None  # the bookings' figures (None: none were given to this policy)
 
     @property
     def events_per_s(self) -> float:
@@ -139,6 +144,7 @@ class Replay:
         on_event: Callable[[ev.Event], None] | None = None,
         requeue_expired: bool = True,
         on_busy: Callable[[JobRecord, float, float], None] | None = None,
+        bookings: list[BookingSpec] | None = None,
     ):
         self.workload = workload
         self.pool = pool
@@ -171,6 +177,16 @@ class Replay:
         self._gaps = GapHistogram()  # every session's idle gaps (inf: a session ended): the learnt timeout's prior
         warn = sim_policy.policy.warn_before_s
         self.warn_before_s = warn
+        # bookings (only a policy that takes them): id -> what happened to it
+        self.bookings: dict[str, dict[str, Any]] | None = None
+        self._booking_specs: list[tuple[str, BookingSpec]] = []
+        if bookings is not None and sim_policy.takes_bookings:
+            self.bookings = {}
+            self._booking_specs = [(f"bk{i}", b) for i, b in enumerate(bookings, 1)]
+        self._booking_use: dict[str, list[tuple[float, float, int]]] = {}  # id -> the owner's (from, to, milli) in it
+        self._jobs_by_id: dict[str, Job] = {}
+        for r in self.records if self._booking_specs else ():
+            self._jobs_by_id.setdefault(r.job.id, r.job)
 
     # ----------------------------------------------------------------- plumbing
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -251,6 +267,12 @@ class Replay:
         rec.active = True
         rec.granted_at = now
         rec.alloc_milli = lease.gpu_milli
+        rec.booking = str(lease.meta.get("booking", "")) if self.bookings is not None else ""
+        if rec.booking and rec.booking in self.bookings:
+            b = self.bookings[rec.booking]
+            if b["granted_at"] is None:
+                b["granted_at"] = now
+                b["start_delay_s"] = now - max(b["start_s"], rec.requested_at if rec.requested_at is not None else now)
         self.allocated.add(now, rec.alloc_milli / MILLI)
         job = rec.job
         if job.kind == "batch":
@@ -340,6 +362,9 @@ class Replay:
     def _drop(self, rec: JobRecord, now: float) -> None:
         """Book-keeping when a job loses (or gives up) its lease."""
         if rec.active:
+            if rec.booking:
+                self._booking_use.setdefault(rec.booking, []).append((rec.granted_at if rec.granted_at is not None else now, now, rec.alloc_milli))
+                rec.booking = ""
             rec.held_s += (now - (now if rec.granted_at is None else rec.granted_at)) * rec.alloc_milli / MILLI
             self.allocated.add(now, -rec.alloc_milli / MILLI)
             if rec.job.kind == "batch" and rec.work_end is not None:
@@ -454,6 +479,8 @@ class Replay:
         for rec in self.records:
             self._push(rec.job.arrival, _ARRIVE, rec)
         now = self.records[0].job.arrival if self.records else 0.0
+        for bid, spec in self._booking_specs:
+            self._push(min(now, spec.start) if spec.created is None else spec.created, _BOOK, (bid, spec))
         end = now
         horizon = None
         if self.horizon_s is not None and self.records:
@@ -477,7 +504,9 @@ class Replay:
                     continue
                 need_tick = True
                 self.n_events += 1
-                if kind == _ARRIVE:
+                if kind == _BOOK:
+                    self._make_booking(*payload, now)
+                elif kind == _ARRIVE:
                     rec = payload
                     self.arrived += 1
                     if rec.job.kind == "batch":
@@ -505,10 +534,14 @@ class Replay:
             end = now
             self.n_ticks += 1
             self._handle(self.sched.tick(now), now)
+            if self.bookings is not None:
+                self._booking_changes()
             self._schedule_deadline(now)
         # close the books of whatever still holds or waits (horizon reached)
         for rec in self.records:
             if rec.active:
+                if rec.booking:
+                    self._booking_use.setdefault(rec.booking, []).append((rec.granted_at if rec.granted_at is not None else end, end, rec.alloc_milli))
                 rec.held_s += (end - (end if rec.granted_at is None else rec.granted_at)) * rec.alloc_milli / MILLI
                 if rec.busy_since is not None:
                     rec.busy_s += (end - rec.busy_since) * rec.busy_milli / MILLI
@@ -528,7 +561,49 @@ class Replay:
             wall_s=wall,
             pool_gpus=len(self.pool),
             counters=self.counters,
+            bookings=self._booking_figures(end),
         )
+
+    # ----------------------------------------------------------------- bookings
+    def _make_booking(self, bid: str, spec: BookingSpec, now: float) -> None:
+        """Make a booking now: placed by the scheduler, or refused (the reason is kept)."""
+        owner = self._jobs_by_id.get(spec.owner)
+        request = spec.request if spec.request is not None else self._request_for(owner)
+        item: dict[str, Any] = {
+            "id": bid, "owner": spec.owner, "created_s": now, "start_s": spec.start, "end_s": spec.end,
+            "request": request.describe(), "line": spec.line, "placed": False, "gpus": 0, "reason": "",
+            "granted_at": None, "start_delay_s": None, "ended_at": None, "booked_gpu_hours": 0.0, "used_gpu_hours": 0.0,
+            # the scheduler grants a request in a booking only where it fits the booked GPUs
+            "shape_mismatch": owner is not None and self._request_for(owner).shape() != request.shape(),
+            "owner_in_replay": owner is not None,
+        }
+        self.bookings[bid] = item
+        got = self.sched.place_booking(Booking(bid, spec.start, spec.end, request, users=frozenset({spec.owner})), now)
+        if got.ok:
+            item.update(placed=True, gpus=len(got.booking.devices), devices=sorted(got.booking.devices))
+        else:
+            item["reason"] = got.reason
+        self._booking_changes()
+
+    def _booking_changes(self) -> None:
+        for c in self.sched.pop_booking_changes():
+            item = self.bookings.get(c.booking.id)
+            if item is not None and c.what == "ended" and item["ended_at"] is None:
+                item["ended_at"] = c.at
+                item["reason"] = c.booking.reason
+
+    def _booking_figures(self, end: float) -> dict[str, Any] | None:
+        if self.bookings is None:
+            return None
+        for bid, item in self.bookings.items():
+            if not item["placed"]:
+                continue
+            t0 = item["start_s"]
+            t1 = min(item["end_s"], item["ended_at"] if item["ended_at"] is not None else item["end_s"], max(end, t0))
+            item["booked_gpu_hours"] = item["gpus"] * max(0.0, t1 - t0) / 3600
+            used = sum(max(0.0, min(b, t1) - max(a, t0)) * min(milli / MILLI, item["gpus"]) for a, b, milli in self._booking_use.get(bid, []))
+            item["used_gpu_hours"] = used / 3600
+        return summarize_bookings(list(self.bookings.values()))
 
 
 def replay(workload: Workload, pool: list[GPU], sim_policy: SimPolicy, **kw) -> ReplayResult:
