@@ -52,6 +52,9 @@ register("cordon", "jupyter_gpulease.broker.health_cli", "cordon_main", "admins:
 register("drain", "jupyter_gpulease.broker.health_cli", "drain_main", "admins: cordon a GPU or a node and move its leases to healthy GPUs")
 register("uncordon", "jupyter_gpulease.broker.health_cli", "uncordon_main", "admins: put a cordoned GPU or node back into the pool")
 register("maintenance", "jupyter_gpulease.broker.health_cli", "maintenance_main", "cordons and maintenance windows; admins add or remove windows")
+register("book", "jupyter_gpulease.broker.booking_cli", "book_main", "book GPUs ahead (admins: for other users or a group)")
+register("bookings", "jupyter_gpulease.broker.booking_cli", "bookings_main", "list bookings (yours; all with the admin scope)")
+register("unbook", "jupyter_gpulease.broker.booking_cli", "unbook_main", "end a booking now")
 register("report", "jupyter_gpulease.broker.usage_cli", "main", "GPU-hours held and busy, cost and right-sizing, by user, group, model, tier or notebook")
 register("simulate", "jupyter_gpulease.sim.cli", "main", "replay a GPU-cluster trace through the scheduler, policy against policy")
 

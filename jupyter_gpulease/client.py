@@ -392,6 +392,32 @@ class BrokerClient:
     async def delete_maintenance(self, window_id: str) -> dict:
         return await self._call("DELETE", f"api/maintenance/{window_id}")
 
+    async def bookings(self, user: str | None = None, *, pool: str | None = None, start: float | str | None = None, end: float | str | None = None) -> list[dict]:
+        """Bookings, soonest first: the caller's own, or (admins) everyone's or ``user``'s; ``pool``: on
+        GPUs of that model (a glob); ``start``/``end``: overlapping that window."""
+        data = await self._call("GET", "api/bookings", query={"user": user, "pool": pool, "from": start, "to": end})
+        return data["bookings"]
+
+    async def get_booking(self, booking_id: str) -> dict:
+        return await self._call("GET", f"api/bookings/{quote(booking_id, safe='')}")
+
+    async def book(self, *, start: float | str, end: float | str, request: dict, users: list[str] | None = None,
+                   groups: list[str] | None = None, title: str = "") -> dict:
+        """Book GPUs ahead (``request``: as ``POST api/leases`` takes it, e.g. ``{"gpus": 2, "model": "A100*"}``;
+        times: epoch seconds or ISO 8601 with a zone). ``users``/``groups``: admins, for others."""
+        body: dict[str, Any] = {"start": start, "end": end, "request": request}
+        if users:
+            body["users"] = list(users)
+        if groups:
+            body["groups"] = list(groups)
+        if title:
+            body["title"] = title
+        return await self._call("POST", "api/bookings", body)
+
+    async def unbook(self, booking_id: str) -> dict:
+        """End a booking now (its owner or an admin)."""
+        return await self._call("DELETE", f"api/bookings/{quote(booking_id, safe='')}")
+
     async def events(self, since: int | str = 0, lease_id: str | None = None, timeout: float = 30) -> dict:
         """Long-poll: events after ``since``; waits up to ``timeout`` s for the first one.
         ``since="latest"``: none, at once, with ``last_id`` the newest id (where to follow from)."""

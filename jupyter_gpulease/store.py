@@ -243,9 +243,10 @@ class Batch:
     totals: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
     at: float = 0.0
     usage: UsageBatch | None = None  # usage records written in the same transaction
+    bookings: list[dict[str, Any]] = field(default_factory=list)  # booking rows (booking_store) written with them
 
     def __bool__(self) -> bool:
-        return bool(self.leases or self.events or self.usage)
+        return bool(self.leases or self.events or self.usage or self.bookings)
 
 
 @dataclass
@@ -681,6 +682,10 @@ class LeaseStore:
                     self._add_totals(conn, batch)
                 if batch.usage:
                     self._write_usage(conn, batch.usage)
+                if batch.bookings:
+                    from .booking_store import write_rows  # (it builds on this module's tables)
+
+                    write_rows(conn, batch.bookings)
         except Exception:
             self._next_event_id = None  # read it again from the database
             if self.dialect != "postgresql" and self._wconn is not None:

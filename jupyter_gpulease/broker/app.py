@@ -169,7 +169,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
 
     # the parts (see build_parts)
     backend = scheduler = store = past = read_ahead = manager = usage_settings = usage = hub_side = None
-    health = telemetry = unleased = metrics = alerts = dcgm = jobs = orphan = None
+    health = bookings = telemetry = unleased = metrics = alerts = dcgm = jobs = orphan = None
     hub_auth = hub_oauth = web_app = http_server = None
     _hub = None
 
@@ -180,6 +180,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
         from ..core.scheduler import Scheduler
         from ..devices import get_backend
         from ..store import LeaseStore
+        from .bookings import BookingDesk
         from .feed import Feed
         from .health import HealthKeeper
         from .manager import usage_lookback
@@ -209,6 +210,8 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
                                 reconcile_interval=self.reconcile_interval, config_file=self.config_file)
         self.health = HealthKeeper(manager, settle_s=self.health_settle_s, drain_action=self.health_drain_action.lower(),
                                    drain_grace_s=self.health_drain_grace_s, logger=log, past=self.past)
+        self.bookings = BookingDesk(manager, max_ahead_s=self.booking_max_ahead_s, max_length_s=self.booking_max_length_s,
+                                    gpu_hours_per_week=self.booking_gpu_hours_per_week, groups=self.booking_groups, logger=log)
         self._build_device_parts(manager)
         self.metrics = BrokerMetrics(manager, per_user=self.metrics_per_user, telemetry=self.telemetry, health=self.health, unleased=self.unleased)
         if self.alert_webhooks:
@@ -291,6 +294,7 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
             "gpulease_broker": self,
             "gpulease_hub_side": self.hub_side,
             "gpulease_health": self.health,
+            "gpulease_bookings": self.bookings,
             "gpulease_unleased": self.unleased,
             "gpulease_admin_scope": self.admin_scope,
             "gpulease_metrics": self.metrics,
@@ -306,13 +310,14 @@ class GPULeaseBroker(BrokerSettings, PolicyConfig, Application):
 
     def api_routes(self) -> list[tuple]:
         """The REST API's routes; the last one answers any other ``api/`` path 404."""
-        from . import unleased, usage_handlers
+        from . import booking_handlers, unleased, usage_handlers
         from .handlers import api_handlers
         from .health_handlers import api_handlers as health_api_handlers
 
         routes = api_handlers(self.base_url)
         routes[-1:-1] = unleased.api_handlers(self.base_url)  # before the catch-all 404
         routes[-1:-1] = health_api_handlers(self.base_url)
+        routes[-1:-1] = booking_handlers.api_handlers(self.base_url)
         routes[-1:-1] = usage_handlers.api_handlers(self.base_url)
         return routes
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
+from .. import booking_store
 from ..core.events import ENDED, Event
 from ..core.model import LeaseError, LeaseState
 from ..store import Batch, LeaseStore
@@ -30,6 +31,17 @@ log = logging.getLogger(__name__)
 
 CountTotals = Callable[[list[Event]], dict[tuple[str, tuple[str, ...]], float]]
 Committed = Callable[[Batch, list[dict[str, Any]], list[Event]], None]
+
+
+BOOKING = "booking"  # the kind of an event about a booking (no lease: ``lease_id`` is "", its id in ``data.booking``)
+
+
+def booking_event(change) -> Event:
+    """A booking's change (:class:`~..core.bookings.BookingChange`) as an event of the audit log and the feed."""
+    b = change.booking
+    return Event("", BOOKING, change.at, to_state=b.state, reason=change.words, actor="broker",
+                 data={"booking": b.id, "what": change.what, "users": sorted(b.users), "groups": sorted(b.groups), "start": b.start,
+                       "end": b.end, "devices": sorted(b.devices), "title": b.title})
 
 
 class Unavailable(LeaseError):
@@ -65,6 +77,7 @@ class GroupCommit:
         self.closed = False
         self.commits = 0  # transactions written (for the benchmark and metrics)
         self.end_extra: dict[str, dict[str, Any]] = {}  # facts about an end the scheduler does not keep
+        self.booking_extra: dict[str, dict[str, Any]] = {}  # booking id -> who booked it and when (its row keeps them)
         self._pending: list[tuple[list[Event], str | None]] = []
         self._pending_leases: dict[str, Any] = {}
         self._pending_tick = False
@@ -171,7 +184,10 @@ class GroupCommit:
                     if e.kind == ENDED:
                         self._note_end(e)
                 events += more
+            booked = self._booking_changes()
+            events += [booking_event(c) for c in booked]
             batch = self._snapshot(staged, events, touched.values())
+            batch.bookings = list({c.booking.id: booking_store.row_of(c.booking, self.booking_extra.get(c.booking.id)) for c in booked}.values())
             try:
                 written = await loop.run_in_executor(self.writer, self.store.write, batch) if batch else []
             except BaseException as e:  # any failure to commit is fatal, see the manager's module doc
@@ -186,6 +202,11 @@ class GroupCommit:
             self._writing = None
             if not done.done():
                 done.set_result(None)
+
+    def _booking_changes(self) -> list:
+        """What the scheduler changed about bookings since the last batch (placed, used, moved, ended…)."""
+        pop = getattr(self.scheduler, "pop_booking_changes", None)
+        return pop() if pop is not None else []
 
     def _snapshot(self, staged, events: list[Event], touched) -> Batch:
         batch = Batch()

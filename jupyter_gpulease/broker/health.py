@@ -38,6 +38,7 @@ from ..core.health import HEALTH_META, Action, Finding, assess, is_hot, new_xids
 from ..core.maintenance import MaintenanceWindow
 from ..core.model import GPU, BadRequest, Conflict, LeaseState, NotFound
 from ..core.text import format_duration
+from . import bookings
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,12 @@ class HealthKeeper:
 
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
-        """Load the cordons and windows and apply them to the scheduler."""
+        """Load the cordons, windows and bookings and apply them to the scheduler."""
         cordons, windows = await self.manager.in_writer(health_store.load, self.manager.store)
         self.cordons = {r["target"]: r for r in cordons}
         self.windows = {r["id"]: r for r in windows}
         self._windows = None
+        await bookings.restore(self.manager)  # the bookings, kept like the windows (a booking is its owner's window)
         await self._remember_moved()
         await self._apply()
 

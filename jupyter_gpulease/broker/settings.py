@@ -193,6 +193,27 @@ class BrokerSettings(LoggingConfigurable):
         into the pool by itself (an admin's cordon stays until an admin uncordons it). Example: 300.""",
     ).tag(config=True)
 
+    # ------------------------------------------------------------------ bookings (GPUs reserved ahead, see broker/bookings.py)
+    booking_max_ahead_s = Float(
+        14 * 86400.0, min=0.0,
+        help="Seconds ahead a booking may start at the latest (from the time it is made). Example: 1209600 (14 days).",
+    ).tag(config=True)
+    booking_max_length_s = Float(
+        8 * 3600.0, min=60.0,
+        help="The longest booking, in seconds. Example: 28800 (8 hours).",
+    ).tag(config=True)
+    booking_gpu_hours_per_week = Float(
+        40.0, min=0.0,
+        help="""GPU-hours a user may hold in bookings within any 7 days (a booking holds whole GPUs: a
+        share or MIG booking counts its GPU); 0: users may not book (admins still may, for anyone).
+        Admins' own bookings are not counted against it. Example: 40.""",
+    ).tag(config=True)
+    booking_groups = List(
+        Unicode(), [],
+        help="""The groups whose members may book GPUs ahead for themselves; empty: every user may.
+        Admins may always book, for anyone. Example: ['staff', 'ml-course'].""",
+    ).tag(config=True)
+
     tick_interval = Float(5.0, help="Seconds between scheduling passes (expiries, warnings, grants). Example: 5.").tag(config=True)
 
     stop_servers_on_end = Bool(
