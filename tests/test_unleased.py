@@ -110,6 +110,17 @@ def test_under_kill_a_finding_is_due_after_the_grace_and_roots_processes_never_a
     assert [st.finding.process.pid for st in t.observe(130.0, find_unleased([bob, system], []), []).due] == [11]
 
 
+def test_a_finding_whose_stop_is_under_way_is_left_to_the_stop_even_when_its_process_is_gone():
+    t = UnleasedTracker(action=KILL, grace_s=30)
+    bob = proc(11, L4, "bob")
+    t.observe(100.0, find_unleased([bob], []), [])
+    [due] = t.observe(130.0, find_unleased([bob], []), []).due
+    due.stop = {"outcome": "stopping", "at": 130.0}  # the broker sent SIGTERM; the process ends before the stop sees it
+    assert not t.observe(130.25, [], []).ended and list(t.standing.values()) == [due]
+    due.stop = {"outcome": "not_stopped", "at": 131.0}  # a stop that failed: the next check ends it as it finds it
+    assert [why for _, why in t.observe(131.25, [], []).ended] == ["gone"] and not t.standing
+
+
 def test_a_pid_reused_by_another_process_is_another_finding():
     t = UnleasedTracker(action=KILL, grace_s=30)
     t.observe(100.0, find_unleased([proc(11, L4, "bob")], []), [])

@@ -203,6 +203,8 @@ class UnleasedTracker:
         current = {f.key: f for f in findings}
         for key, st in list(self.standing.items()):
             if key not in current:
+                if st.stop.get("outcome") == "stopping":
+                    continue  # its stop is under way (the process may be ending on SIGTERM): the stop says how it ended
                 del self.standing[key]
                 changes.ended.append((st, "leased" if key in seen else "gone"))
         for key, f in current.items():
